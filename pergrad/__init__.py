@@ -1,0 +1,37 @@
+"""pergrad: per-sample gradients for PyTorch, and what you do with them before they are summed.
+
+psm = PerSampleModule(model)                  # hooks the supported layers
+psm.register_transform(model, transforms.clip_norm(1.0))
+loss_fn(psm(x), y).backward()                 # p.grad_sample: [B, *p.shape]; p.grad: mean_i T(g_i)
+"""
+
+from . import rules, transforms
+from .errors import (
+    BatchMixingError,
+    BatchSizeError,
+    HookStateError,
+    PergradError,
+    TargetError,
+    TransformError,
+    UnsupportedLayerError,
+)
+from .module import PerSampleModule
+from .registry import RuleRegistry, default_registry, register_rule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchMixingError",
+    "BatchSizeError",
+    "HookStateError",
+    "PerSampleModule",
+    "PergradError",
+    "RuleRegistry",
+    "TargetError",
+    "TransformError",
+    "UnsupportedLayerError",
+    "default_registry",
+    "register_rule",
+    "rules",
+    "transforms",
+]

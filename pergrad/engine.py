@@ -1,0 +1,188 @@
+"""The engine: per backward pass, run the rules, apply the transforms, reduce into ``.grad``.
+
+One backward pass goes like this:
+
+1. each time a hooked layer's output gradient arrives, its rule turns ``(kept input, d)`` into
+   per-sample gradients, summed per sample over every call of the layer and every layer that
+   shares a parameter;
+2. each parameter's ``AccumulateGrad`` node (it runs only in ``.backward()``, not in
+   ``torch.autograd.grad``) is pre-hooked: a parameter that a transform covers gets a zero there
+   (its ``.grad`` is written in step 3); any other parameter keeps autograd's own sum, rescaled
+   when ``reduction`` differs from ``loss_reduction``;
+3. at the end of the backward (an autograd engine callback) every target's transform is applied
+   to its per-sample gradients and the reduction is added to ``.grad``:
+   ``p.grad += (1/B) sum_i T(g_i)`` for ``"mean"``, ``sum_i T(g_i)`` for ``"sum"``.
+
+Per-sample gradients are those of each sample's OWN loss ``f_i``, where the loss is
+``(1/B) sum_i f_i`` (``loss_reduction="mean"``) or ``sum_i f_i`` (``"sum"``): the output gradients
+are multiplied by B for ``"mean"`` before the rules run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from .errors import BatchSizeError, HookStateError, TransformError
+from .hooks import Kept
+from .transforms import Transform, check_output
+
+
+@dataclass
+class Target:
+    """A transform and the parameters it sees, keyed as the transform sees them."""
+
+    label: str  # for messages: 'module "0"', 'parameter "2.weight"', 'the whole model'
+    params: dict[str, nn.Parameter]
+    transform: Transform
+
+
+@dataclass
+class _Backward:
+    """State of one backward pass (one autograd graph task)."""
+
+    task_id: int
+    generation: int | None = None
+    batch_size: int | None = None
+    first_layer: str = ""
+    grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)
+    reached: list[nn.Parameter] = field(default_factory=list)
+
+
+class Engine:
+    """Turns kept inputs and output gradients into ``grad_sample`` and ``.grad``."""
+
+    def __init__(
+        self,
+        *,
+        param_names: dict[nn.Parameter, str],
+        loss_reduction: str,
+        reduction: str,
+        keep_grad_sample: bool,
+    ) -> None:
+        self.param_names = param_names
+        self.loss_reduction = loss_reduction
+        self.reduction = reduction
+        self.keep_grad_sample = keep_grad_sample
+        self.targets: list[Target] = []
+        self.transformed: set[nn.Parameter] = set()
+        self.closed = False
+        self._current: _Backward | None = None
+        self._grad_sample_generation: dict[nn.Parameter, int] = {}
+
+    # -- called from hooks during backward -------------------------------------------------------
+
+    def _backward_state(self) -> _Backward:
+        task = torch._C._current_graph_task_id()
+        if self._current is None or self._current.task_id != task:
+            # A new backward pass. A previous one that failed midway left its state here: drop it.
+            state = _Backward(task)
+            self._current = state
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish(state))
+        return self._current
+
+    def on_output_grad(self, kept: Kept, d: Tensor) -> None:
+        if self.closed:
+            return
+        state = self._backward_state()
+        layer = kept.layer
+        if state.generation is None:
+            state.generation, state.batch_size, state.first_layer = kept.generation, kept.batch_size, layer.name
+        elif kept.generation != state.generation:
+            raise HookStateError(
+                f"one backward pass reached layer {layer.name!r} through two different forward calls of the model; "
+                "per-sample gradients would mix samples of different batches. Run backward once per forward, "
+                "or concatenate the batches into one forward."
+            )
+        elif kept.batch_size != state.batch_size:
+            raise BatchSizeError(
+                f"layer {layer.name!r} ({type(layer.module).__name__}) saw a batch of {kept.batch_size} samples "
+                f"(input shape {tuple(kept.a.shape)}), but layer {state.first_layer!r} saw {state.batch_size} "
+                "in the same forward. Every hooked layer must see the batch on the same dim "
+                "(check reshapes that fold the batch into other dims, and batch_first)."
+            )
+        if d.shape[0] != kept.batch_size:
+            raise BatchSizeError(
+                f"layer {layer.name!r}: output gradient of shape {tuple(d.shape)} does not match the "
+                f"batch of {kept.batch_size} samples of its input"
+            )
+        if self.loss_reduction == "mean":
+            d = d * kept.batch_size
+        per_sample = layer.spec.fn(layer.module, kept.a, d)
+        for name, g in per_sample.items():
+            param = getattr(layer.module, name)
+            if g.shape != (kept.batch_size, *param.shape):
+                raise HookStateError(
+                    f"the rule {layer.spec.fn.__qualname__} for layer {layer.name!r} returned shape "
+                    f"{tuple(g.shape)} for {name!r}; expected {(kept.batch_size, *param.shape)}"
+                )
+            previous = state.grads.get(param)
+            state.grads[param] = g if previous is None else previous + g
+
+    def on_accumulate(self, param: nn.Parameter, grad: Tensor) -> Tensor | None:
+        """Pre-hook of ``param``'s AccumulateGrad node: what autograd adds to ``param.grad``."""
+        if self.closed:
+            return None
+        state = self._backward_state()
+        state.reached.append(param)
+        if param in self.transformed:
+            return torch.zeros_like(grad)  # written at the end of the backward
+        if self.reduction == self.loss_reduction or state.batch_size is None:
+            return None
+        return grad * state.batch_size if self.reduction == "sum" else grad / state.batch_size
+
+    # -- end of backward -------------------------------------------------------------------------
+
+    def _finish(self, state: _Backward) -> None:
+        if self._current is state:
+            self._current = None
+        if self.closed:
+            return
+        missing = [p for p in state.reached if p not in state.grads]
+        if missing:
+            raise HookStateError(
+                f"parameter {self.param_names[missing[0]]!r} received a gradient in this backward pass, but none of "
+                "its layers' outputs did through a forward that pergrad saw. Was the loss computed from a forward "
+                "run before wrapping, or does a module use this parameter outside its own forward?"
+            )
+        grads = {p: state.grads[p] for p in state.reached}
+        if self.keep_grad_sample:
+            self._store_grad_sample(grads, state.generation)
+        for target in self.targets:
+            self._reduce_target(target, grads, state.batch_size)
+
+    def _store_grad_sample(self, grads: dict[nn.Parameter, Tensor], generation: int | None) -> None:
+        for param, g in grads.items():
+            # a second backward of the same forward (retain_graph=True) adds, like autograd does
+            previous = getattr(param, "grad_sample", None)
+            same_forward = self._grad_sample_generation.get(param) == generation
+            if previous is not None and same_forward and previous.shape == g.shape:
+                g = previous + g
+            param.grad_sample = g  # type: ignore[attr-defined]
+            if generation is not None:
+                self._grad_sample_generation[param] = generation
+
+    def _reduce_target(self, target: Target, grads: dict[nn.Parameter, Tensor], batch_size: int | None) -> None:
+        present = {key: p for key, p in target.params.items() if p in grads}
+        if not present:
+            return
+        # a parameter of the target that this backward did not reach has g_i = 0 for every sample
+        first = grads[next(iter(present.values()))]
+        batch = {
+            key: grads[p] if p in grads else first.new_zeros((first.shape[0], *p.shape))
+            for key, p in target.params.items()
+        }
+        result = target.transform.apply(batch)
+        check_output(target.label, batch, result)
+        for key, param in target.params.items():
+            reduced = result[key].sum(0) if self.reduction == "sum" else result[key].mean(0)
+            if not torch.isfinite(reduced).all() and torch.isfinite(batch[key]).all():
+                raise TransformError(
+                    f"the transform registered for {target.label} produced non-finite values for {key!r}"
+                )
+            if param.grad is None:
+                param.grad = reduced.to(param.dtype)
+            else:
+                param.grad.add_(reduced)

@@ -1,0 +1,35 @@
+"""Errors raised by pergrad.
+
+Every message names where the problem is (a module path, a parameter, a transform target),
+what was seen (types, shapes) and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class PergradError(Exception):
+    """Base class of every error pergrad raises on purpose."""
+
+
+class UnsupportedLayerError(PergradError, TypeError):
+    """A trainable module has no per-sample rule (raised when wrapping)."""
+
+
+class BatchMixingError(PergradError, RuntimeError):
+    """A layer couples the samples of a batch, so per-sample gradients are undefined."""
+
+
+class BatchSizeError(PergradError, ValueError):
+    """Layers or per-sample gradients disagree on the batch size."""
+
+
+class TransformError(PergradError, ValueError):
+    """A registered transform is invalid or returned something unusable."""
+
+
+class TargetError(PergradError, ValueError):
+    """A transform target is not part of the model, or overlaps another target."""
+
+
+class HookStateError(PergradError, RuntimeError):
+    """A backward pass reached parameters in a way pergrad cannot attribute to samples."""

@@ -1,0 +1,107 @@
+"""Hooks: keep each hooked layer's input in the forward, catch its output gradient in the backward.
+
+Nothing is computed here; the hooks hand ``(kept input, output gradient)`` to the engine.
+
+The output gradient is caught by a pre-hook on the autograd node that produced the layer's
+output (``output.grad_fn``), not by a full module backward hook:
+- in-place operations on the output afterwards (``ReLU(inplace=True)``, ``out += identity``) do
+  not touch that node, so the hook still sees the gradient of the layer's own output;
+- node pre-hooks run after every tensor hook and module backward hook upstream, so the gradient
+  is exactly the one autograd feeds the layer's backward (user hooks that rescale included);
+- each call of a layer has its own node and its own kept input, so a layer called several times
+  in one forward, or a graph backwarded twice with ``retain_graph=True``, needs no stack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from .errors import BatchSizeError
+from .layout import batch_to_front
+from .registry import RuleSpec
+
+
+@dataclass(frozen=True)
+class HookedLayer:
+    """A layer pergrad computes per-sample gradients for."""
+
+    name: str  # qualified name in the wrapped model ("" for the root)
+    module: nn.Module
+    spec: RuleSpec
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What one call of a hooked layer left for the backward."""
+
+    layer: HookedLayer
+    a: Tensor  # the layer's input, batch on dim 0
+    generation: int  # which forward of the wrapped model this call belongs to
+    batch_size: int
+
+
+OnOutputGrad = Callable[[Kept, Tensor], None]
+
+
+def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if args:
+        return args[0]
+    return next(iter(kwargs.values()), None)
+
+
+class LayerHooks:
+    """Installs and removes the forward hooks of the hooked layers and the root's generation counter."""
+
+    def __init__(
+        self, model: nn.Module, layers: list[HookedLayer], batch_first: bool, on_output_grad: OnOutputGrad
+    ) -> None:
+        self._batch_first = batch_first
+        self._on_output_grad = on_output_grad
+        self.generation = 0
+        self._handles: list[RemovableHandle] = [model.register_forward_pre_hook(self._next_generation)]
+        for layer in layers:
+            self._handles.append(layer.module.register_forward_hook(self._keeper(layer), with_kwargs=True))
+
+    def _next_generation(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self.generation += 1
+
+    def _keeper(self, layer: HookedLayer) -> Callable[..., None]:
+        def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.grad_fn is not None):
+                return  # nothing will flow back through this call: keep nothing
+            a = _first_input(args, kwargs)
+            if not isinstance(a, Tensor):
+                raise TypeError(
+                    f"pergrad: layer {layer.name!r} ({type(module).__name__}) was called without a tensor input"
+                )
+            batch_first = self._batch_first or layer.spec.batch_dim_fixed
+            batch_dim = 0 if batch_first else 1
+            if a.dim() <= batch_dim or output.dim() <= batch_dim:
+                raise BatchSizeError(
+                    f"layer {layer.name!r} ({type(module).__name__}) got input of shape {tuple(a.shape)}, which has no "
+                    f"batch dim {batch_dim}; pergrad needs batched inputs"
+                    + ("" if batch_first else " (batch_first=False puts the batch on dim 1)")
+                )
+            kept = Kept(layer, batch_to_front(a, batch_first), self.generation, a.shape[batch_dim])
+            node, index = output.grad_fn, output.output_nr
+            on_output_grad = self._on_output_grad
+
+            def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
+                d = grad_outputs[index]
+                if d is not None:
+                    on_output_grad(kept, batch_to_front(d, batch_first))
+
+            node.register_prehook(catch)
+
+        return keep
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

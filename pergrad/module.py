@@ -1,0 +1,262 @@
+"""``PerSampleModule``: the wrapper that owns all of pergrad's state for one model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+from torch.utils.hooks import RemovableHandle
+
+from .engine import Engine, Target
+from .errors import BatchMixingError, TargetError, TransformError, UnsupportedLayerError
+from .hooks import HookedLayer, LayerHooks
+from .registry import RuleRegistry, default_registry, type_names
+from .transforms import Transform, UserTransform
+
+_REDUCTIONS = ("mean", "sum")
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _own_trainable(module: nn.Module) -> list[str]:
+    return [name for name, p in module.named_parameters(recurse=False) if p.requires_grad]
+
+
+def _check_layer_options(name: str, module: nn.Module) -> None:
+    """Options of supported layers whose per-sample gradient is not a gradient of f_i."""
+    if isinstance(module, nn.Embedding):
+        if module.scale_grad_by_freq:
+            raise UnsupportedLayerError(
+                f"layer {name!r} (nn.Embedding) has scale_grad_by_freq=True: autograd then divides each row's "
+                "gradient by the row's frequency in the whole batch, which is not the gradient of any one "
+                "sample's loss. Construct it with scale_grad_by_freq=False."
+            )
+        if module.sparse:
+            raise UnsupportedLayerError(
+                f"layer {name!r} (nn.Embedding) has sparse=True: pergrad writes dense per-sample gradients and a "
+                "dense .grad. Construct it with sparse=False (and use a dense optimizer)."
+            )
+
+
+def _discover(model: nn.Module, registry: RuleRegistry) -> list[HookedLayer]:
+    layers = []
+    for name, module in model.named_modules():
+        if isinstance(module, _BATCH_NORMS) and _own_trainable(module):
+            raise BatchMixingError(
+                f"layer {name!r} ({type(module).__name__}) normalises with statistics of the whole batch, so each "
+                "sample's output depends on every other sample and per-sample gradients are undefined. Use "
+                "nn.GroupNorm or nn.LayerNorm instead, or freeze it (requires_grad_(False)) and keep the model in eval mode."
+            )
+        trainable = _own_trainable(module)
+        if not trainable:
+            continue
+        spec = registry.lookup(module)
+        if spec is None:
+            parent = next((t for t in registry.supported_types() if isinstance(module, t)), None)
+            why = (
+                f"it subclasses {parent.__qualname__}, whose rule is only used for that exact type because a "
+                f"subclass may change forward. If its forward is unchanged, register the parent's rule: "
+                f"pergrad.register_rule({type(module).__name__})(<the {parent.__qualname__} rule>)."
+                if parent is not None
+                else f"register a rule for it with @pergrad.register_rule({type(module).__name__})."
+            )
+            raise UnsupportedLayerError(
+                f"layer {name!r} ({type(module).__module__}.{type(module).__qualname__}) has trainable parameters "
+                f"{trainable} but no per-sample rule: {why} Supported types: {type_names(registry.supported_types())}. "
+                "Or freeze its parameters with requires_grad_(False)."
+            )
+        _check_layer_options(name, module)
+        layers.append(HookedLayer(name, module, spec))
+    return layers
+
+
+class PerSampleModule:
+    """Wrap ``model`` so that a normal forward/backward also yields per-sample gradients.
+
+    After ``loss.backward()``, for every trainable parameter ``p``:
+
+    - ``p.grad_sample``, shape ``[B, *p.shape]``: ``g_i = d f_i / d p``, the gradient of sample i's
+      OWN loss, where the loss is ``(1/B) sum_i f_i`` (``loss_reduction="mean"``) or ``sum_i f_i``
+      (``"sum"``). With ``"mean"`` this is B times the sample's share of ``p.grad``.
+    - ``p.grad`` accumulates ``(1/B) sum_i T(g_i)`` (``reduction="mean"``) or ``sum_i T(g_i)``
+      (``"sum"``), T the transform registered for a target covering ``p`` (identity if none).
+      ``reduction`` defaults to ``loss_reduction``, so with no transforms ``p.grad`` is what plain
+      autograd gives.
+
+    Args:
+        model: the model; it is not modified beyond hooks, which ``remove()`` takes away.
+        loss_reduction: how the loss combines the samples' losses: ``"mean"`` or ``"sum"``.
+        reduction: how ``.grad`` combines the transformed per-sample gradients (default: same).
+        batch_first: the batch is dim 0 of every layer input (False: dim 1, for sequence-first
+            layers; convolution inputs always have the batch on dim 0).
+        keep_grad_sample: store ``p.grad_sample`` after each backward.
+        rules: a private ``RuleRegistry`` (default: ``pergrad.registry.default_registry``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        loss_reduction: str = "mean",
+        reduction: str | None = None,
+        batch_first: bool = True,
+        keep_grad_sample: bool = True,
+        rules: RuleRegistry | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"PerSampleModule wraps an nn.Module, got {type(model).__name__}")
+        reduction = loss_reduction if reduction is None else reduction
+        for arg, value in (("loss_reduction", loss_reduction), ("reduction", reduction)):
+            if value not in _REDUCTIONS:
+                raise ValueError(f"{arg} must be 'mean' or 'sum', got {value!r}")
+        self.module = model
+        self.loss_reduction = loss_reduction
+        self.reduction = reduction
+        self.batch_first = batch_first
+        self._registry = default_registry if rules is None else rules
+        self._layers = _discover(model, self._registry)
+        params = {p: name for name, p in model.named_parameters() if p.requires_grad}
+        self._engine = Engine(
+            param_names=params, loss_reduction=loss_reduction, reduction=reduction, keep_grad_sample=keep_grad_sample
+        )
+        self._hooks = LayerHooks(model, self._layers, batch_first, self._engine.on_output_grad)
+        # AccumulateGrad nodes are cached weakly by their parameter: hold them so hooks stay on them.
+        self._accumulators = [get_gradient_edge(p).node for p in params]
+        self._accumulate_handles: list[RemovableHandle] = [
+            node.register_prehook(self._accumulate_hook(p)) for p, node in zip(params, self._accumulators)
+        ]
+
+    def _accumulate_hook(self, param: nn.Parameter) -> Callable[[tuple[Tensor, ...]], tuple[Tensor, ...] | None]:
+        engine = self._engine
+
+        def hook(grads: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
+            new = engine.on_accumulate(param, grads[0])
+            return None if new is None else (new,)
+
+        return hook
+
+    # -- the model's face ------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.load_state_dict(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> PerSampleModule:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> PerSampleModule:
+        return self.train(False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``model.zero_grad`` and drop every ``grad_sample``."""
+        self.module.zero_grad(set_to_none)
+        self._clear_grad_sample()
+
+    # -- transforms ------------------------------------------------------------------------------
+
+    def register_transform(
+        self, target: nn.Module | nn.Parameter | str, fn: Callable[[Any], Any] | Transform, *, batched: bool = False
+    ) -> None:
+        """Apply ``fn`` to each sample's gradient of ``target`` before the reduction into ``.grad``.
+
+        ``target`` is a parameter, a module, or the wrapped model itself (the root), as the object
+        or its qualified name (``"2.weight"``, ``"0"``, ``""``). ``fn`` is written for ONE sample: a
+        parameter target passes it a tensor of the parameter's shape; a module or root target a dict
+        ``{name: tensor}`` of the trainable parameters it covers (names relative to the target).
+        It must return the same structure and shapes. With ``batched=True`` it receives and returns
+        the whole batch ``[B, ...]``. The built-ins of ``pergrad.transforms`` are batched already.
+        """
+        label, params, single = self._resolve(target)
+        if not params:
+            raise TargetError(f"{label} has no trainable parameters; nothing to transform")
+        for other in self._engine.targets:
+            shared = set(params.values()) & set(other.params.values())
+            if shared:
+                names = sorted(self._engine.param_names[p] for p in shared)
+                raise TargetError(
+                    f"{label} overlaps {other.label}, which already has a transform: both cover {names}. "
+                    "Each parameter takes at most one transform; register one on a common parent instead."
+                )
+        if isinstance(fn, Transform):
+            transform: Transform = fn
+        elif callable(fn):
+            transform = UserTransform(fn, batched=batched, single_tensor=single, target=label)
+        else:
+            raise TransformError(f"the transform for {label} must be callable, got {type(fn).__name__}")
+        self._engine.targets.append(Target(label, params, transform))
+        self._engine.transformed.update(params.values())
+
+    def _resolve(self, target: nn.Module | nn.Parameter | str) -> tuple[str, dict[str, nn.Parameter], bool]:
+        modules = dict(self.module.named_modules())
+        parameters = dict(self.module.named_parameters())
+        if isinstance(target, str):
+            if target in modules:
+                target = modules[target]
+            elif target in parameters:
+                target = parameters[target]
+            else:
+                raise TargetError(
+                    f"no module or parameter named {target!r} in the wrapped model; qualified names look like "
+                    f"{list(parameters)[:3]} (use '' for the whole model)"
+                )
+        if isinstance(target, nn.Parameter):
+            name = next((n for n, p in parameters.items() if p is target), None)
+            if name is None:
+                raise TargetError(f"the parameter of shape {tuple(target.shape)} is not part of the wrapped model")
+            params = {name: target} if target.requires_grad else {}
+            return f"parameter {name!r}", params, True
+        if isinstance(target, nn.Module):
+            name = next((n for n, m in modules.items() if m is target), None)
+            if name is None:
+                raise TargetError(f"the module {type(target).__name__} is not part of the wrapped model")
+            params = {n: p for n, p in target.named_parameters() if p.requires_grad}
+            label = "the whole model" if name == "" else f"module {name!r}"
+            return label, params, False
+        raise TargetError(
+            f"a transform target is a module, a parameter or a qualified name, got {type(target).__name__}"
+        )
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def _clear_grad_sample(self) -> None:
+        for p in self.module.parameters():
+            if hasattr(p, "grad_sample"):
+                del p.grad_sample
+
+    def remove(self) -> None:
+        """Remove every hook and every ``grad_sample``: the model is as it was before wrapping."""
+        self._engine.closed = True
+        self._hooks.remove()
+        for handle in self._accumulate_handles:
+            handle.remove()
+        self._accumulate_handles.clear()
+        self._accumulators.clear()
+        self._clear_grad_sample()
+
+    def __enter__(self) -> PerSampleModule:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return (
+            f"PerSampleModule({type(self.module).__name__}, loss_reduction={self.loss_reduction!r}, "
+            f"reduction={self.reduction!r}, layers={len(self._layers)}, transforms={len(self._engine.targets)})"
+        )

@@ -1,0 +1,104 @@
+"""The rule registry: which function computes per-sample gradients for which layer type.
+
+A rule is a pure function ``rule(layer, a, d) -> {param_name: Tensor[B, *param.shape]}``:
+
+- ``layer`` is the module instance (read its hyperparameters and parameters, never mutate it);
+- ``a`` is the layer's first positional input with the batch on dim 0;
+- ``d`` is the gradient of the loss with respect to the layer's output, batch on dim 0, already
+  scaled so that ``d[i]`` is the gradient of sample ``i``'s own loss ``f_i``;
+- the result maps each parameter name (as in ``layer.named_parameters(recurse=False)``) that
+  requires grad to its per-sample gradients ``g_i = d f_i / d param``.
+
+Lookup is by exact type: a subclass of ``nn.Linear`` may override ``forward``, so it only gets a
+rule when someone registers one for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+Rule = Callable[[nn.Module, Tensor, Tensor], dict[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """A registered rule and how its inputs are laid out.
+
+    ``batch_dim_fixed``: the layer's input always has the batch on dim 0 (convolutions), so the
+    wrapper's ``batch_first=False`` does not apply to it.
+    """
+
+    fn: Rule
+    batch_dim_fixed: bool = False
+
+
+class RuleRegistry:
+    """A mapping from layer types to rules; ``default_registry`` holds the built-in ones."""
+
+    def __init__(self, rules: dict[type[nn.Module], RuleSpec] | None = None) -> None:
+        self._rules: dict[type[nn.Module], RuleSpec] = dict(rules or {})
+
+    def register(
+        self,
+        *layer_types: type[nn.Module],
+        overwrite: bool = False,
+        batch_dim_fixed: bool = False,
+    ) -> Callable[[Rule], Rule]:
+        """Decorator: ``@registry.register(MyLayer)`` makes ``fn`` the rule for ``MyLayer``."""
+        if not layer_types:
+            raise TypeError("register() needs at least one layer type, e.g. register(MyLayer)")
+        for layer_type in layer_types:
+            if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
+                raise TypeError(f"register() takes nn.Module subclasses, got {layer_type!r}")
+            if layer_type in self._rules and not overwrite:
+                raise ValueError(
+                    f"a rule for {layer_type.__qualname__} is already registered "
+                    f"({self._rules[layer_type].fn.__qualname__}); pass overwrite=True to replace it"
+                )
+
+        def decorator(fn: Rule) -> Rule:
+            for layer_type in layer_types:
+                self._rules[layer_type] = RuleSpec(fn, batch_dim_fixed)
+            return fn
+
+        return decorator
+
+    def lookup(self, layer: nn.Module) -> RuleSpec | None:
+        """The rule registered for exactly ``type(layer)``, or None."""
+        return self._rules.get(type(layer))
+
+    def supported_types(self) -> list[type[nn.Module]]:
+        return sorted(self._rules, key=lambda t: t.__qualname__)
+
+    def copy(self) -> RuleRegistry:
+        """An independent registry with the same rules (for tests and private extensions)."""
+        return RuleRegistry(self._rules)
+
+    def __contains__(self, layer_type: object) -> bool:
+        return layer_type in self._rules
+
+
+default_registry = RuleRegistry()
+
+
+def register_rule(
+    *layer_types: type[nn.Module],
+    overwrite: bool = False,
+    batch_dim_fixed: bool = False,
+    registry: RuleRegistry | None = None,
+) -> Callable[[Rule], Rule]:
+    """Register a per-sample rule for ``layer_types`` (in ``default_registry`` unless given).
+
+    Example, reusing the built-in Linear rule for a subclass whose forward is unchanged::
+
+        pergrad.register_rule(MyLinear)(pergrad.rules.linear)
+    """
+    target = default_registry if registry is None else registry
+    return target.register(*layer_types, overwrite=overwrite, batch_dim_fixed=batch_dim_fixed)
+
+
+def type_names(types: Iterable[type]) -> str:
+    return ", ".join(t.__qualname__ for t in types)

@@ -1,0 +1,9 @@
+"""Per-sample gradient rules, one file per layer family. Importing this package registers them
+in ``pergrad.registry.default_registry``."""
+
+from .conv import conv
+from .embedding import embedding
+from .linear import linear
+from .norm import layer_norm
+
+__all__ = ["conv", "embedding", "layer_norm", "linear"]

@@ -1,0 +1,86 @@
+"""Per-sample gradients of ``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d`` (every constructor option).
+
+A convolution is a Linear layer applied to every patch of the (padded) input, so the weight
+gradient of one sample is the outer product of output gradients and patches, summed over output
+positions -- the Linear rule on unfolded input, one product per group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..registry import default_registry
+
+_ConvNd = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def conv_padding(layer: nn.Module) -> list[int]:
+    """The explicit padding the layer applies, in ``F.pad`` order (last dim first, left then right).
+
+    ``padding="same"`` may pad one more on the right than on the left (even effective kernel).
+    """
+    assert isinstance(layer, _ConvNd)
+    kernel, dilation = layer.kernel_size, layer.dilation
+    if isinstance(layer.padding, str):
+        if layer.padding == "valid":
+            pairs = [(0, 0)] * len(kernel)
+        else:  # "same": total padding dilation*(k-1), the odd one out on the right
+            totals = [dl * (k - 1) for k, dl in zip(kernel, dilation)]
+            pairs = [(t // 2, t - t // 2) for t in totals]
+    else:
+        pairs = [(p, p) for p in layer.padding]
+    return [side for pair in reversed(pairs) for side in pair]
+
+
+def padded_input(layer: nn.Module, a: Tensor) -> Tensor:
+    """The input exactly as the convolution sees it after padding (any ``padding_mode``)."""
+    assert isinstance(layer, _ConvNd)
+    pad = conv_padding(layer)
+    if not any(pad):
+        return a
+    mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
+    return F.pad(a, pad, mode=mode)
+
+
+def patches(x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...]) -> Tensor:
+    """``[n, c, *spatial] -> [n, c, *out_positions, *kernel]`` (a strided view, no copy).
+
+    Each spatial dim is windowed with the dilated kernel extent, then every ``dilation``-th
+    element of a window is kept.
+    """
+    spatial = len(kernel)
+    for dim, (k, s, dl) in enumerate(zip(kernel, stride, dilation)):
+        x = x.unfold(2 + dim, dl * (k - 1) + 1, s)
+    if any(dl > 1 for dl in dilation):
+        every_dl: tuple[Any, ...] = (..., *(slice(None, None, dl) for dl in dilation))
+        x = x[every_dl]
+    assert x.dim() == 2 + 2 * spatial
+    return x
+
+
+@default_registry.register(*_ConvNd, batch_dim_fixed=True)
+def conv(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """``g_i(W)[g, o, c, k] = sum_l d_i[g, o, l] * patch_i[g, c, l, k]``, ``g_i(b)[o] = sum_l d_i[o, l]``.
+
+    Index conventions: n sample, g group, o output channels of the group, c input channels of the
+    group, l output positions (flattened), k kernel positions (flattened).
+    a: [n, C, *spatial] (C = g*c), d: [n, O, *out_positions] (O = g*o).
+    """
+    assert isinstance(layer, _ConvNd)
+    out: dict[str, Tensor] = {}
+    n, groups = a.shape[0], layer.groups
+    if layer.weight.requires_grad:
+        p = patches(padded_input(layer, a), layer.kernel_size, layer.stride, layer.dilation)
+        positions = math.prod(d.shape[2:])
+        p = p.reshape(n, groups, a.shape[1] // groups, positions, -1)  # copies: im2col
+        dg = d.reshape(n, groups, d.shape[1] // groups, positions)
+        w = torch.einsum("ngol,ngclk->ngock", dg, p)
+        out["weight"] = w.reshape(n, *layer.weight.shape)
+    if layer.bias is not None and layer.bias.requires_grad:
+        out["bias"] = d.flatten(2).sum(2)
+    return out

@@ -1,0 +1,45 @@
+"""The reference every rule is checked against: torch.func on each sample's own loss."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+
+def squared_error(out: Tensor, target: Tensor) -> Tensor:
+    """A per-sample loss that works for any output shape: ``f_i = sum (out_i - t_i)^2``."""
+    return (out - target).pow(2).sum()
+
+
+def reference_grad_sample(
+    model: nn.Module,
+    x: Tensor,
+    target: Tensor,
+    loss: Callable[[Tensor, Tensor], Tensor] = squared_error,
+    batch_dim: int = 0,
+) -> dict[str, Tensor]:
+    """``{name: [B, *p.shape]}``: ``d f_i / d p`` for every trainable parameter, via vmap(grad)."""
+    params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
+    frozen = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
+    buffers = dict(model.named_buffers())
+
+    def f(params: dict[str, Tensor], xi: Tensor, ti: Tensor) -> Tensor:
+        out = functional_call(model, (params, frozen, buffers), (xi.unsqueeze(batch_dim),))
+        return loss(out, ti.unsqueeze(batch_dim))
+
+    return vmap(grad(f), in_dims=(None, batch_dim, batch_dim))(params, x, target)
+
+
+def run_pergrad(psm, x: Tensor, target: Tensor, loss_reduction: str = "mean", batch_dim: int = 0) -> Tensor:
+    """One forward/backward through the wrapper with the batch loss matching ``loss_reduction``."""
+    total = (psm(x) - target).pow(2).sum()
+    loss_value = total / x.shape[batch_dim] if loss_reduction == "mean" else total
+    loss_value.backward()
+    return loss_value
+
+
+def assert_close(actual: Tensor, expected: Tensor, what: str = "") -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-10, msg=lambda m: f"{what}: {m}")
