@@ -16,7 +16,7 @@ from .errors import (
     UnsupportedLayerError,
 )
 from .module import PerSampleModule
-from .registry import RuleRegistry, default_registry, register_rule
+from .registry import LayerCall, RuleRegistry, default_registry, register_rule
 
 __version__ = "0.1.0"
 
@@ -24,6 +24,7 @@ __all__ = [
     "BatchMixingError",
     "BatchSizeError",
     "HookStateError",
+    "LayerCall",
     "PerSampleModule",
     "PergradError",
     "RuleRegistry",

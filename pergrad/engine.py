@@ -30,6 +30,10 @@ from .hooks import Kept
 from .transforms import Transform, check_output
 
 
+def _shape(a: object) -> object:
+    return tuple(a.shape) if isinstance(a, Tensor) else "several inputs"
+
+
 @dataclass
 class Target:
     """A transform and the parameters it sees, keyed as the transform sees them."""
@@ -99,7 +103,7 @@ class Engine:
         elif kept.batch_size != state.batch_size:
             raise BatchSizeError(
                 f"layer {layer.name!r} ({type(layer.module).__name__}) saw a batch of {kept.batch_size} samples "
-                f"(input shape {tuple(kept.a.shape)}), but layer {state.first_layer!r} saw {state.batch_size} "
+                f"(input shape {_shape(kept.a)}), but layer {state.first_layer!r} saw {state.batch_size} "
                 "in the same forward. Every hooked layer must see the batch on the same dim "
                 "(check reshapes that fold the batch into other dims, and batch_first)."
             )

@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .errors import BatchSizeError
 from .layout import batch_to_front
-from .registry import RuleSpec
+from .registry import LayerCall, RuleSpec
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Kept:
     """What one call of a hooked layer left for the backward."""
 
     layer: HookedLayer
-    a: Tensor  # the layer's input, batch on dim 0
+    a: Any  # the layer's input, batch on dim 0 (a LayerCall for rules that take all inputs)
     generation: int  # which forward of the wrapped model this call belongs to
     batch_size: int
 
@@ -75,20 +75,22 @@ class LayerHooks:
         def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.grad_fn is not None):
                 return  # nothing will flow back through this call: keep nothing
-            a = _first_input(args, kwargs)
-            if not isinstance(a, Tensor):
+            batch_first = self._batch_first or layer.spec.batch_dim_fixed
+            batch_dim = 0 if batch_first else 1
+            a = LayerCall(args, kwargs) if layer.spec.all_inputs else _first_input(args, kwargs)
+            batched = output if layer.spec.all_inputs else a
+            if not isinstance(batched, Tensor):
                 raise TypeError(
                     f"pergrad: layer {layer.name!r} ({type(module).__name__}) was called without a tensor input"
                 )
-            batch_first = self._batch_first or layer.spec.batch_dim_fixed
-            batch_dim = 0 if batch_first else 1
-            if a.dim() <= batch_dim or output.dim() <= batch_dim:
+            if batched.dim() <= batch_dim or output.dim() <= batch_dim:
                 raise BatchSizeError(
-                    f"layer {layer.name!r} ({type(module).__name__}) got input of shape {tuple(a.shape)}, which has no "
-                    f"batch dim {batch_dim}; pergrad needs batched inputs"
+                    f"layer {layer.name!r} ({type(module).__name__}) got input of shape {tuple(batched.shape)}, which has "
+                    f"no batch dim {batch_dim}; pergrad needs batched inputs"
                     + ("" if batch_first else " (batch_first=False puts the batch on dim 1)")
                 )
-            kept = Kept(layer, batch_to_front(a, batch_first), self.generation, a.shape[batch_dim])
+            kept_input = a if isinstance(a, LayerCall) else batch_to_front(a, batch_first)
+            kept = Kept(layer, kept_input, self.generation, batched.shape[batch_dim])
             node, index = output.grad_fn, output.output_nr
             on_output_grad = self._on_output_grad
 

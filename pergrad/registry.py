@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor, nn
 
-Rule = Callable[[nn.Module, Tensor, Tensor], dict[str, Tensor]]
+Rule = Callable[[nn.Module, Any, Tensor], dict[str, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,22 @@ class RuleSpec:
 
     ``batch_dim_fixed``: the layer's input always has the batch on dim 0 (convolutions), so the
     wrapper's ``batch_first=False`` does not apply to it.
+    ``all_inputs``: the rule receives a ``LayerCall`` (every positional and keyword argument of
+    the call, as given) instead of the first input, and the batch size is read off the output
+    (layers whose input is not batched, such as ``nn.EmbeddingBag`` with offsets).
     """
 
     fn: Rule
     batch_dim_fixed: bool = False
+    all_inputs: bool = False
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """Every argument of one call of a layer, for rules registered with ``all_inputs=True``."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
 
 
 class RuleRegistry:
@@ -46,6 +59,7 @@ class RuleRegistry:
         *layer_types: type[nn.Module],
         overwrite: bool = False,
         batch_dim_fixed: bool = False,
+        all_inputs: bool = False,
     ) -> Callable[[Rule], Rule]:
         """Decorator: ``@registry.register(MyLayer)`` makes ``fn`` the rule for ``MyLayer``."""
         if not layer_types:
@@ -61,7 +75,7 @@ class RuleRegistry:
 
         def decorator(fn: Rule) -> Rule:
             for layer_type in layer_types:
-                self._rules[layer_type] = RuleSpec(fn, batch_dim_fixed)
+                self._rules[layer_type] = RuleSpec(fn, batch_dim_fixed, all_inputs)
             return fn
 
         return decorator
@@ -88,6 +102,7 @@ def register_rule(
     *layer_types: type[nn.Module],
     overwrite: bool = False,
     batch_dim_fixed: bool = False,
+    all_inputs: bool = False,
     registry: RuleRegistry | None = None,
 ) -> Callable[[Rule], Rule]:
     """Register a per-sample rule for ``layer_types`` (in ``default_registry`` unless given).
@@ -97,7 +112,7 @@ def register_rule(
         pergrad.register_rule(MyLinear)(pergrad.rules.linear)
     """
     target = default_registry if registry is None else registry
-    return target.register(*layer_types, overwrite=overwrite, batch_dim_fixed=batch_dim_fixed)
+    return target.register(*layer_types, overwrite=overwrite, batch_dim_fixed=batch_dim_fixed, all_inputs=all_inputs)
 
 
 def type_names(types: Iterable[type]) -> str:
