@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .errors import BatchSizeError
+from .errors import BatchMixingError, BatchSizeError
 from .layout import batch_to_front
 from .registry import LayerCall, RuleSpec
 
@@ -55,6 +55,23 @@ def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return next(iter(kwargs.values()), None)
 
 
+def _refuse_batch_statistics(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+    """A forward pre-hook for BatchNorm: normalising with batch statistics couples the samples."""
+
+    def check(module: nn.Module, args: tuple[Any, ...]) -> None:
+        assert isinstance(module, nn.modules.batchnorm._BatchNorm)
+        if torch.is_grad_enabled() and (module.training or module.running_mean is None):
+            raise BatchMixingError(
+                f"layer {name!r} ({type(module).__name__}) normalises with the statistics of the whole batch "
+                f"({'training mode' if module.training else 'track_running_stats=False'}), so each sample's output "
+                "depends on every other sample and per-sample gradients are undefined, for every layer before it too. "
+                "Put it in eval mode with running statistics (model.eval(), or module.eval()), or use nn.GroupNorm "
+                "or nn.LayerNorm instead."
+            )
+
+    return check
+
+
 class LayerHooks:
     """Installs and removes the forward hooks of the hooked layers and the root's generation counter."""
 
@@ -67,6 +84,9 @@ class LayerHooks:
         self._handles: list[RemovableHandle] = [model.register_forward_pre_hook(self._next_generation)]
         for layer in layers:
             self._handles.append(layer.module.register_forward_hook(self._keeper(layer), with_kwargs=True))
+        for name, module in model.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                self._handles.append(module.register_forward_pre_hook(_refuse_batch_statistics(name)))
 
     def _next_generation(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         self.generation += 1

@@ -1,0 +1,259 @@
+"""Hooks in real models: in-place ops, user hooks, reuse, tying, freezing, modes, several backwards."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pergrad import HookStateError, PerSampleModule
+from tests.reference import assert_close, reference_grad_sample, run_pergrad
+
+
+@pytest.fixture(autouse=True)
+def float64() -> object:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def check_against_reference(model: nn.Module, x: torch.Tensor, loss_reduction: str = "mean") -> None:
+    with torch.no_grad():
+        target = torch.randn_like(model(x))
+    expected = reference_grad_sample(model, x, target)
+    with PerSampleModule(model, loss_reduction=loss_reduction) as psm:
+        model.zero_grad()
+        run_pergrad(psm, x, target, loss_reduction)
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        assert trainable
+        for name, p in trainable:
+            assert_close(p.grad_sample, expected[name], name)
+            reduce = expected[name].mean(0) if loss_reduction == "mean" else expected[name].sum(0)
+            assert_close(p.grad, reduce, name)
+
+
+class ResidualBlock(nn.Module):
+    """conv -> ReLU(inplace) -> conv, then ``out += identity`` and an in-place ReLU."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(ch, ch, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(ch, ch, 3, padding=1)
+        self.norm = nn.GroupNorm(1, ch, affine=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.conv1(x))
+        out = self.conv2(out)
+        out += x
+        return self.relu(out)
+
+
+def test_inplace_relu_and_residual_add() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), ResidualBlock(3), nn.Flatten(), nn.Linear(3 * 25, 2))
+    check_against_reference(model, torch.randn(4, 2, 5, 5))
+
+
+def test_inplace_on_linear_output() -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 3), nn.Tanh())
+    check_against_reference(model, torch.randn(6, 4), "sum")
+
+
+class Twice(nn.Module):
+    """One Linear called twice in a forward, and an input/output embedding with a tied weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        h = torch.tanh(self.lin(torch.tanh(self.lin(h))))
+        return self.head(h)
+
+
+def test_module_called_twice_and_tied_weights() -> None:
+    torch.manual_seed(2)
+    check_against_reference(Twice(), torch.randint(0, 7, (3, 5)))
+
+
+def test_frozen_parameters_get_no_grad_sample() -> None:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    check_against_reference(model, torch.randn(5, 3))
+    assert not hasattr(model[0].weight, "grad_sample")
+
+
+def test_eval_mode_and_dropout() -> None:
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Tanh(), nn.Linear(4, 2)).eval()
+    check_against_reference(model, torch.randn(5, 3))
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_batch_size_one(loss_reduction: str) -> None:
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    check_against_reference(model, torch.randn(1, 3), loss_reduction)
+
+
+def test_batch_second_layout() -> None:
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Embedding(9, 4), nn.LayerNorm(4), nn.Linear(4, 3))
+    x = torch.randint(0, 9, (5, 3))  # [T, B]
+    with torch.no_grad():
+        target = torch.randn_like(model(x))
+    expected = reference_grad_sample(model, x, target, batch_dim=1)
+    with PerSampleModule(model, batch_first=False) as psm:
+        run_pergrad(psm, x, target, batch_dim=1)
+        for name, p in model.named_parameters():
+            assert_close(p.grad_sample, expected[name], name)
+
+
+class Rescale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inner(x))
+
+
+def test_user_backward_hooks_are_respected() -> None:
+    """A full backward hook on a parent that rescales grad_input, and a tensor hook the user adds on a
+    layer output: per-sample gradients follow exactly what autograd propagates (checked against a loop
+    of one-sample backward passes with the same hooks)."""
+    torch.manual_seed(7)
+    model = Rescale()
+    model.out.register_full_backward_hook(lambda m, gin, gout: (gin[0] * 3.0,))
+
+    def flip(module: nn.Module, args: object, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: g * -2.0)
+
+    model.inner[0].register_forward_hook(flip)
+    x, target = torch.randn(4, 3), torch.randn(4, 2)
+    expected = {n: [] for n, _ in model.named_parameters()}
+    for i in range(4):
+        model.zero_grad()
+        (model(x[i : i + 1]) - target[i : i + 1]).pow(2).sum().backward()
+        for n, p in model.named_parameters():
+            expected[n].append(p.grad.clone())
+    model.zero_grad()
+    with PerSampleModule(model, loss_reduction="sum") as psm:
+        run_pergrad(psm, x, target, "sum")
+        for n, p in model.named_parameters():
+            assert_close(p.grad_sample, torch.stack(expected[n]), n)
+
+
+def test_retain_graph_twice_adds_like_autograd() -> None:
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    with PerSampleModule(model) as psm:
+        loss = psm(x).pow(2).mean()
+        loss.backward(retain_graph=True)
+        once = {n: (p.grad.clone(), p.grad_sample.clone()) for n, p in model.named_parameters()}
+        loss.backward()
+        for n, p in model.named_parameters():
+            assert_close(p.grad, 2 * once[n][0], n)
+            assert_close(p.grad_sample, 2 * once[n][1], n)
+
+
+def test_micro_batches_accumulate_grad_and_replace_grad_sample() -> None:
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x1, x2 = torch.randn(5, 3), torch.randn(2, 3)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    plain.load_state_dict(model.state_dict())
+    plain(x1).pow(2).mean().backward()
+    plain(x2).pow(2).mean().backward()
+    with PerSampleModule(model) as psm:
+        psm(x1).pow(2).mean().backward()
+        psm(x2).pow(2).mean().backward()
+        for (n, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            assert_close(p.grad, q.grad, n)
+            assert p.grad_sample.shape[0] == 2
+
+
+def test_no_grad_forward_keeps_nothing_and_next_step_is_exact() -> None:
+    torch.manual_seed(10)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with PerSampleModule(model) as psm:
+        with torch.no_grad():
+            psm(torch.randn(8, 3))
+        assert psm._engine._current is None
+    check_against_reference(model, torch.randn(5, 3))
+
+
+def test_inputs_are_freed_after_backward() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    refs = []
+    with PerSampleModule(model) as psm:
+        for _ in range(100):
+            x = torch.randn(8, 3)
+            refs.append(weakref.ref(x))
+            psm(x).pow(2).mean().backward()
+            del x
+        gc.collect()
+        assert sum(r() is not None for r in refs) == 0
+        assert psm._engine._current is None
+
+
+def test_two_forwards_one_backward_is_an_error() -> None:
+    model = nn.Sequential(nn.Linear(3, 2))
+    with PerSampleModule(model) as psm:
+        loss = psm(torch.randn(4, 3)).sum() + psm(torch.randn(4, 3)).sum()
+        with pytest.raises(HookStateError, match=r"two different forward calls.*concatenate the batches"):
+            loss.backward()
+        model.zero_grad()
+        check_against_reference(model, torch.randn(3, 3))
+
+
+def test_loss_from_a_forward_before_wrapping_is_an_error() -> None:
+    model = nn.Sequential(nn.Linear(3, 2))
+    loss = model(torch.randn(4, 3)).sum()
+    with (
+        PerSampleModule(model),
+        pytest.raises(
+            HookStateError, match=r"parameter '0\.(weight|bias)' received a gradient.*forward run before wrapping"
+        ),
+    ):
+        loss.backward()
+
+
+def test_autograd_grad_leaves_grad_untouched() -> None:
+    """torch.autograd.grad does not accumulate into .grad; neither does pergrad."""
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Linear(3, 2))
+    x = torch.randn(4, 3, requires_grad=True)
+    with PerSampleModule(model) as psm:
+        psm.register_transform(model, lambda g: {k: v * 0 for k, v in g.items()})
+        (gx,) = torch.autograd.grad(psm(x).pow(2).sum(), x)
+        (expected,) = torch.autograd.grad(model(x).pow(2).sum(), x)
+        assert_close(gx, expected)
+        assert model[0].weight.grad is None
+
+
+def test_cross_entropy_mean_matches_autograd_and_torch_func() -> None:
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(7, 6), torch.randint(0, 3, (7,))
+    expected = reference_grad_sample(model, x, y, loss=lambda out, t: F.cross_entropy(out, t, reduction="sum"))
+    plain = [g.clone() for g in torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))]
+    with PerSampleModule(model) as psm:
+        F.cross_entropy(psm(x), y).backward()
+        for (n, p), g in zip(model.named_parameters(), plain, strict=True):
+            assert_close(p.grad_sample, expected[n], n)
+            assert_close(p.grad, g, n)
