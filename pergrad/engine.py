@@ -27,7 +27,9 @@ from torch import Tensor, nn
 
 from .errors import BatchSizeError, HookStateError, TransformError
 from .hooks import Kept
-from .transforms import Transform, check_output
+from .sources import Call, Fused, Materialized
+from .statistics import Statistics, compute_statistics
+from .transforms import Scaling, Transform, check_output
 
 
 def _shape(a: object) -> object:
@@ -51,12 +53,13 @@ class _Backward:
     generation: int | None = None
     batch_size: int | None = None
     first_layer: str = ""
-    grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)
-    reached: list[nn.Parameter] = field(default_factory=list)
+    grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # keep_grad_sample=True
+    calls: list[Call] = field(default_factory=list)  # keep_grad_sample=False
+    reached: dict[nn.Parameter, None] = field(default_factory=dict)  # ordered set
 
 
 class Engine:
-    """Turns kept inputs and output gradients into ``grad_sample`` and ``.grad``."""
+    """Turns kept inputs and output gradients into ``grad_sample``, ``.grad``, norms and statistics."""
 
     def __init__(
         self,
@@ -65,14 +68,21 @@ class Engine:
         loss_reduction: str,
         reduction: str,
         keep_grad_sample: bool,
+        track_norms: bool = False,
+        track_statistics: bool = False,
     ) -> None:
         self.param_names = param_names
         self.loss_reduction = loss_reduction
         self.reduction = reduction
         self.keep_grad_sample = keep_grad_sample
+        self.track_norms = track_norms or track_statistics
+        self.track_statistics = track_statistics
         self.targets: list[Target] = []
         self.transformed: set[nn.Parameter] = set()
+        self._needs_norms: set[nn.Parameter] = set()
         self.closed = False
+        self.last_sq_norms: dict[nn.Parameter, Tensor] = {}
+        self.last_statistics: Statistics | None = None
         self._current: _Backward | None = None
         self._grad_sample_generation: dict[nn.Parameter, int] = {}
 
@@ -114,6 +124,9 @@ class Engine:
             )
         if self.loss_reduction == "mean":
             d = d * kept.batch_size
+        if not self.keep_grad_sample:
+            state.calls.append(Call(layer, kept.a, d))
+            return
         per_sample = layer.spec.fn(layer.module, kept.a, d)
         for name, g in per_sample.items():
             param = getattr(layer.module, name)
@@ -130,7 +143,7 @@ class Engine:
         if self.closed:
             return None
         state = self._backward_state()
-        state.reached.append(param)
+        state.reached[param] = None
         if param in self.transformed:
             return torch.zeros_like(grad)  # written at the end of the backward
         if self.reduction == self.loss_reduction or state.batch_size is None:
@@ -142,20 +155,36 @@ class Engine:
     def _finish(self, state: _Backward) -> None:
         if self._current is state:
             self._current = None
-        if self.closed:
+        if self.closed or (state.batch_size is None and not state.reached):
             return
-        missing = [p for p in state.reached if p not in state.grads]
+        source: Materialized | Fused = Materialized(state.grads) if self.keep_grad_sample else Fused(state.calls)
+        known = state.grads if isinstance(source, Materialized) else source.uses
+        missing = [p for p in state.reached if p not in known]
         if missing:
             raise HookStateError(
                 f"parameter {self.param_names[missing[0]]!r} received a gradient in this backward pass, but none of "
                 "its layers' outputs did through a forward that pergrad saw. Was the loss computed from a forward "
                 "run before wrapping, or does a module use this parameter outside its own forward?"
             )
-        grads = {p: state.grads[p] for p in state.reached}
+        assert state.batch_size is not None
+        reached = list(state.reached)
         if self.keep_grad_sample:
-            self._store_grad_sample(grads, state.generation)
+            self._store_grad_sample({p: state.grads[p] for p in reached}, state.generation)
+        wanted = [p for p in reached if self.track_norms or p in self._needs_norms]
+        sq_norms = source.sq_norms(wanted) if wanted else {}
         for target in self.targets:
-            self._reduce_target(target, grads, state.batch_size)
+            self._reduce_target(target, source, state.reached, state.batch_size, sq_norms)
+        if self.track_norms:
+            self.last_sq_norms = sq_norms
+        if self.track_statistics and reached:
+            names = {p: self.param_names[p] for p in reached}
+            self.last_statistics = compute_statistics(source, names, state.batch_size, sq_norms)
+
+    def add_target(self, target: Target) -> None:
+        self.targets.append(target)
+        self.transformed.update(target.params.values())
+        if isinstance(target.transform, Scaling) and target.transform.needs_norms:
+            self._needs_norms.update(target.params.values())
 
     def _store_grad_sample(self, grads: dict[nn.Parameter, Tensor], generation: int | None) -> None:
         for param, g in grads.items():
@@ -168,17 +197,36 @@ class Engine:
             if generation is not None:
                 self._grad_sample_generation[param] = generation
 
-    def _reduce_target(self, target: Target, grads: dict[nn.Parameter, Tensor], batch_size: int | None) -> None:
-        present = {key: p for key, p in target.params.items() if p in grads}
-        if not present:
+    def _reduce_target(
+        self,
+        target: Target,
+        source: Materialized | Fused,
+        reached: dict[nn.Parameter, None],
+        batch_size: int,
+        sq_norms: dict[nn.Parameter, Tensor],
+    ) -> None:
+        params = [p for p in target.params.values() if p in reached]
+        if not params:
             return
-        # a parameter of the target that this backward did not reach has g_i = 0 for every sample
-        first = grads[next(iter(present.values()))]
+        transform = target.transform
+        if isinstance(transform, Scaling):
+            # T(g_i) = c_i g_i: sum_i c_i g_i without building g_i where the source allows it.
+            # A parameter of the target that this backward did not reach has g_i = 0: it adds 0.
+            norms = torch.stack([sq_norms[p] for p in params]).sum(0).sqrt() if transform.needs_norms else None
+            factors = transform.factors(norms, batch_size, params[0].detach())
+            if not torch.isfinite(factors).all() and (norms is None or torch.isfinite(norms).all()):
+                raise TransformError(f"the transform registered for {target.label} produced non-finite scale factors")
+            weights = factors / batch_size if self.reduction == "mean" else factors
+            for param, reduced in source.summed(params, weights).items():
+                _add_grad(param, reduced)
+            return
+        grads = source.per_sample(params)
+        first = grads[params[0]]
         batch = {
             key: grads[p] if p in grads else first.new_zeros((first.shape[0], *p.shape))
             for key, p in target.params.items()
         }
-        result = target.transform.apply(batch)
+        result = transform.apply(batch)
         check_output(target.label, batch, result)
         for key, param in target.params.items():
             reduced = result[key].sum(0) if self.reduction == "sum" else result[key].mean(0)
@@ -186,7 +234,11 @@ class Engine:
                 raise TransformError(
                     f"the transform registered for {target.label} produced non-finite values for {key!r}"
                 )
-            if param.grad is None:
-                param.grad = reduced.to(param.dtype)
-            else:
-                param.grad.add_(reduced)
+            _add_grad(param, reduced)
+
+
+def _add_grad(param: nn.Parameter, reduced: Tensor) -> None:
+    if param.grad is None:
+        param.grad = reduced.to(param.dtype)
+    else:
+        param.grad.add_(reduced)

@@ -10,9 +10,11 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
 from .engine import Engine, Target
-from .errors import BatchMixingError, TargetError, TransformError, UnsupportedLayerError
+from .errors import BatchMixingError, PergradError, TargetError, TransformError, UnsupportedLayerError
 from .hooks import HookedLayer, LayerHooks
 from .registry import RuleRegistry, default_registry, type_names
+from .sources import Materialized
+from .statistics import Statistics, compute_statistics
 from .transforms import Transform, UserTransform
 
 _REDUCTIONS = ("mean", "sum")
@@ -90,7 +92,13 @@ class PerSampleModule:
         reduction: how ``.grad`` combines the transformed per-sample gradients (default: same).
         batch_first: the batch is dim 0 of every layer input (False: dim 1, for sequence-first
             layers; convolution inputs always have the batch on dim 0).
-        keep_grad_sample: store ``p.grad_sample`` after each backward.
+        keep_grad_sample: store ``p.grad_sample`` after each backward. With False, nothing of size
+            ``B x #params`` is built where a fused path exists: scaling transforms (``clip_norm``,
+            ``normalize``, ``scale``) and norms come from each layer's input and output gradient.
+        track_norms: compute every parameter's per-sample gradient norms in each backward
+            (``per_sample_norms()``); needed only with ``keep_grad_sample=False``.
+        track_statistics: compute ``statistics()`` in each backward; needed only with
+            ``keep_grad_sample=False``.
         rules: a private ``RuleRegistry`` (default: ``pergrad.registry.default_registry``).
     """
 
@@ -102,6 +110,8 @@ class PerSampleModule:
         reduction: str | None = None,
         batch_first: bool = True,
         keep_grad_sample: bool = True,
+        track_norms: bool = False,
+        track_statistics: bool = False,
         rules: RuleRegistry | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -118,7 +128,12 @@ class PerSampleModule:
         self._layers = _discover(model, self._registry)
         params = {p: name for name, p in model.named_parameters() if p.requires_grad}
         self._engine = Engine(
-            param_names=params, loss_reduction=loss_reduction, reduction=reduction, keep_grad_sample=keep_grad_sample
+            param_names=params,
+            loss_reduction=loss_reduction,
+            reduction=reduction,
+            keep_grad_sample=keep_grad_sample,
+            track_norms=track_norms,
+            track_statistics=track_statistics,
         )
         self._hooks = LayerHooks(model, self._layers, batch_first, self._engine.on_output_grad)
         # AccumulateGrad nodes are cached weakly by their parameter: hold them so hooks stay on them.
@@ -168,6 +183,37 @@ class PerSampleModule:
         self.module.zero_grad(set_to_none)
         self._clear_grad_sample()
 
+    # -- what the last backward measured ---------------------------------------------------------
+
+    def _materialized(self) -> tuple[Materialized, dict[nn.Parameter, str], int]:
+        names = {p: n for p, n in self._engine.param_names.items() if hasattr(p, "grad_sample")}
+        if not self._engine.keep_grad_sample or not names:
+            raise PergradError(
+                "nothing to measure: run a backward first; with keep_grad_sample=False pass "
+                "track_norms=True (for per_sample_norms) or track_statistics=True (for statistics) to the wrapper"
+            )
+        grads = {p: p.grad_sample for p in names}
+        return Materialized(grads), names, next(iter(grads.values())).shape[0]
+
+    def per_sample_norms(self) -> dict[str, Tensor]:
+        """``{qualified param name: Tensor[B]}``: ``||g_i||`` of each parameter, before any transform.
+
+        The norm of a module's or the model's gradient is ``sqrt(sum of squares)`` of these.
+        """
+        if self._engine.track_norms:
+            return {self._engine.param_names[p]: sq.sqrt() for p, sq in self._engine.last_sq_norms.items()}
+        source, names, _ = self._materialized()
+        return {names[p]: sq.sqrt() for p, sq in source.sq_norms(names).items()}
+
+    def statistics(self) -> Statistics:
+        """Statistics of the last backward's per-sample gradients (formulas: ``pergrad.statistics``)."""
+        if self._engine.track_statistics:
+            if self._engine.last_statistics is None:
+                raise PergradError("statistics() is available after a backward pass")
+            return self._engine.last_statistics
+        source, names, batch_size = self._materialized()
+        return compute_statistics(source, names, batch_size, source.sq_norms(names))
+
     # -- transforms ------------------------------------------------------------------------------
 
     def register_transform(
@@ -199,8 +245,7 @@ class PerSampleModule:
             transform = UserTransform(fn, batched=batched, single_tensor=single, target=label)
         else:
             raise TransformError(f"the transform for {label} must be callable, got {type(fn).__name__}")
-        self._engine.targets.append(Target(label, params, transform))
-        self._engine.transformed.update(params.values())
+        self._engine.add_target(Target(label, params, transform))
 
     def _resolve(self, target: nn.Module | nn.Parameter | str) -> tuple[str, dict[str, nn.Parameter], bool]:
         modules = dict(self.module.named_modules())

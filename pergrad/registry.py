@@ -16,12 +16,30 @@ rule when someone registers one for it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import Tensor, nn
 
 Rule = Callable[[nn.Module, Any, Tensor], dict[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class FusedRule:
+    """Per-sample quantities of a layer computed without building ``g_i`` (same arguments as a rule).
+
+    - ``sq_norms(layer, a, d) -> {name: [B]}``: ``||g_i||^2``;
+    - ``summed(layer, a, d) -> {name: param shape}``: ``sum_i g_i`` (callers fold weights ``c_i`` into d);
+    - ``dots(layer, a, d, other) -> {name: [B]}``: ``<g_i, other[name]>`` for a fixed tensor per parameter;
+    - ``sum_squares(layer, a, d) -> {name: param shape} | None``: ``sum_i g_i**2`` elementwise where a
+      factorised form is exact for these shapes, else None (the caller then builds ``g_i``).
+    Every function returns entries only for parameters that require grad.
+    """
+
+    sq_norms: Callable[[nn.Module, Any, Tensor], dict[str, Tensor]]
+    summed: Callable[[nn.Module, Any, Tensor], dict[str, Tensor]]
+    dots: Callable[[nn.Module, Any, Tensor, dict[str, Tensor]], dict[str, Tensor]]
+    sum_squares: Callable[[nn.Module, Any, Tensor], dict[str, Tensor] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,7 @@ class RuleSpec:
     fn: Rule
     batch_dim_fixed: bool = False
     all_inputs: bool = False
+    fused: FusedRule | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,11 @@ class RuleRegistry:
             return fn
 
         return decorator
+
+    def register_fused(self, layer_types: tuple[type[nn.Module], ...], fused: FusedRule) -> None:
+        """Attach fused computations to the rules already registered for ``layer_types``."""
+        for layer_type in layer_types:
+            self._rules[layer_type] = replace(self._rules[layer_type], fused=fused)
 
     def lookup(self, layer: nn.Module) -> RuleSpec | None:
         """The rule registered for exactly ``type(layer)``, or None."""

@@ -47,7 +47,27 @@ class Transform:
         return f"{type(self).__name__}({fields})"
 
 
-class ClipNorm(Transform):
+class Scaling(Transform):
+    """A transform that multiplies each sample's gradient by one number: ``T(g_i) = c_i g_i``.
+
+    Because every rule is linear in the output gradient, ``sum_i c_i g_i`` is the layer's ordinary
+    batch gradient with output gradients ``c_i d_i``: with ``keep_grad_sample=False`` pergrad never
+    builds ``g_i`` for these, it only needs the per-sample norms (when ``needs_norms``).
+    """
+
+    needs_norms = True
+
+    def factors(self, norms: Tensor | None, batch_size: int, like: Tensor) -> Tensor:
+        """``c_i`` for each sample, shape [B]; ``norms`` is ``||g_i||`` over the target."""
+        raise NotImplementedError
+
+    def apply(self, grads: Grads) -> Grads:
+        first = next(iter(grads.values()))
+        norms = per_sample_norms(grads) if self.needs_norms else None
+        return _times(grads, self.factors(norms, first.shape[0], first))
+
+
+class ClipNorm(Scaling):
     """``T(g_i) = g_i * min(1, C / ||g_i||)``; a zero gradient stays zero."""
 
     def __init__(self, max_norm: float) -> None:
@@ -55,15 +75,12 @@ class ClipNorm(Transform):
             raise TransformError(f"clip_norm needs max_norm > 0, got {max_norm!r}")
         self.max_norm = float(max_norm)
 
-    def factors(self, norms: Tensor) -> Tensor:
-        """The per-sample scale ``min(1, C / ||g_i||)`` (C / 0 = inf, clamped to 1)."""
-        return (self.max_norm / norms).clamp(max=1.0)
-
-    def apply(self, grads: Grads) -> Grads:
-        return _times(grads, self.factors(per_sample_norms(grads)))
+    def factors(self, norms: Tensor | None, batch_size: int, like: Tensor) -> Tensor:
+        assert norms is not None
+        return (self.max_norm / norms).clamp(max=1.0)  # C / 0 = inf, clamped to 1
 
 
-class Normalize(Transform):
+class Normalize(Scaling):
     """``T(g_i) = g_i / (||g_i|| + eps)``: every sample gets (almost) unit norm."""
 
     def __init__(self, eps: float = 1e-12) -> None:
@@ -71,15 +88,15 @@ class Normalize(Transform):
             raise TransformError(f"normalize needs eps >= 0, got {eps!r}")
         self.eps = float(eps)
 
-    def factors(self, norms: Tensor) -> Tensor:
+    def factors(self, norms: Tensor | None, batch_size: int, like: Tensor) -> Tensor:
+        assert norms is not None
         return 1.0 / (norms + self.eps)
 
-    def apply(self, grads: Grads) -> Grads:
-        return _times(grads, self.factors(per_sample_norms(grads)))
 
-
-class Scale(Transform):
+class Scale(Scaling):
     """``T(g_i) = w_i * g_i`` with one weight per sample (importance weights, masks)."""
+
+    needs_norms = False
 
     def __init__(self, weights: Tensor) -> None:
         weights = torch.as_tensor(weights)
@@ -87,17 +104,13 @@ class Scale(Transform):
             raise TransformError(f"scale needs a 1-D weight per sample, got shape {tuple(weights.shape)}")
         self.weights = weights
 
-    def factors(self, batch_size: int, like: Tensor) -> Tensor:
+    def factors(self, norms: Tensor | None, batch_size: int, like: Tensor) -> Tensor:
         if self.weights.shape[0] != batch_size:
             raise TransformError(
                 f"scale has {self.weights.shape[0]} weights but the batch has {batch_size} samples; "
                 "pass one weight per sample (update the transform's .weights each step)"
             )
         return self.weights.to(device=like.device, dtype=like.dtype)
-
-    def apply(self, grads: Grads) -> Grads:
-        first = next(iter(grads.values()))
-        return _times(grads, self.factors(first.shape[0], first))
 
 
 class Square(Transform):

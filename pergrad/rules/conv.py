@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..registry import default_registry
+from ..registry import FusedRule, default_registry
+from .linear import outer_sq_norms
 
 _ConvNd = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -84,3 +85,70 @@ def conv(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     if layer.bias is not None and layer.bias.requires_grad:
         out["bias"] = d.flatten(2).sum(2)
     return out
+
+
+# -- fused: a convolution is the Linear layout [batch * groups, positions, patch] -------------------
+
+
+def _as_linear(layer: nn.Module, a: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    """Patches ``[n*g, l, c*k]`` and output gradients ``[n*g, l, o]`` (one row per group)."""
+    assert isinstance(layer, _ConvNd)
+    n, groups = a.shape[0], layer.groups
+    p = patches(padded_input(layer, a), layer.kernel_size, layer.stride, layer.dilation)
+    positions = math.prod(d.shape[2:])
+    p = p.reshape(n, groups, a.shape[1] // groups, positions, -1).permute(0, 1, 3, 2, 4)
+    dg = d.reshape(n, groups, d.shape[1] // groups, positions).transpose(2, 3)
+    return p.reshape(n * groups, positions, -1), dg.reshape(n * groups, positions, -1)
+
+
+def conv_sq_norms(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """``||g_i(W)||^2``: the Linear norm on unfolded patches, summed over groups."""
+    assert isinstance(layer, _ConvNd)
+    out = {}
+    if layer.weight.requires_grad:
+        p, dg = _as_linear(layer, a, d)
+        out["weight"] = outer_sq_norms(p, dg).view(a.shape[0], layer.groups).sum(1)
+    if layer.bias is not None and layer.bias.requires_grad:
+        out["bias"] = d.flatten(2).sum(2).square().sum(1)
+    return out
+
+
+def _conv_args(layer: nn.Module) -> tuple[list[int], list[int], list[int], int]:
+    assert isinstance(layer, _ConvNd)
+    zeros = [0] * len(layer.kernel_size)
+    return list(layer.stride), zeros, list(layer.dilation), layer.groups
+
+
+def conv_summed(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """``sum_i g_i``: the convolution's own weight/bias backward (no unfold)."""
+    assert isinstance(layer, _ConvNd)
+    stride, zeros, dilation, groups = _conv_args(layer)
+    has_bias = layer.bias is not None and layer.bias.requires_grad
+    _, grad_w, grad_b = torch.ops.aten.convolution_backward(
+        d, padded_input(layer, a), layer.weight, [d.shape[1]] if has_bias else None,
+        stride, zeros, dilation, False, zeros, groups, [False, layer.weight.requires_grad, has_bias],
+    )  # fmt: skip
+    out = {}
+    if layer.weight.requires_grad:
+        out["weight"] = grad_w
+    if has_bias:
+        out["bias"] = grad_b
+    return out
+
+
+def conv_dots(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``<g_i(W), G> = sum_{o,l} d_i[o, l] * conv(a_i, G)[o, l]``: one convolution, no unfold."""
+    assert isinstance(layer, _ConvNd)
+    out = {}
+    if layer.weight.requires_grad:
+        stride, zeros, dilation, groups = _conv_args(layer)
+        y = torch.ops.aten.convolution(
+            padded_input(layer, a), other["weight"], None, stride, zeros, dilation, False, zeros, groups
+        )
+        out["weight"] = (y * d).flatten(1).sum(1)
+    if layer.bias is not None and layer.bias.requires_grad:
+        out["bias"] = d.flatten(2).sum(2) @ other["bias"]
+    return out
+
+
+default_registry.register_fused(_ConvNd, FusedRule(conv_sq_norms, conv_summed, conv_dots))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..registry import default_registry
+from ..registry import FusedRule, default_registry
 
 
 @default_registry.register(nn.Embedding)
@@ -27,3 +27,51 @@ def embedding(layer: nn.Module, idx: Tensor, d: Tensor) -> dict[str, Tensor]:
     if layer.padding_idx is not None:
         out[:, layer.padding_idx] = 0
     return {"weight": out}
+
+
+# -- fused: g_i has one nonzero row per distinct token of sample i ------------------------------------
+
+
+def _tokens(layer: nn.Embedding, idx: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    """idx ``[n, t]`` and d ``[n, t, e]`` with padding tokens' gradients zeroed (their row gets none)."""
+    n, dim = idx.shape[0], layer.weight.shape[1]
+    idx, d = idx.reshape(n, -1), d.reshape(n, -1, dim)
+    if layer.padding_idx is not None:
+        d = d.masked_fill((idx == layer.padding_idx % layer.num_embeddings).unsqueeze(2), 0)
+    return idx, d
+
+
+def embedding_sq_norms(layer: nn.Module, idx: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """``||g_i||^2 = sum_{t,s} [idx_t = idx_s] (d_t . d_s)``: tokens that share a row add up first.
+
+    Index conventions: n sample, t and s token positions, e embedding features.
+    """
+    assert isinstance(layer, nn.Embedding)
+    if not layer.weight.requires_grad:
+        return {}
+    idx, d = _tokens(layer, idx, d)
+    same_row = idx.unsqueeze(2) == idx.unsqueeze(1)  # [n, t, s]
+    return {"weight": (torch.bmm(d, d.transpose(1, 2)) * same_row).sum((1, 2))}
+
+
+def embedding_summed(layer: nn.Module, idx: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """``sum_i g_i``: every token's gradient added into its row."""
+    assert isinstance(layer, nn.Embedding)
+    if not layer.weight.requires_grad:
+        return {}
+    idx, d = _tokens(layer, idx, d)
+    out = d.new_zeros(layer.weight.shape)
+    out.index_add_(0, idx.reshape(-1), d.reshape(-1, d.shape[2]))
+    return {"weight": out}
+
+
+def embedding_dots(layer: nn.Module, idx: Tensor, d: Tensor, other: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``<g_i, G> = sum_t d_it . G[idx_it]`` (padding tokens contribute nothing)."""
+    assert isinstance(layer, nn.Embedding)
+    if not layer.weight.requires_grad:
+        return {}
+    idx, d = _tokens(layer, idx, d)
+    return {"weight": (other["weight"][idx] * d).sum((1, 2))}
+
+
+default_registry.register_fused((nn.Embedding,), FusedRule(embedding_sq_norms, embedding_summed, embedding_dots))

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layout import rows
-from ..registry import default_registry
+from ..registry import FusedRule, default_registry
 
 
 @default_registry.register(nn.Linear)
@@ -27,3 +27,74 @@ def linear(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     if layer.bias is not None and layer.bias.requires_grad:
         out["bias"] = d.clone() if d.dim() == 2 else rows(d).sum(1)
     return out
+
+
+# -- fused: quantities of g_i = sum_s d_is a_is^T without building g_i -------------------------------
+
+
+def gram_is_cheaper(shared: int, fan_in: int, fan_out: int) -> bool:
+    """``||g_i||^2 = sum_{s,t} (a_s.a_t)(d_s.d_t)`` costs s^2 (i+o) per sample; building ``g_i``
+    costs s i o. Take the Gram form when it is the cheaper one."""
+    return shared * (fan_in + fan_out) <= fan_in * fan_out
+
+
+def outer_sq_norms(a: Tensor, d: Tensor) -> Tensor:
+    """``||sum_s d_s a_s^T||_F^2`` per sample. Index conventions: a: [n, s, i], d: [n, s, o] -> [n]."""
+    if a.shape[1] == 1:
+        return a.square().sum((1, 2)) * d.square().sum((1, 2))
+    if gram_is_cheaper(a.shape[1], a.shape[2], d.shape[2]):
+        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2))
+    return torch.bmm(d.transpose(1, 2), a).square().sum((1, 2))
+
+
+def _trainable(layer: nn.Module, name: str) -> bool:
+    p = getattr(layer, name, None)
+    return isinstance(p, nn.Parameter) and p.requires_grad
+
+
+def linear_sq_norms(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """``||g_i(W)||^2`` (outer-product or Gram form, by shape) and ``||g_i(b)||^2 = ||sum_s d_is||^2``."""
+    out = {}
+    if _trainable(layer, "weight"):
+        out["weight"] = outer_sq_norms(rows(a), rows(d))
+    if _trainable(layer, "bias"):
+        out["bias"] = rows(d).sum(1).square().sum(1)
+    return out
+
+
+def linear_summed(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """``sum_i g_i(W) = D^T A`` over every sample and position: one matmul, no per-sample tensor."""
+    out = {}
+    d2, a2 = d.reshape(-1, d.shape[-1]), a.reshape(-1, a.shape[-1])
+    if _trainable(layer, "weight"):
+        out["weight"] = d2.T @ a2
+    if _trainable(layer, "bias"):
+        out["bias"] = d2.sum(0)
+    return out
+
+
+def linear_dots(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``<g_i(W), G> = sum_s d_is^T G a_is`` and ``<g_i(b), h> = (sum_s d_is) . h``."""
+    out = {}
+    if _trainable(layer, "weight"):
+        out["weight"] = (rows(a) @ other["weight"].T * rows(d)).sum((1, 2))
+    if _trainable(layer, "bias"):
+        out["bias"] = rows(d).sum(1) @ other["bias"]
+    return out
+
+
+def linear_sum_squares(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor] | None:
+    """``sum_i g_i(W)^2 = (d^2)^T (a^2)``: exact only with one position per sample."""
+    if a.dim() != 2:
+        return None
+    out = {}
+    if _trainable(layer, "weight"):
+        out["weight"] = d.square().T @ a.square()
+    if _trainable(layer, "bias"):
+        out["bias"] = d.square().sum(0)
+    return out
+
+
+default_registry.register_fused(
+    (nn.Linear,), FusedRule(linear_sq_norms, linear_summed, linear_dots, linear_sum_squares)
+)

@@ -1,0 +1,172 @@
+"""Two ways to get quantities of the per-sample gradients ``g_i`` of one backward pass.
+
+- ``Materialized``: the ``[B, *p.shape]`` tensors are built (``keep_grad_sample=True``), and every
+  quantity is read off them.
+- ``Fused``: only each layer call's kept input ``a`` and output gradient ``d`` are held, and the
+  quantities come from the layer's fused rule without building ``g_i`` (norms by the outer-product
+  or Gram form, weighted sums ``sum_i c_i g_i`` as one batch gradient with ``c_i d_i``, inner
+  products with a fixed tensor). A parameter fed by several calls (a layer used twice, tied
+  weights) has cross terms in its norm, so its per-sample gradients are built for that one
+  parameter, used and dropped; so are those of layers without a fused rule.
+
+Both answer the same questions, so the engine computes transforms and statistics one way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from .hooks import HookedLayer
+from .registry import FusedRule
+
+Params = Iterable[nn.Parameter]
+
+
+def _weighted(d: Tensor, weights: Tensor) -> Tensor:
+    return d * weights.view(-1, *([1] * (d.dim() - 1)))
+
+
+class Materialized:
+    """Quantities read off built per-sample gradients ``{param: [B, *shape]}``."""
+
+    def __init__(self, grads: dict[nn.Parameter, Tensor]) -> None:
+        self.grads = grads
+
+    def per_sample(self, params: Params) -> dict[nn.Parameter, Tensor]:
+        return {p: self.grads[p] for p in params}
+
+    def sq_norms(self, params: Params) -> dict[nn.Parameter, Tensor]:
+        return {p: self.grads[p].flatten(1).square().sum(1) for p in params}
+
+    def summed(self, params: Params, weights: Tensor) -> dict[nn.Parameter, Tensor]:
+        return {p: _weighted(self.grads[p], weights).sum(0) for p in params}
+
+    def dots(self, others: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
+        return {p: (self.grads[p] * g).flatten(1).sum(1) for p, g in others.items()}
+
+    def sum_squares(self, params: Params) -> dict[nn.Parameter, Tensor]:
+        return {p: self.grads[p].square().sum(0) for p in params}
+
+
+@dataclass(frozen=True, eq=False)
+class Call:
+    """One call of a hooked layer in this backward: its input and its scaled output gradient."""
+
+    layer: HookedLayer
+    a: Any
+    d: Tensor
+
+
+class Fused:
+    """Quantities computed from the kept ``(a, d)`` of every call, building ``g_i`` only where needed."""
+
+    def __init__(self, calls: list[Call]) -> None:
+        self.calls = calls
+        self.uses: dict[nn.Parameter, list[tuple[Call, str]]] = {}
+        for call in calls:
+            for name, p in call.layer.module.named_parameters(recurse=False):
+                if p.requires_grad:
+                    self.uses.setdefault(p, []).append((call, name))
+
+    def _fused(self, p: nn.Parameter) -> tuple[Call, str, FusedRule] | None:
+        """The single call that feeds ``p`` and its fused rule, or None if ``p`` needs building."""
+        uses = self.uses[p]
+        if len(uses) != 1:
+            return None
+        call, name = uses[0]
+        fused = call.layer.spec.fused
+        return None if fused is None else (call, name, fused)
+
+    def _calls_of(self, params: Params) -> list[Call]:
+        """The calls that feed any of ``params``, each once, in forward order."""
+        return list(dict.fromkeys(c for p in params for c, _ in self.uses[p]))
+
+    def _by_call(self, params: Params) -> tuple[dict[Call, list[tuple[nn.Parameter, str]]], list[nn.Parameter]]:
+        """Split ``params`` into those a single fused call answers (grouped by call) and the rest."""
+        grouped: dict[Call, list[tuple[nn.Parameter, str]]] = {}
+        rest = []
+        for p in params:
+            found = self._fused(p)
+            if found is None:
+                rest.append(p)
+            else:
+                grouped.setdefault(found[0], []).append((p, found[1]))
+        return grouped, rest
+
+    def per_sample(self, params: Params) -> dict[nn.Parameter, Tensor]:
+        """Build ``g_i`` for ``params``: every call's rule, summed per sample."""
+        wanted = dict.fromkeys(params)
+        out: dict[nn.Parameter, Tensor] = {}
+        for call in self._calls_of(wanted):
+            for name, g in call.layer.spec.fn(call.layer.module, call.a, call.d).items():
+                p = getattr(call.layer.module, name)
+                if p in wanted:
+                    out[p] = g if p not in out else out[p] + g
+        return out
+
+    def _built(self, params: list[nn.Parameter]) -> Iterator[Materialized]:
+        """Per-sample gradients of ``params``, one layer call at a time (a shared parameter alone)."""
+        shared = dict.fromkeys(p for p in params if len(self.uses[p]) > 1)
+        for call in self._calls_of(p for p in params if p not in shared):
+            yield Materialized(self.per_sample(p for p in params if self.uses[p][0][0] is call and p not in shared))
+        for p in shared:
+            yield Materialized(self.per_sample([p]))
+
+    def sq_norms(self, params: Params) -> dict[nn.Parameter, Tensor]:
+        grouped, rest = self._by_call(params)
+        out = {}
+        for built in self._built(rest):
+            out.update(built.sq_norms(built.grads))
+        for call, pairs in grouped.items():
+            assert call.layer.spec.fused is not None
+            norms = call.layer.spec.fused.sq_norms(call.layer.module, call.a, call.d)
+            out.update({p: norms[name] for p, name in pairs})
+        return out
+
+    def summed(self, params: Params, weights: Tensor) -> dict[nn.Parameter, Tensor]:
+        """``sum_i w_i g_i``; rules are linear in d, so this is each call's batch gradient of ``w_i d_i``."""
+        wanted = dict.fromkeys(params)
+        out: dict[nn.Parameter, Tensor] = {}
+        for call in self._calls_of(wanted):
+            fused = call.layer.spec.fused
+            d = _weighted(call.d, weights)
+            if fused is None:
+                result = {k: g.sum(0) for k, g in call.layer.spec.fn(call.layer.module, call.a, d).items()}
+            else:
+                result = fused.summed(call.layer.module, call.a, d)
+            for name, g in result.items():
+                p = getattr(call.layer.module, name)
+                if p in wanted:
+                    out[p] = g if p not in out else out[p] + g
+        return out
+
+    def dots(self, others: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
+        grouped, rest = self._by_call(others)
+        out = {}
+        for built in self._built(rest):
+            out.update(built.dots({p: others[p] for p in built.grads}))
+        for call, pairs in grouped.items():
+            assert call.layer.spec.fused is not None
+            by_name = {name: others[p] for p, name in pairs}
+            result = call.layer.spec.fused.dots(call.layer.module, call.a, call.d, by_name)
+            out.update({p: result[name] for p, name in pairs})
+        return out
+
+    def sum_squares(self, params: Params) -> dict[nn.Parameter, Tensor]:
+        grouped, rest = self._by_call(params)
+        out: dict[nn.Parameter, Tensor] = {}
+        for call, pairs in grouped.items():
+            fused = call.layer.spec.fused
+            assert fused is not None
+            result = None if fused.sum_squares is None else fused.sum_squares(call.layer.module, call.a, call.d)
+            if result is None:
+                rest.extend(p for p, _ in pairs)
+            else:
+                out.update({p: result[name] for p, name in pairs})
+        for built in self._built(rest):
+            out.update(built.sum_squares(built.grads))
+        return out

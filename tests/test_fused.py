@@ -1,0 +1,193 @@
+"""keep_grad_sample=False: norms, scaling transforms and statistics without building g_i, checked
+against the same quantities computed from torch.func's per-sample gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import pergrad
+from pergrad import PergradError, PerSampleModule, transforms
+from pergrad.rules.linear import gram_is_cheaper
+from tests.reference import assert_close, reference_grad_sample, run_pergrad
+from tests.test_hooks import Twice
+from tests.test_rules import Head, families, make_input
+
+
+def flat_norms(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
+
+
+def times(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return g * c.view(-1, *([1] * (g.dim() - 1)))
+
+
+def expected_statistics(ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The statistics straight from their definitions on per-sample gradients."""
+    b = next(iter(ref.values())).shape[0]
+    flat = torch.cat([g.flatten(1) for g in ref.values()], 1)  # [B, P]
+    g = flat.mean(0)
+    g2 = g.square().sum()
+    p = flat @ g
+    return {
+        "trace_variance": (flat.square().mean(0) - g.square()).sum(),
+        "norm_test": ((flat - g).square().sum() / (b - 1) / (b * g2)).sqrt(),
+        "inner_product_test": (((p - g2).square().sum() / (b - 1)) / (b * g2.square())).sqrt(),
+        "orthogonality_test": (((flat - (p / g2).unsqueeze(1) * g).square().sum() / (b - 1)) / (b * g2)).sqrt(),
+    }
+
+
+def check_statistics(stats: pergrad.statistics.Statistics, ref: dict[str, torch.Tensor]) -> None:
+    for name, g in ref.items():
+        s = stats.params[name]
+        assert_close(s.mean, g.mean(0), f"mean {name}")
+        assert_close(s.second_moment, g.square().mean(0), f"second moment {name}")
+        assert_close(s.variance, g.square().mean(0) - g.mean(0).square(), f"variance {name}")
+    assert_close(stats.sq_norms, flat_norms(ref).square(), "sq_norms")
+    for key, value in expected_statistics(ref).items():
+        # compare squares: a test near 0 is the sqrt of a cancellation, which magnifies round-off
+        torch.testing.assert_close(
+            getattr(stats, key).square(), value.square(), rtol=1e-7, atol=1e-9, equal_nan=True, msg=key
+        )
+
+
+def model_and_batch(
+    layer: nn.Module, shape: tuple[int, ...], seed: int
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    model = Head(layer)
+    x = make_input(layer, shape, seed)
+    with torch.no_grad():
+        target = torch.randn_like(model(x))
+    return model, x, target
+
+
+@pytest.mark.parametrize("family", sorted(families))
+@given(data=st.data(), seed=st.integers(0, 2**16), max_norm=st.floats(0.05, 5.0))
+def test_fused_norms_clipping_statistics(family: str, data: st.DataObject, seed: int, max_norm: float) -> None:
+    torch.manual_seed(seed)
+    layer, shape = data.draw(families[family])
+    model, x, target = model_and_batch(layer, shape, seed)
+    ref = reference_grad_sample(model, x, target)
+    factor = (max_norm / flat_norms(ref)).clamp(max=1)
+    with PerSampleModule(model, keep_grad_sample=False, track_statistics=True) as psm:
+        psm.register_transform(model, transforms.clip_norm(max_norm))
+        run_pergrad(psm, x, target)
+        norms = psm.per_sample_norms()
+        for name, p in model.named_parameters():
+            assert not hasattr(p, "grad_sample")
+            assert_close(norms[name], ref[name].flatten(1).norm(dim=1), f"norm {name}")
+            assert_close(p.grad, times(ref[name], factor).mean(0), f"clipped grad {name}")
+        if shape[0] > 1:
+            check_statistics(psm.statistics(), ref)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_targets_at_three_levels_and_shared_parameters(keep: bool, reduction: str) -> None:
+    """A module target, a parameter target and the rest of the model; tied and reused layers."""
+    torch.manual_seed(0)
+    model = Twice().double()
+    x = torch.randint(0, 7, (5, 4))
+    target = torch.randn(5, 4, 7, dtype=torch.float64)
+    ref = reference_grad_sample(model, x, target)
+    w = torch.ones(5, dtype=torch.float64)
+    with PerSampleModule(model, keep_grad_sample=keep, reduction=reduction, track_norms=True) as psm:
+        psm.register_transform("lin", transforms.clip_norm(0.2))
+        psm.register_transform("emb.weight", transforms.normalize(1e-3))
+        run_pergrad(psm, x, target)
+        lin = {k: ref[f"lin.{k}"] for k in ("weight", "bias")}
+        expected = {
+            "lin.weight": times(lin["weight"], (0.2 / flat_norms(lin)).clamp(max=1)),
+            "lin.bias": times(lin["bias"], (0.2 / flat_norms(lin)).clamp(max=1)),
+            "emb.weight": times(ref["emb.weight"], 1 / (ref["emb.weight"].flatten(1).norm(dim=1) + 1e-3)),
+        }
+        for name, p in model.named_parameters():
+            want = expected[name].mean(0) if reduction == "mean" else expected[name].sum(0)
+            assert_close(p.grad, want, name)
+            assert_close(psm.per_sample_norms()[name], ref[name].flatten(1).norm(dim=1), name)
+        with pytest.raises(pergrad.TargetError, match=r"module 'head' overlaps parameter 'emb.weight'"):
+            psm.register_transform(model.head, transforms.scale(w))  # head.weight is emb.weight
+
+
+def test_scale_and_square_fused() -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x, target = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    ref = reference_grad_sample(model, x, target)
+    w = torch.linspace(0, 1, 5, dtype=torch.float64)
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
+        psm.register_transform("0", transforms.scale(w))
+        psm.register_transform("2", transforms.square())
+        run_pergrad(psm, x, target)
+        for k in ("weight", "bias"):
+            assert_close(getattr(model[0], k).grad, times(ref[f"0.{k}"], w).mean(0))
+            assert_close(getattr(model[2], k).grad, ref[f"2.{k}"].square().mean(0))
+
+
+def spy_registry(calls: list[str]) -> pergrad.RuleRegistry:
+    """The default rules, with the per-sample (materialising) Linear rule counting its calls."""
+    registry = pergrad.default_registry.copy()
+    spec = registry.lookup(nn.Linear(1, 1))
+    assert spec is not None and spec.fused is not None
+
+    def counting(layer: nn.Module, a: torch.Tensor, d: torch.Tensor) -> dict[str, torch.Tensor]:
+        calls.append(type(layer).__name__)
+        return pergrad.rules.linear(layer, a, d)
+
+    registry.register(nn.Linear, overwrite=True)(counting)
+    registry.register_fused((nn.Linear,), spec.fused)
+    return registry
+
+
+@pytest.mark.parametrize("shape", [(6, 8), (6, 2, 8), (6, 40, 8)], ids=["2d", "gram", "outer"])
+def test_fused_mode_never_builds_per_sample_gradients(shape: tuple[int, ...]) -> None:
+    calls: list[str] = []
+    model = nn.Sequential(nn.Linear(8, 9), nn.ReLU(), nn.Linear(9, 3)).double()
+    x, target = torch.randn(shape, dtype=torch.float64), torch.randn(*shape[:-1], 3, dtype=torch.float64)
+    ref = reference_grad_sample(model, x, target)
+    with PerSampleModule(model, keep_grad_sample=False, track_statistics=True, rules=spy_registry(calls)) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.5))
+        run_pergrad(psm, x, target)
+        # only the elementwise sum of squares (statistics) builds g_i, and only with positions > 1
+        assert (calls == []) if len(shape) == 2 else (calls == ["Linear", "Linear"])
+        factor = (0.5 / flat_norms(ref)).clamp(max=1)
+        for name, p in model.named_parameters():
+            assert_close(p.grad, times(ref[name], factor).mean(0), name)
+        check_statistics(psm.statistics(), ref)
+    with PerSampleModule(model, keep_grad_sample=False, rules=spy_registry(calls := [])) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.5))
+        run_pergrad(psm, x, target)
+        assert calls == []
+
+
+def test_both_norm_forms_are_used() -> None:
+    assert gram_is_cheaper(2, 8, 9) and not gram_is_cheaper(40, 8, 9)
+
+
+def test_statistics_keep_mode_and_cabs() -> None:
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(12, 2)).double()
+    x, target = torch.randn(6, 2, 4, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    ref = reference_grad_sample(model, x, target)
+    with PerSampleModule(model) as psm:
+        with pytest.raises(PergradError, match=r"run a backward first"):
+            psm.statistics()
+        loss = run_pergrad(psm, x, target).item()
+        stats = psm.statistics()
+        check_statistics(stats, ref)
+        expected = round(0.1 * float(stats.trace_variance) / loss)
+        assert stats.cabs_batch_size(0.1, loss, low=1, high=10**9) == max(expected, 1)
+        assert stats.cabs_batch_size(1e-9, loss) == 16
+        with pytest.raises(ValueError, match=r"positive loss"):
+            stats.cabs_batch_size(0.1, 0.0)
+
+
+def test_norms_need_tracking_without_grad_sample() -> None:
+    model = nn.Sequential(nn.Linear(3, 2))
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
+        psm(torch.randn(4, 3)).sum().backward()
+        with pytest.raises(PergradError, match=r"track_norms=True"):
+            psm.per_sample_norms()
