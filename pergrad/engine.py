@@ -56,6 +56,8 @@ class _Backward:
     grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # keep_grad_sample=True
     calls: list[Call] = field(default_factory=list)  # keep_grad_sample=False
     reached: dict[nn.Parameter, None] = field(default_factory=dict)  # ordered set
+    batch_grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # autograd's, before accumulation
+    overwrite: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad holds autograd's sum only
 
 
 class Engine:
@@ -144,8 +146,13 @@ class Engine:
             return None
         state = self._backward_state()
         state.reached[param] = None
-        if param in self.transformed:
-            return torch.zeros_like(grad)  # written at the end of the backward
+        if self.track_statistics:
+            state.batch_grads[param] = grad
+        if param in self.transformed:  # .grad is written at the end of the backward
+            if param.grad is None:
+                state.overwrite[param] = None  # let autograd store its sum; replaced at the end
+                return None
+            return torch.zeros_like(grad)
         if self.reduction == self.loss_reduction or state.batch_size is None:
             return None
         return grad * state.batch_size if self.reduction == "sum" else grad / state.batch_size
@@ -170,15 +177,19 @@ class Engine:
         reached = list(state.reached)
         if self.keep_grad_sample:
             self._store_grad_sample({p: state.grads[p] for p in reached}, state.generation)
-        wanted = [p for p in reached if self.track_norms or p in self._needs_norms]
-        sq_norms = source.sq_norms(wanted) if wanted else {}
+        if self.track_statistics and reached:
+            # autograd's batch gradient is sum_i g_i / B ("mean") or sum_i g_i ("sum")
+            scale = 1.0 if self.loss_reduction == "mean" else 1.0 / state.batch_size
+            means = {p: state.batch_grads[p] * scale for p in reached}
+            names = {p: self.param_names[p] for p in reached}
+            self.last_statistics, sq_norms = compute_statistics(source, names, state.batch_size, means)
+        else:
+            wanted = [p for p in reached if self.track_norms or p in self._needs_norms]
+            sq_norms = source.sq_norms(wanted) if wanted else {}
         for target in self.targets:
-            self._reduce_target(target, source, state.reached, state.batch_size, sq_norms)
+            self._reduce_target(target, source, state, sq_norms)
         if self.track_norms:
             self.last_sq_norms = sq_norms
-        if self.track_statistics and reached:
-            names = {p: self.param_names[p] for p in reached}
-            self.last_statistics = compute_statistics(source, names, state.batch_size, sq_norms)
 
     def add_target(self, target: Target) -> None:
         self.targets.append(target)
@@ -201,11 +212,12 @@ class Engine:
         self,
         target: Target,
         source: Materialized | Fused,
-        reached: dict[nn.Parameter, None],
-        batch_size: int,
+        state: _Backward,
         sq_norms: dict[nn.Parameter, Tensor],
     ) -> None:
-        params = [p for p in target.params.values() if p in reached]
+        assert state.batch_size is not None
+        batch_size, overwrite = state.batch_size, state.overwrite
+        params = [p for p in target.params.values() if p in state.reached]
         if not params:
             return
         transform = target.transform
@@ -218,7 +230,7 @@ class Engine:
                 raise TransformError(f"the transform registered for {target.label} produced non-finite scale factors")
             weights = factors / batch_size if self.reduction == "mean" else factors
             for param, reduced in source.summed(params, weights).items():
-                _add_grad(param, reduced)
+                _add_grad(param, reduced, param in overwrite)
             return
         grads = source.per_sample(params)
         first = grads[params[0]]
@@ -234,11 +246,11 @@ class Engine:
                 raise TransformError(
                     f"the transform registered for {target.label} produced non-finite values for {key!r}"
                 )
-            _add_grad(param, reduced)
+            _add_grad(param, reduced, param in overwrite)
 
 
-def _add_grad(param: nn.Parameter, reduced: Tensor) -> None:
-    if param.grad is None:
+def _add_grad(param: nn.Parameter, reduced: Tensor, overwrite: bool) -> None:
+    if param.grad is None or overwrite:
         param.grad = reduced.to(param.dtype)
     else:
         param.grad.add_(reduced)

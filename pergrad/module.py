@@ -212,7 +212,8 @@ class PerSampleModule:
                 raise PergradError("statistics() is available after a backward pass")
             return self._engine.last_statistics
         source, names, batch_size = self._materialized()
-        return compute_statistics(source, names, batch_size, source.sq_norms(names))
+        means = {p: g.mean(0) for p, g in source.grads.items()}
+        return compute_statistics(source, names, batch_size, means)[0]
 
     # -- transforms ------------------------------------------------------------------------------
 

@@ -51,6 +51,19 @@ class Materialized:
     def sum_squares(self, params: Params) -> dict[nn.Parameter, Tensor]:
         return {p: self.grads[p].square().sum(0) for p in params}
 
+    def moments(self, means: dict[nn.Parameter, Tensor]) -> Moments:
+        """``||g_i||^2``, ``sum_i g_i^2`` and ``<g_i, mean>`` of every parameter in ``means``."""
+        return Moments(self.sq_norms(means), self.sum_squares(means), self.dots(means))
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Per parameter: ``sq_norms`` [B], ``sum_squares`` (param shape), ``dots`` [B] with the mean."""
+
+    sq_norms: dict[nn.Parameter, Tensor]
+    sum_squares: dict[nn.Parameter, Tensor]
+    dots: dict[nn.Parameter, Tensor]
+
 
 @dataclass(frozen=True, eq=False)
 class Call:
@@ -156,17 +169,25 @@ class Fused:
             out.update({p: result[name] for p, name in pairs})
         return out
 
-    def sum_squares(self, params: Params) -> dict[nn.Parameter, Tensor]:
-        grouped, rest = self._by_call(params)
-        out: dict[nn.Parameter, Tensor] = {}
+    def moments(self, means: dict[nn.Parameter, Tensor]) -> Moments:
+        """Norms, sums of squares and inner products with ``means``. Where a layer has no factorised
+        sum of squares, its ``g_i`` are built once and all three are read off them."""
+        grouped, rest = self._by_call(means)
+        out = Moments({}, {}, {})
         for call, pairs in grouped.items():
             fused = call.layer.spec.fused
             assert fused is not None
-            result = None if fused.sum_squares is None else fused.sum_squares(call.layer.module, call.a, call.d)
-            if result is None:
+            squares = None if fused.sum_squares is None else fused.sum_squares(call.layer.module, call.a, call.d)
+            if squares is None:
                 rest.extend(p for p, _ in pairs)
-            else:
-                out.update({p: result[name] for p, name in pairs})
+                continue
+            norms = fused.sq_norms(call.layer.module, call.a, call.d)
+            dots = fused.dots(call.layer.module, call.a, call.d, {name: means[p] for p, name in pairs})
+            for p, name in pairs:
+                out.sq_norms[p], out.sum_squares[p], out.dots[p] = norms[name], squares[name], dots[name]
         for built in self._built(rest):
-            out.update(built.sum_squares(built.grads))
+            part = built.moments({p: means[p] for p in built.grads})
+            out.sq_norms.update(part.sq_norms)
+            out.sum_squares.update(part.sum_squares)
+            out.dots.update(part.dots)
         return out

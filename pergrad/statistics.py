@@ -65,22 +65,20 @@ class Statistics:
 
 
 def compute_statistics(
-    source: Materialized | Fused, names: dict[nn.Parameter, str], batch_size: int, sq_norms: dict[nn.Parameter, Tensor]
-) -> Statistics:
-    """All statistics from a gradient source, for the parameters in ``names``."""
+    source: Materialized | Fused, names: dict[nn.Parameter, str], batch_size: int, means: dict[nn.Parameter, Tensor]
+) -> tuple[Statistics, dict[nn.Parameter, Tensor]]:
+    """All statistics for the parameters in ``names``, given their mean gradients ``g``; also
+    returns the per-parameter ``||g_i||^2`` computed on the way."""
     b = batch_size
     params = list(names)
-    first = sq_norms[params[0]]
-    means = source.summed(params, first.new_full((b,), 1.0 / b))
-    second = source.sum_squares(params)
+    moments = source.moments({p: means[p] for p in params})
     per_param = {}
     for p in params:
-        m2 = second[p] / b
+        m2 = moments.sum_squares[p] / b
         variance = m2 - means[p].square()
         per_param[names[p]] = ParamStatistics(means[p], m2, variance, means[p].square() / variance)
-    dots = source.dots(means)
-    sample_sq = torch.stack([sq_norms[p] for p in params]).sum(0)
-    p_i = torch.stack([dots[p] for p in params]).sum(0)
+    sample_sq = torch.stack([moments.sq_norms[p] for p in params]).sum(0)
+    p_i = torch.stack([moments.dots[p] for p in params]).sum(0)
     g2 = torch.stack([means[p].square().sum() for p in params]).sum()
     trace = torch.stack([s.variance.sum() for s in per_param.values()]).sum()
     denominator = (b - 1) if b > 1 else float("nan")
@@ -88,4 +86,5 @@ def compute_statistics(
     norm_test = ((sample_sq.sum() - b * g2).clamp(min=0) / denominator / (b * g2)).sqrt()
     ip_test = ((p_i.square().sum() - b * g2.square()).clamp(min=0) / denominator / (b * g2.square())).sqrt()
     orth_test = ((sample_sq.sum() - p_i.square().sum() / g2).clamp(min=0) / denominator / (b * g2)).sqrt()
-    return Statistics(b, per_param, sample_sq, g2, trace, norm_test, ip_test, orth_test)
+    stats = Statistics(b, per_param, sample_sq, g2, trace, norm_test, ip_test, orth_test)
+    return stats, moments.sq_norms

@@ -191,3 +191,23 @@ def test_norms_need_tracking_without_grad_sample() -> None:
         psm(torch.randn(4, 3)).sum().backward()
         with pytest.raises(PergradError, match=r"track_norms=True"):
             psm.per_sample_norms()
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_transformed_grad_accumulates_over_micro_batches(keep: bool) -> None:
+    """The first backward stores T's reduction in an empty .grad; the second adds to it."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    batches = [(torch.randn(b, 4, dtype=torch.float64), torch.randn(b, 3, dtype=torch.float64)) for b in (5, 3)]
+    expected: dict[str, torch.Tensor] = {}
+    for x, target in batches:
+        ref = reference_grad_sample(model, x, target)
+        factor = (0.3 / flat_norms(ref)).clamp(max=1)
+        for name, g in ref.items():
+            expected[name] = expected.get(name, 0) + times(g, factor).mean(0)
+    with PerSampleModule(model, keep_grad_sample=keep) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.3))
+        for x, target in batches:
+            run_pergrad(psm, x, target)
+        for name, p in model.named_parameters():
+            assert_close(p.grad, expected[name], name)

@@ -74,4 +74,21 @@ def embedding_dots(layer: nn.Module, idx: Tensor, d: Tensor, other: dict[str, Te
     return {"weight": (other["weight"][idx] * d).sum((1, 2))}
 
 
-default_registry.register_fused((nn.Embedding,), FusedRule(embedding_sq_norms, embedding_summed, embedding_dots))
+def embedding_sum_squares(layer: nn.Module, idx: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """``sum_i g_i^2``: each sample's rows are built only for the tokens it holds (one row per distinct
+    (sample, token) pair, ``unique`` + ``index_add``), squared, then added into their rows."""
+    assert isinstance(layer, nn.Embedding)
+    if not layer.weight.requires_grad:
+        return {}
+    idx, d = _tokens(layer, idx, d)
+    vocab = layer.num_embeddings
+    keys = (idx + torch.arange(idx.shape[0], device=idx.device).unsqueeze(1) * vocab).reshape(-1)
+    pairs, slot = torch.unique(keys, return_inverse=True)
+    rows = d.new_zeros(pairs.shape[0], d.shape[2]).index_add_(0, slot, d.reshape(-1, d.shape[2]))
+    out = d.new_zeros(layer.weight.shape).index_add_(0, pairs % vocab, rows.square())
+    return {"weight": out}
+
+
+default_registry.register_fused(
+    (nn.Embedding,), FusedRule(embedding_sq_norms, embedding_summed, embedding_dots, embedding_sum_squares)
+)
