@@ -47,7 +47,12 @@ def check_statistics(stats: pergrad.statistics.Statistics, ref: dict[str, torch.
         assert_close(s.second_moment, g.square().mean(0), f"second moment {name}")
         assert_close(s.variance, g.square().mean(0) - g.mean(0).square(), f"variance {name}")
     assert_close(stats.sq_norms, flat_norms(ref).square(), "sq_norms")
-    for key, value in expected_statistics(ref).items():
+    expected = expected_statistics(ref)
+    mean_sq = torch.cat([g.mean(0).flatten() for g in ref.values()]).square().sum()
+    if mean_sq <= 1e-20 * flat_norms(ref).square().mean():
+        # the mean gradient is zero up to round-off: the three tests divide by it and are meaningless
+        expected = {"trace_variance": expected["trace_variance"]}
+    for key, value in expected.items():
         # compare squares: a test near 0 is the sqrt of a cancellation, which magnifies round-off
         torch.testing.assert_close(
             getattr(stats, key).square(), value.square(), rtol=1e-7, atol=1e-9, equal_nan=True, msg=key
