@@ -129,7 +129,13 @@ class Engine:
         if not self.keep_grad_sample:
             state.calls.append(Call(layer, kept.a, d))
             return
-        per_sample = layer.spec.fn(layer.module, kept.a, d)
+        if kept.batch_size == 0:  # an empty batch: no rule needs to run
+            module = layer.module
+            per_sample = {
+                n: d.new_zeros((0, *p.shape)) for n, p in module.named_parameters(recurse=False) if p.requires_grad
+            }
+        else:
+            per_sample = layer.spec.fn(layer.module, kept.a, d)
         for name, g in per_sample.items():
             param = getattr(layer.module, name)
             if g.shape != (kept.batch_size, *param.shape):
@@ -177,6 +183,12 @@ class Engine:
         reached = list(state.reached)
         if self.keep_grad_sample:
             self._store_grad_sample({p: state.grads[p] for p in reached}, state.generation)
+        if state.batch_size == 0:
+            # An empty batch (Poisson sampling): every sum over samples is 0, so .grad gets nothing
+            # added (autograd's own sum is 0 too), norms are empty and there are no statistics.
+            self.last_sq_norms = {p: state.batch_grads.get(p, p).new_zeros(0) for p in reached}
+            self.last_statistics = None
+            return
         if self.track_statistics and reached:
             # autograd's batch gradient is sum_i g_i / B ("mean") or sum_i g_i ("sum")
             scale = 1.0 if self.loss_reduction == "mean" else 1.0 / state.batch_size

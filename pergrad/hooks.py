@@ -55,6 +55,39 @@ def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return next(iter(kwargs.values()), None)
 
 
+class _Detached:
+    """What a pergrad hook becomes in a deepcopied or unpickled model: a hook that does nothing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class ModuleHook:
+    """A module hook owned by one ``LayerHooks``. Copying or pickling the model copies no pergrad
+    state: the copy gets a ``_Detached`` hook in its place."""
+
+    def __init__(self, owner: LayerHooks, fn: Callable[..., None]) -> None:
+        self.owner, self.fn = owner, fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Detached:
+        return _Detached()
+
+    def __reduce__(self) -> tuple[type[_Detached], tuple[()]]:
+        return (_Detached, ())
+
+
+def owners(model: nn.Module) -> list[LayerHooks]:
+    """The ``LayerHooks`` whose hooks are installed on ``model`` or its submodules."""
+    found: list[LayerHooks] = []
+    for module in model.modules():
+        for hooks in (module._forward_hooks, module._forward_pre_hooks):
+            found.extend(h.owner for h in hooks.values() if isinstance(h, ModuleHook))
+    return list(dict.fromkeys(found))
+
+
 def _refuse_batch_statistics(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
     """A forward pre-hook for BatchNorm: normalising with batch statistics couples the samples."""
 
@@ -81,12 +114,16 @@ class LayerHooks:
         self._batch_first = batch_first
         self._on_output_grad = on_output_grad
         self.generation = 0
-        self._handles: list[RemovableHandle] = [model.register_forward_pre_hook(self._next_generation)]
+        self._handles: list[RemovableHandle] = [
+            model.register_forward_pre_hook(ModuleHook(self, self._next_generation))
+        ]
         for layer in layers:
-            self._handles.append(layer.module.register_forward_hook(self._keeper(layer), with_kwargs=True))
+            hook = ModuleHook(self, self._keeper(layer))
+            self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
         for name, module in model.named_modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                self._handles.append(module.register_forward_pre_hook(_refuse_batch_statistics(name)))
+                hook = ModuleHook(self, _refuse_batch_statistics(name))
+                self._handles.append(module.register_forward_pre_hook(hook))
 
     def _next_generation(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         self.generation += 1

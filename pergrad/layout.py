@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from torch import Tensor
 
 
@@ -13,4 +15,4 @@ def batch_to_front(t: Tensor, batch_first: bool) -> Tensor:
 def rows(t: Tensor) -> Tensor:
     """``[B, *shared, F] -> [B, S, F]``: every dimension between batch and features becomes one
     shared axis S (sequence positions, pixels), so Linear-like rules have a single layout."""
-    return t.reshape(t.shape[0], -1, t.shape[-1])
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])

@@ -11,7 +11,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .engine import Engine, Target
 from .errors import BatchMixingError, PergradError, TargetError, TransformError, UnsupportedLayerError
-from .hooks import HookedLayer, LayerHooks
+from .hooks import HookedLayer, LayerHooks, owners
 from .registry import RuleRegistry, default_registry, type_names
 from .sources import Materialized
 from .statistics import Statistics, compute_statistics
@@ -120,6 +120,11 @@ class PerSampleModule:
         for arg, value in (("loss_reduction", loss_reduction), ("reduction", reduction)):
             if value not in _REDUCTIONS:
                 raise ValueError(f"{arg} must be 'mean' or 'sum', got {value!r}")
+        if owners(model):
+            raise PergradError(
+                f"this {type(model).__name__} (or a submodule of it) is already wrapped by a PerSampleModule; two "
+                "wrappers would each write .grad. Call .remove() on the first one (or leave its `with` block) first."
+            )
         self.module = model
         self.loss_reduction = loss_reduction
         self.reduction = reduction

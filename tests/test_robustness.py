@@ -1,0 +1,136 @@
+"""Faults and misuse: every case is exact or a clear error, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from pergrad import PergradError, PerSampleModule, transforms
+from tests.reference import assert_close, reference_grad_sample, run_pergrad
+
+
+def model_and_batch(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)).double()
+    return model, torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+
+
+def assert_exact_step(psm: PerSampleModule, model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> None:
+    ref = reference_grad_sample(model, x, target)
+    model.zero_grad()
+    run_pergrad(psm, x, target)
+    for name, p in model.named_parameters():
+        assert_close(p.grad_sample, ref[name], name)
+        assert_close(p.grad, ref[name].mean(0), name)
+
+
+def test_two_wrappers_on_one_model_is_an_error_and_rewrapping_works() -> None:
+    model, x, target = model_and_batch()
+    first = PerSampleModule(model)
+    with pytest.raises(PergradError, match=r"already wrapped by a PerSampleModule.*\.remove\(\)"):
+        PerSampleModule(model)
+    with pytest.raises(PergradError, match=r"already wrapped"):
+        PerSampleModule(model[0])
+    first.remove()
+    with PerSampleModule(model) as second:
+        assert_exact_step(second, model, x, target)
+    with PerSampleModule(model) as third:
+        assert_exact_step(third, model, x, target)
+
+
+def test_exception_in_the_middle_of_a_forward() -> None:
+    model, x, target = model_and_batch()
+    with PerSampleModule(model) as psm:
+        with pytest.raises(RuntimeError, match=r"shapes cannot be multiplied"):
+            psm(torch.randn(5, 7, dtype=torch.float64))
+        assert psm._engine._current is None
+        assert_exact_step(psm, model, x, target)
+
+
+def test_exception_in_the_middle_of_a_backward() -> None:
+    model, x, target = model_and_batch()
+
+    def explode(grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom")
+
+    with PerSampleModule(model) as psm:
+        out = psm(x)
+        out.register_hook(explode)
+        with pytest.raises(ValueError, match="boom"):
+            (out - target).pow(2).sum().backward()
+        assert_exact_step(psm, model, x, target)
+        assert psm._engine._current is None
+
+
+def test_forward_twice_then_backward_of_the_second() -> None:
+    model, x, target = model_and_batch()
+    with PerSampleModule(model) as psm:
+        psm(torch.randn(9, 4, dtype=torch.float64))  # discarded
+        assert_exact_step(psm, model, x, target)
+
+
+def test_backward_without_a_forward_through_the_model() -> None:
+    model, _, _ = model_and_batch()
+    with PerSampleModule(model):
+        w = torch.ones(3, requires_grad=True)
+        (w * 2).sum().backward()  # nothing of the model involved: nothing happens
+        assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "state_dict"])
+def test_copies_of_a_wrapped_model_carry_no_pergrad_state(how: str) -> None:
+    model, x, target = model_and_batch()
+    with PerSampleModule(model) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.01))
+        run_pergrad(psm, x, target)
+        if how == "deepcopy":
+            copied = copy.deepcopy(model)
+        elif how == "pickle":
+            # pickle keeps attributes set on tensors, grad_sample too: drop them first (documented)
+            assert hasattr(pickle.loads(pickle.dumps(model))[0].weight, "grad_sample")
+            psm.zero_grad()
+            copied = pickle.loads(pickle.dumps(model))
+        else:
+            buffer = io.BytesIO()
+            torch.save(model.state_dict(), buffer)
+            copied, _, _ = model_and_batch(seed=1)
+            copied.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
+        assert not any(hasattr(p, "grad_sample") for p in copied.parameters())
+        copied.zero_grad()
+        run_pergrad(copied, x, target)  # plain autograd: no clipping, no grad_sample, original untouched
+        ref = reference_grad_sample(copied, x, target)
+        for name, p in copied.named_parameters():
+            assert_close(p.grad, ref[name].mean(0), name)
+            assert not hasattr(p, "grad_sample")
+        with PerSampleModule(copied) as again:  # a copy can be wrapped on its own
+            assert_exact_step(again, copied, x, target)
+
+
+def test_two_models_in_two_threads() -> None:
+    results: dict[int, bool] = {}
+
+    def work(seed: int) -> None:
+        model, x, target = model_and_batch(seed)
+        ref = reference_grad_sample(model, x, target)
+        ok = True
+        with PerSampleModule(model) as psm:
+            for _ in range(20):
+                model.zero_grad()
+                run_pergrad(psm, x, target)
+                ok &= all(
+                    torch.allclose(p.grad_sample, ref[n], rtol=1e-9, atol=1e-10) for n, p in model.named_parameters()
+                )
+        results[seed] = ok
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {1: True, 2: True}
