@@ -85,6 +85,7 @@ class Engine:
         self.closed = False
         self.last_sq_norms: dict[nn.Parameter, Tensor] = {}
         self.last_statistics: Statistics | None = None
+        self.last_dropped: dict[str, Tensor] = {}
         self._current: _Backward | None = None
         self._grad_sample_generation: dict[nn.Parameter, int] = {}
 
@@ -181,6 +182,7 @@ class Engine:
             )
         assert state.batch_size is not None
         reached = list(state.reached)
+        self.last_dropped = {}
         if self.keep_grad_sample:
             self._store_grad_sample({p: state.grads[p] for p in reached}, state.generation)
         if state.batch_size == 0:
@@ -238,10 +240,18 @@ class Engine:
             # A parameter of the target that this backward did not reach has g_i = 0: it adds 0.
             norms = torch.stack([sq_norms[p] for p in params]).sum(0).sqrt() if transform.needs_norms else None
             factors = transform.factors(norms, batch_size, params[0].detach())
-            if not torch.isfinite(factors).all() and (norms is None or torch.isfinite(norms).all()):
+            drop = None
+            if norms is not None:
+                # a sample whose gradient holds NaN or Inf has no finite clipped/normalised value:
+                # it contributes nothing, and is reported by dropped_samples()
+                bad = ~torch.isfinite(norms)
+                if bad.any():
+                    drop, factors = bad, factors.masked_fill(bad, 0)
+                    self.last_dropped[target.label] = bad.nonzero().flatten()
+            if not torch.isfinite(factors).all():
                 raise TransformError(f"the transform registered for {target.label} produced non-finite scale factors")
             weights = factors / batch_size if self.reduction == "mean" else factors
-            for param, reduced in source.summed(params, weights).items():
+            for param, reduced in source.summed(params, weights, drop).items():
                 _add_grad(param, reduced, param in overwrite)
             return
         grads = source.per_sample(params)

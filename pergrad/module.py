@@ -220,6 +220,15 @@ class PerSampleModule:
         means = {p: g.mean(0) for p, g in source.grads.items()}
         return compute_statistics(source, names, batch_size, means)[0]
 
+    def dropped_samples(self) -> dict[str, Tensor]:
+        """``{target: indices}`` of the samples the last backward left out of a norm-based transform
+        (``clip_norm``, ``normalize``) because their gradient over that target held NaN or Inf.
+
+        Such a sample contributes nothing to that target's ``.grad``; the other samples are reduced
+        as usual (with ``reduction="mean"`` still divided by the full batch size B).
+        """
+        return dict(self._engine.last_dropped)
+
     # -- transforms ------------------------------------------------------------------------------
 
     def register_transform(

@@ -26,8 +26,14 @@ from .registry import FusedRule
 Params = Iterable[nn.Parameter]
 
 
-def _weighted(d: Tensor, weights: Tensor) -> Tensor:
-    return d * weights.view(-1, *([1] * (d.dim() - 1)))
+def _weighted(d: Tensor, weights: Tensor, drop: Tensor | None = None) -> Tensor:
+    """``w_i d_i`` per sample; samples in ``drop`` give exactly 0 (even where ``d_i`` is NaN)."""
+    out = d * weights.view(-1, *([1] * (d.dim() - 1)))
+    return out if drop is None else _zero_rows(out, drop)
+
+
+def _zero_rows(t: Tensor, drop: Tensor) -> Tensor:
+    return t.masked_fill(drop.view(-1, *([1] * (t.dim() - 1))), 0)
 
 
 class Materialized:
@@ -42,8 +48,8 @@ class Materialized:
     def sq_norms(self, params: Params) -> dict[nn.Parameter, Tensor]:
         return {p: self.grads[p].flatten(1).square().sum(1) for p in params}
 
-    def summed(self, params: Params, weights: Tensor) -> dict[nn.Parameter, Tensor]:
-        return {p: _weighted(self.grads[p], weights).sum(0) for p in params}
+    def summed(self, params: Params, weights: Tensor, drop: Tensor | None = None) -> dict[nn.Parameter, Tensor]:
+        return {p: _weighted(self.grads[p], weights, drop).sum(0) for p in params}
 
     def dots(self, others: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
         return {p: (self.grads[p] * g).flatten(1).sum(1) for p, g in others.items()}
@@ -140,17 +146,21 @@ class Fused:
             out.update({p: norms[name] for p, name in pairs})
         return out
 
-    def summed(self, params: Params, weights: Tensor) -> dict[nn.Parameter, Tensor]:
-        """``sum_i w_i g_i``; rules are linear in d, so this is each call's batch gradient of ``w_i d_i``."""
+    def summed(self, params: Params, weights: Tensor, drop: Tensor | None = None) -> dict[nn.Parameter, Tensor]:
+        """``sum_i w_i g_i``; rules are linear in d, so this is each call's batch gradient of ``w_i d_i``.
+        Samples in ``drop`` are left out entirely (their input rows too, which may hold NaN)."""
         wanted = dict.fromkeys(params)
         out: dict[nn.Parameter, Tensor] = {}
         for call in self._calls_of(wanted):
             fused = call.layer.spec.fused
-            d = _weighted(call.d, weights)
+            d = _weighted(call.d, weights, drop)
+            a = call.a
+            if drop is not None and isinstance(a, Tensor) and a.is_floating_point():
+                a = _zero_rows(a, drop)
             if fused is None:
-                result = {k: g.sum(0) for k, g in call.layer.spec.fn(call.layer.module, call.a, d).items()}
+                result = {k: g.sum(0) for k, g in call.layer.spec.fn(call.layer.module, a, d).items()}
             else:
-                result = fused.summed(call.layer.module, call.a, d)
+                result = fused.summed(call.layer.module, a, d)
             for name, g in result.items():
                 p = getattr(call.layer.module, name)
                 if p in wanted:

@@ -217,8 +217,8 @@ def test_two_forwards_one_backward_is_an_error() -> None:
         loss = psm(torch.randn(4, 3)).sum() + psm(torch.randn(4, 3)).sum()
         with pytest.raises(HookStateError, match=r"two different forward calls.*concatenate the batches"):
             loss.backward()
-        model.zero_grad()
-        check_against_reference(model, torch.randn(3, 3))
+    model.zero_grad()
+    check_against_reference(model, torch.randn(3, 3))
 
 
 def test_loss_from_a_forward_before_wrapping_is_an_error() -> None:

@@ -134,3 +134,43 @@ def test_two_models_in_two_threads() -> None:
     for t in threads:
         t.join()
     assert results == {1: True, 2: True}
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_poisoned_sample_is_reported_and_left_out_of_clipping(keep: bool, poison: float) -> None:
+    model, x, target = model_and_batch()
+    clean = [i for i in range(5) if i != 2]
+    ref = reference_grad_sample(model, x[clean], target[clean])
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
+    factor = (0.5 / norms).clamp(max=1)
+    x = x.clone()
+    x[2, 1] = poison
+    with PerSampleModule(model, keep_grad_sample=keep, track_norms=True) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.5))
+        run_pergrad(psm, x, target)
+        assert psm.dropped_samples()["the whole model"].tolist() == [2]
+        for name, p in model.named_parameters():
+            assert not torch.isfinite(psm.per_sample_norms()[name][2])
+            assert_close(psm.per_sample_norms()[name][clean], ref[name].flatten(1).norm(dim=1), name)
+            scaled = ref[name] * factor.view(-1, *([1] * (ref[name].dim() - 1)))
+            assert_close(p.grad, scaled.sum(0) / 5, name)  # mean over the full batch of 5
+        model.zero_grad()
+        run_pergrad(psm, x[clean], target[clean])
+        assert psm.dropped_samples() == {}
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_empty_batch(keep: bool, loss_reduction: str) -> None:
+    """Poisson sampling can draw no sample: .grad gets 0 added, grad_sample and norms are empty."""
+    model, _, _ = model_and_batch()
+    with PerSampleModule(model, keep_grad_sample=keep, loss_reduction=loss_reduction, track_norms=True) as psm:
+        psm.register_transform("0", transforms.clip_norm(1.0))
+        out = psm(torch.randn(0, 4, dtype=torch.float64))
+        out.sum().backward()
+        for name, p in model.named_parameters():
+            assert p.grad is not None and p.grad.abs().sum() == 0
+            assert psm.per_sample_norms()[name].shape == (0,)
+            if keep:
+                assert p.grad_sample.shape == (0, *p.shape)
