@@ -58,6 +58,7 @@ class _Backward:
     reached: dict[nn.Parameter, None] = field(default_factory=dict)  # ordered set
     batch_grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # autograd's, before accumulation
     overwrite: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad holds autograd's sum only
+    prior: dict[nn.Parameter, int] = field(default_factory=dict)  # samples already averaged into .grad
 
 
 class Engine:
@@ -72,8 +73,11 @@ class Engine:
         keep_grad_sample: bool,
         track_norms: bool = False,
         track_statistics: bool = False,
+        accumulate: str = "backward",
     ) -> None:
         self.param_names = param_names
+        self.running_mean = accumulate == "samples" and reduction == "mean"
+        self._seen: dict[nn.Parameter, tuple[int, int, int]] = {}  # samples in .grad, id and version of .grad
         self.loss_reduction = loss_reduction
         self.reduction = reduction
         self.keep_grad_sample = keep_grad_sample
@@ -155,14 +159,32 @@ class Engine:
         state.reached[param] = None
         if self.track_statistics:
             state.batch_grads[param] = grad
+        if self.running_mean:
+            state.prior[param] = self._samples_in_grad(param)
         if param in self.transformed:  # .grad is written at the end of the backward
             if param.grad is None:
                 state.overwrite[param] = None  # let autograd store its sum; replaced at the end
                 return None
             return torch.zeros_like(grad)
-        if self.reduction == self.loss_reduction or state.batch_size is None:
+        b = state.batch_size
+        if b is None or (self.reduction == self.loss_reduction and not self.running_mean):
             return None
-        return grad * state.batch_size if self.reduction == "sum" else grad / state.batch_size
+        if self.reduction == "sum":
+            return grad * b
+        batch_mean = grad if self.loss_reduction == "mean" else grad / b
+        if not self.running_mean or param.grad is None:
+            return batch_mean
+        # .grad := (n * .grad + b * batch_mean) / (n + b); autograd adds what is returned
+        n = state.prior[param]
+        return (batch_mean - param.grad) * (b / (n + b)) if n + b else None
+
+    def _samples_in_grad(self, param: nn.Parameter) -> int:
+        """How many samples the running mean in ``param.grad`` holds: 0 once ``.grad`` was set to
+        None, replaced, or changed in place (``zero_grad(set_to_none=False)``) since pergrad wrote it."""
+        seen, grad = self._seen.get(param), param.grad
+        if seen is None or grad is None or seen[1:] != (id(grad), grad._version):
+            return 0
+        return seen[0]
 
     # -- end of backward -------------------------------------------------------------------------
 
@@ -204,6 +226,10 @@ class Engine:
             self._reduce_target(target, source, state, sq_norms)
         if self.track_norms:
             self.last_sq_norms = sq_norms
+        if self.running_mean:
+            for p, n in state.prior.items():
+                if p.grad is not None:
+                    self._seen[p] = (n + state.batch_size, id(p.grad), p.grad._version)
 
     def add_target(self, target: Target) -> None:
         self.targets.append(target)
@@ -230,7 +256,7 @@ class Engine:
         sq_norms: dict[nn.Parameter, Tensor],
     ) -> None:
         assert state.batch_size is not None
-        batch_size, overwrite = state.batch_size, state.overwrite
+        batch_size = state.batch_size
         params = [p for p in target.params.values() if p in state.reached]
         if not params:
             return
@@ -252,7 +278,7 @@ class Engine:
                 raise TransformError(f"the transform registered for {target.label} produced non-finite scale factors")
             weights = factors / batch_size if self.reduction == "mean" else factors
             for param, reduced in source.summed(params, weights, drop).items():
-                _add_grad(param, reduced, param in overwrite)
+                self._add_grad(param, reduced, state)
             return
         grads = source.per_sample(params)
         first = grads[params[0]]
@@ -268,11 +294,17 @@ class Engine:
                 raise TransformError(
                     f"the transform registered for {target.label} produced non-finite values for {key!r}"
                 )
-            _add_grad(param, reduced, param in overwrite)
+            self._add_grad(param, reduced, state)
 
-
-def _add_grad(param: nn.Parameter, reduced: Tensor, overwrite: bool) -> None:
-    if param.grad is None or overwrite:
-        param.grad = reduced.to(param.dtype)
-    else:
-        param.grad.add_(reduced)
+    def _add_grad(self, param: nn.Parameter, reduced: Tensor, state: _Backward) -> None:
+        """Add this batch's reduction to ``.grad`` (with ``accumulate="samples"``, fold it into the
+        running mean over every sample since ``.grad`` was cleared)."""
+        if param.grad is None or param in state.overwrite:
+            param.grad = reduced.to(param.dtype)
+        elif self.running_mean:
+            n = state.prior[param] if param in state.prior else self._samples_in_grad(param)
+            state.prior[param] = n
+            b = state.batch_size or 0
+            param.grad.mul_(n / (n + b)).add_(reduced, alpha=b / (n + b))
+        else:
+            param.grad.add_(reduced)

@@ -99,6 +99,10 @@ class PerSampleModule:
             (``per_sample_norms()``); needed only with ``keep_grad_sample=False``.
         track_statistics: compute ``statistics()`` in each backward; needed only with
             ``keep_grad_sample=False``.
+        accumulate: how ``.grad`` combines several backward passes before it is cleared:
+            ``"backward"`` (autograd's way: each backward adds its own reduction) or ``"samples"``
+            (with ``reduction="mean"``, ``.grad`` is the mean over every sample of every backward
+            since ``.grad`` was cleared, so micro-batches of any sizes give the full-batch result).
         rules: a private ``RuleRegistry`` (default: ``pergrad.registry.default_registry``).
     """
 
@@ -112,6 +116,7 @@ class PerSampleModule:
         keep_grad_sample: bool = True,
         track_norms: bool = False,
         track_statistics: bool = False,
+        accumulate: str = "backward",
         rules: RuleRegistry | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -120,6 +125,8 @@ class PerSampleModule:
         for arg, value in (("loss_reduction", loss_reduction), ("reduction", reduction)):
             if value not in _REDUCTIONS:
                 raise ValueError(f"{arg} must be 'mean' or 'sum', got {value!r}")
+        if accumulate not in ("backward", "samples"):
+            raise ValueError(f"accumulate must be 'backward' or 'samples', got {accumulate!r}")
         if owners(model):
             raise PergradError(
                 f"this {type(model).__name__} (or a submodule of it) is already wrapped by a PerSampleModule; two "
@@ -139,6 +146,7 @@ class PerSampleModule:
             keep_grad_sample=keep_grad_sample,
             track_norms=track_norms,
             track_statistics=track_statistics,
+            accumulate=accumulate,
         )
         self._hooks = LayerHooks(model, self._layers, batch_first, self._engine.on_output_grad)
         # AccumulateGrad nodes are cached weakly by their parameter: hold them so hooks stay on them.

@@ -174,3 +174,32 @@ def test_empty_batch(keep: bool, loss_reduction: str) -> None:
             assert psm.per_sample_norms()[name].shape == (0,)
             if keep:
                 assert p.grad_sample.shape == (0, *p.shape)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+@pytest.mark.parametrize("transform", [None, "clip"])
+def test_micro_batches_of_varying_size_give_the_full_batch_result(
+    keep: bool, reduction: str, loss_reduction: str, transform: str | None
+) -> None:
+    model, _, _ = model_and_batch()
+    x = torch.randn(9, 4, dtype=torch.float64)
+    target = torch.randn(9, 3, dtype=torch.float64)
+    ref = reference_grad_sample(model, x, target)
+    factor = torch.ones(9, dtype=torch.float64)
+    if transform:
+        norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
+        factor = (0.4 / norms).clamp(max=1)
+    with PerSampleModule(
+        model, keep_grad_sample=keep, loss_reduction=loss_reduction, reduction=reduction, accumulate="samples"
+    ) as psm:
+        if transform:
+            psm.register_transform(model, transforms.clip_norm(0.4))
+        for step in range(2):  # the second round starts after zero_grad(set_to_none=False)
+            for chunk in (slice(0, 4), slice(4, 5), slice(5, 9)):
+                run_pergrad(psm, x[chunk], target[chunk], loss_reduction)
+            for name, p in model.named_parameters():
+                scaled = ref[name] * factor.view(-1, *([1] * (ref[name].dim() - 1)))
+                assert_close(p.grad, scaled.mean(0) if reduction == "mean" else scaled.sum(0), f"{name} round {step}")
+            model.zero_grad(set_to_none=False)
