@@ -59,6 +59,7 @@ class _Backward:
     batch_grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # autograd's, before accumulation
     overwrite: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad holds autograd's sum only
     prior: dict[nn.Parameter, int] = field(default_factory=dict)  # samples already averaged into .grad
+    activation_grads: dict[str, Tensor] = field(default_factory=dict)
 
 
 class Engine:
@@ -74,8 +75,11 @@ class Engine:
         track_norms: bool = False,
         track_statistics: bool = False,
         accumulate: str = "backward",
+        keep_activation_grads: bool = False,
     ) -> None:
         self.param_names = param_names
+        self.keep_activation_grads = keep_activation_grads
+        self.last_activation_grads: dict[str, Tensor] = {}
         self.running_mean = accumulate == "samples" and reduction == "mean"
         self._seen: dict[nn.Parameter, tuple[int, int, int]] = {}  # samples in .grad, id and version of .grad
         self.loss_reduction = loss_reduction
@@ -131,6 +135,8 @@ class Engine:
             )
         if self.loss_reduction == "mean":
             d = d * kept.batch_size
+        if self.keep_activation_grads:
+            state.activation_grads[kept.key] = d
         if not self.keep_grad_sample:
             state.calls.append(Call(layer, kept.a, d))
             return
@@ -150,6 +156,16 @@ class Engine:
                 )
             previous = state.grads.get(param)
             state.grads[param] = g if previous is None else previous + g
+
+    def on_input_grad(self, generation: int, d: Tensor) -> None:
+        """The gradient reaching the model's input (``keep_activation_grads=True``)."""
+        if self.closed:
+            return
+        state = self._backward_state()
+        if state.generation not in (None, generation):
+            return  # the mixed-forward error is raised by the layers' hook
+        scale = d.shape[0] if self.loss_reduction == "mean" else 1
+        state.activation_grads["input"] = d * scale
 
     def on_accumulate(self, param: nn.Parameter, grad: Tensor) -> Tensor | None:
         """Pre-hook of ``param``'s AccumulateGrad node: what autograd adds to ``param.grad``."""
@@ -191,7 +207,11 @@ class Engine:
     def _finish(self, state: _Backward) -> None:
         if self._current is state:
             self._current = None
-        if self.closed or (state.batch_size is None and not state.reached):
+        if self.closed:
+            return
+        if self.keep_activation_grads:
+            self.last_activation_grads = state.activation_grads
+        if state.batch_size is None and not state.reached:
             return
         source: Materialized | Fused = Materialized(state.grads) if self.keep_grad_sample else Fused(state.calls)
         known = state.grads if isinstance(source, Materialized) else source.uses

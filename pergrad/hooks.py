@@ -44,6 +44,7 @@ class Kept:
     a: Any  # the layer's input, batch on dim 0 (a LayerCall for rules that take all inputs)
     generation: int  # which forward of the wrapped model this call belongs to
     batch_size: int
+    key: str = ""  # the layer's name, with ":k" for its k-th call (k >= 1) in that forward
 
 
 OnOutputGrad = Callable[[Kept, Tensor], None]
@@ -66,10 +67,10 @@ class ModuleHook:
     """A module hook owned by one ``LayerHooks``. Copying or pickling the model copies no pergrad
     state: the copy gets a ``_Detached`` hook in its place."""
 
-    def __init__(self, owner: LayerHooks, fn: Callable[..., None]) -> None:
+    def __init__(self, owner: LayerHooks, fn: Callable[..., Any]) -> None:
         self.owner, self.fn = owner, fn
 
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Detached:
@@ -109,10 +110,17 @@ class LayerHooks:
     """Installs and removes the forward hooks of the hooked layers and the root's generation counter."""
 
     def __init__(
-        self, model: nn.Module, layers: list[HookedLayer], batch_first: bool, on_output_grad: OnOutputGrad
+        self,
+        model: nn.Module,
+        layers: list[HookedLayer],
+        batch_first: bool,
+        on_output_grad: OnOutputGrad,
+        on_input_grad: Callable[[int, Tensor], None] | None = None,
     ) -> None:
         self._batch_first = batch_first
         self._on_output_grad = on_output_grad
+        self._on_input_grad = on_input_grad
+        self._calls: dict[str, int] = {}
         self.generation = 0
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(ModuleHook(self, self._next_generation))
@@ -125,8 +133,23 @@ class LayerHooks:
                 hook = ModuleHook(self, _refuse_batch_statistics(name))
                 self._handles.append(module.register_forward_pre_hook(hook))
 
-    def _next_generation(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _next_generation(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         self.generation += 1
+        self._calls.clear()
+        x = args[0] if args else None
+        if self._on_input_grad is None or not (torch.is_grad_enabled() and isinstance(x, Tensor) and x.requires_grad):
+            return None
+        # a view of the input is a fresh node of this forward: its pre-hook sees d loss / d input
+        view = x.view_as(x)
+        generation, on_input_grad, batch_first = self.generation, self._on_input_grad, self._batch_first
+        assert view.grad_fn is not None
+
+        def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            if grad_outputs[0] is not None:
+                on_input_grad(generation, batch_to_front(grad_outputs[0], batch_first))
+
+        view.grad_fn.register_prehook(catch)
+        return (view, *args[1:])
 
     def _keeper(self, layer: HookedLayer) -> Callable[..., None]:
         def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -147,7 +170,10 @@ class LayerHooks:
                     + ("" if batch_first else " (batch_first=False puts the batch on dim 1)")
                 )
             kept_input = a if isinstance(a, LayerCall) else batch_to_front(a, batch_first)
-            kept = Kept(layer, kept_input, self.generation, batched.shape[batch_dim])
+            call = self._calls.get(layer.name, 0)
+            self._calls[layer.name] = call + 1
+            key = layer.name if call == 0 else f"{layer.name}:{call}"
+            kept = Kept(layer, kept_input, self.generation, batched.shape[batch_dim], key)
             node, index = output.grad_fn, output.output_nr
             on_output_grad = self._on_output_grad
 

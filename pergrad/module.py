@@ -103,6 +103,8 @@ class PerSampleModule:
             ``"backward"`` (autograd's way: each backward adds its own reduction) or ``"samples"``
             (with ``reduction="mean"``, ``.grad`` is the mean over every sample of every backward
             since ``.grad`` was cleared, so micro-batches of any sizes give the full-batch result).
+        keep_activation_grads: keep, per backward, the gradient of each sample's own loss with
+            respect to every hooked layer's output and the model's input (``activation_grads()``).
         rules: a private ``RuleRegistry`` (default: ``pergrad.registry.default_registry``).
     """
 
@@ -117,6 +119,7 @@ class PerSampleModule:
         track_norms: bool = False,
         track_statistics: bool = False,
         accumulate: str = "backward",
+        keep_activation_grads: bool = False,
         rules: RuleRegistry | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -147,8 +150,10 @@ class PerSampleModule:
             track_norms=track_norms,
             track_statistics=track_statistics,
             accumulate=accumulate,
+            keep_activation_grads=keep_activation_grads,
         )
-        self._hooks = LayerHooks(model, self._layers, batch_first, self._engine.on_output_grad)
+        on_input = self._engine.on_input_grad if keep_activation_grads else None
+        self._hooks = LayerHooks(model, self._layers, batch_first, self._engine.on_output_grad, on_input)
         # AccumulateGrad nodes are cached weakly by their parameter: hold them so hooks stay on them.
         self._accumulators = [get_gradient_edge(p).node for p in params]
         self._accumulate_handles: list[RemovableHandle] = [
@@ -227,6 +232,20 @@ class PerSampleModule:
         source, names, batch_size = self._materialized()
         means = {p: g.mean(0) for p, g in source.grads.items()}
         return compute_statistics(source, names, batch_size, means)[0]
+
+    def activation_grads(self) -> dict[str, Tensor]:
+        """Per-sample gradients of the last backward with respect to activations, ``[B, ...]``:
+
+        - ``"<layer>"``: ``d f_i / d output`` of each hooked layer (``"<layer>:k"`` for its k-th extra
+          call in one forward), scaled like ``grad_sample`` (each sample's OWN loss ``f_i``);
+        - ``"input"``: ``d f_i / d x`` for the model's first input, when it requires grad.
+
+        Needs ``keep_activation_grads=True``. Saliency maps are ``activation_grads()["input"].abs()``;
+        the fast-gradient-sign direction is its ``.sign()``.
+        """
+        if not self._engine.keep_activation_grads:
+            raise PergradError("activation_grads() needs PerSampleModule(..., keep_activation_grads=True)")
+        return dict(self._engine.last_activation_grads)
 
     def dropped_samples(self) -> dict[str, Tensor]:
         """``{target: indices}`` of the samples the last backward left out of a norm-based transform
