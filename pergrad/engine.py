@@ -21,6 +21,7 @@ are multiplied by B for ``"mean"`` before the rules run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +35,23 @@ from .transforms import Scaling, Transform, check_output
 
 def _shape(a: object) -> object:
     return tuple(a.shape) if isinstance(a, Tensor) else "several inputs"
+
+
+class Distributed:
+    """The process group of a ``DistributedDataParallel`` model: pergrad reduces its transformed
+    gradients over it the way DDP reduces the others (mean over ranks of each rank's mean)."""
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self.group, self.size = group, dist.get_world_size(group)
+
+    def all_reduce_sum(self, t: Tensor) -> Tensor:
+        import torch.distributed as dist
+
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
 
 
 @dataclass
@@ -76,7 +94,9 @@ class Engine:
         track_statistics: bool = False,
         accumulate: str = "backward",
         keep_activation_grads: bool = False,
+        world: Distributed | None = None,
     ) -> None:
+        self.world = world
         self.param_names = param_names
         self.keep_activation_grads = keep_activation_grads
         self.last_activation_grads: dict[str, Tensor] = {}
@@ -105,7 +125,10 @@ class Engine:
             # A new backward pass. A previous one that failed midway left its state here: drop it.
             state = _Backward(task)
             self._current = state
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish(state))
+            # Run after every callback queued during this backward (DDP's gradient all-reduce among
+            # them): a callback queued from a callback goes to the end of the queue.
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(lambda: self._finish(state)))
         return self._current
 
     def on_output_grad(self, kept: Kept, d: Tensor) -> None:
@@ -183,6 +206,9 @@ class Engine:
                 return None
             return torch.zeros_like(grad)
         b = state.batch_size
+        if self.world is not None and self.reduction == "sum" and b is not None:
+            # DDP averages over ranks; scale so its average is the sum over every rank's samples
+            return grad * self.world.size * (b if self.loss_reduction == "mean" else 1)
         if b is None or (self.reduction == self.loss_reduction and not self.running_mean):
             return None
         if self.reduction == "sum":
@@ -319,6 +345,10 @@ class Engine:
     def _add_grad(self, param: nn.Parameter, reduced: Tensor, state: _Backward) -> None:
         """Add this batch's reduction to ``.grad`` (with ``accumulate="samples"``, fold it into the
         running mean over every sample since ``.grad`` was cleared)."""
+        if self.world is not None:  # every rank adds the reduction over all ranks' samples
+            reduced = self.world.all_reduce_sum(reduced)
+            if self.reduction == "mean":
+                reduced = reduced / self.world.size
         if param.grad is None or param in state.overwrite:
             param.grad = reduced.to(param.dtype)
         elif self.running_mean:

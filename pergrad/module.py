@@ -7,9 +7,10 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from .engine import Engine, Target
+from .engine import Distributed, Engine, Target
 from .errors import BatchMixingError, PergradError, TargetError, TransformError, UnsupportedLayerError
 from .hooks import HookedLayer, LayerHooks, owners
 from .registry import RuleRegistry, default_registry, type_names
@@ -151,7 +152,10 @@ class PerSampleModule:
             track_statistics=track_statistics,
             accumulate=accumulate,
             keep_activation_grads=keep_activation_grads,
+            world=Distributed(model.process_group) if isinstance(model, DistributedDataParallel) else None,
         )
+        if self._engine.world is not None and accumulate == "samples":
+            raise ValueError("accumulate='samples' is not supported for DistributedDataParallel models yet")
         on_input = self._engine.on_input_grad if keep_activation_grads else None
         self._hooks = LayerHooks(model, self._layers, batch_first, self._engine.on_output_grad, on_input)
         # AccumulateGrad nodes are cached weakly by their parameter: hold them so hooks stay on them.
