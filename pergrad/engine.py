@@ -20,7 +20,7 @@ are multiplied by B for ``"mean"`` before the rules run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -134,6 +134,10 @@ class Engine:
     def on_output_grad(self, kept: Kept, d: Tensor) -> None:
         if self.closed:
             return
+        with torch.autocast(d.device.type, enabled=False):  # rules compute in the parameters' dtype
+            self._on_output_grad(kept, d)
+
+    def _on_output_grad(self, kept: Kept, d: Tensor) -> None:
         state = self._backward_state()
         layer = kept.layer
         if state.generation is None:
@@ -158,6 +162,11 @@ class Engine:
             )
         if self.loss_reduction == "mean":
             d = d * kept.batch_size
+        dtype = layer.dtype
+        if dtype is not None and d.dtype != dtype:  # autocast: compute in the parameters' dtype
+            d = d.to(dtype)
+            if isinstance(kept.a, Tensor) and kept.a.is_floating_point() and kept.a.dtype != dtype:
+                kept = replace(kept, a=kept.a.to(dtype))
         if self.keep_activation_grads:
             state.activation_grads[kept.key] = d
         if not self.keep_grad_sample:
@@ -233,6 +242,11 @@ class Engine:
     def _finish(self, state: _Backward) -> None:
         if self._current is state:
             self._current = None
+        device = next(iter(state.reached), torch.empty(0)).device.type
+        with torch.autocast(device, enabled=False):
+            self._finish_backward(state)
+
+    def _finish_backward(self, state: _Backward) -> None:
         if self.closed:
             return
         if self.keep_activation_grads:

@@ -35,6 +35,11 @@ class HookedLayer:
     module: nn.Module
     spec: RuleSpec
 
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype of the layer's parameters: per-sample gradients are computed in it."""
+        return next((p.dtype for p in self.module.parameters(recurse=False)), None)
+
 
 @dataclass(frozen=True)
 class Kept:

@@ -1,0 +1,68 @@
+"""Mixed precision, devices and torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pergrad import PerSampleModule, transforms
+
+
+def small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 16, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+    )
+
+
+def grads_of(
+    model: nn.Module, forward: object, x: torch.Tensor, autocast: bool = False
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    model.zero_grad()
+    for p in model.parameters():
+        p.__dict__.pop("grad_sample", None)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = forward(x)  # type: ignore[operator]
+        out.pow(2).mean().backward()  # backward inside the autocast region too: the harder case
+    return {n: (p.grad_sample.clone(), p.grad.clone()) for n, p in model.named_parameters()}
+
+
+def test_autocast_bfloat16_on_cpu_is_close_to_float32() -> None:
+    """Per-sample gradients come out in the parameters' dtype (float32), within 3% (relative
+    Frobenius error, bfloat16 has 8 bits of mantissa) of the float32 result."""
+    model = small_cnn()
+    x = torch.randn(5, 2, 6, 6)
+    with PerSampleModule(model) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.5))
+        exact = grads_of(model, psm, x)
+        low = grads_of(model, psm, x, autocast=True)
+    for name, (gs, grad) in exact.items():
+        assert low[name][0].dtype == torch.float32
+        assert (low[name][0] - gs).norm() <= 3e-2 * gs.norm(), name
+        assert (low[name][1] - grad).norm() <= 3e-2 * grad.norm(), name
+
+
+def test_torch_compile_of_the_wrapped_model_is_exact() -> None:
+    """Dynamo runs pergrad's hooked layers eagerly (graph breaks): results are exact."""
+    model = small_cnn().double()
+    x = torch.randn(5, 2, 6, 6, dtype=torch.float64)
+    with PerSampleModule(model) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.1))
+        eager = grads_of(model, psm, x)
+        compiled = grads_of(model, torch.compile(model, backend="eager"), x)
+        for name, (gs, grad) in compiled.items():
+            torch.testing.assert_close(gs, eager[name][0], rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(grad, eager[name][1], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_stay_on_the_device() -> None:
+    model = small_cnn().cuda()
+    x = torch.randn(5, 2, 6, 6, device="cuda")
+    with PerSampleModule(model, keep_grad_sample=False, track_statistics=True) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.5))
+        psm(x).pow(2).mean().backward()
+        assert all(p.grad.is_cuda for p in model.parameters())
+        assert all(n.is_cuda for n in psm.per_sample_norms().values())
+        assert psm.statistics().trace_variance.is_cuda
