@@ -111,6 +111,25 @@ def _refuse_batch_statistics(name: str) -> Callable[[nn.Module, tuple[Any, ...]]
     return check
 
 
+def _producer(output: Tensor) -> Tensor:
+    """The tensor whose autograd node computed ``output``'s values.
+
+    When ``output`` is a reshaping view (Linear on ``[B, T, D]`` returns a view of a 2-D matmul),
+    an in-place op on it later (``relu_``, ``+=``) rewrites the view's history and its node never
+    runs; the base's original node still does, with the gradient of the pre-in-place values.
+    """
+    base = output._base if output._is_view() else None
+    if (
+        base is not None
+        and base.grad_fn is not None
+        and base.numel() == output.numel()
+        and base.is_contiguous()
+        and output.is_contiguous()
+    ):
+        return base
+    return output
+
+
 class LayerHooks:
     """Installs and removes the forward hooks of the hooked layers and the root's generation counter."""
 
@@ -179,13 +198,15 @@ class LayerHooks:
             self._calls[layer.name] = call + 1
             key = layer.name if call == 0 else f"{layer.name}:{call}"
             kept = Kept(layer, kept_input, self.generation, batched.shape[batch_dim], key)
-            node, index = output.grad_fn, output.output_nr
+            produced = _producer(output)
+            node, index, shape = produced.grad_fn, produced.output_nr, output.shape
+            assert node is not None
             on_output_grad = self._on_output_grad
 
             def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
                 d = grad_outputs[index]
                 if d is not None:
-                    on_output_grad(kept, batch_to_front(d, batch_first))
+                    on_output_grad(kept, batch_to_front(d.reshape(shape), batch_first))
 
             node.register_prehook(catch)
 

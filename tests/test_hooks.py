@@ -257,3 +257,22 @@ def test_cross_entropy_mean_matches_autograd_and_torch_func() -> None:
         for (n, p), g in zip(model.named_parameters(), plain, strict=True):
             assert_close(p.grad_sample, expected[n], n)
             assert_close(p.grad, g, n)
+
+
+class SeqInplace(nn.Module):
+    """Linear on [B, T, D] returns a reshaping view; relu_ on it rewrites the view's history."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu_(self.a(x))
+        out = self.b(h)
+        out += h[..., :2]
+        return out
+
+
+def test_inplace_on_a_view_output() -> None:
+    torch.manual_seed(13)
+    check_against_reference(SeqInplace(), torch.randn(4, 5, 3))
