@@ -95,8 +95,10 @@ class Engine:
         accumulate: str = "backward",
         keep_activation_grads: bool = False,
         world: Distributed | None = None,
+        verify_backwards: int = 1,
     ) -> None:
         self.world = world
+        self.verify_backwards = verify_backwards
         self.param_names = param_names
         self.keep_activation_grads = keep_activation_grads
         self.last_activation_grads: dict[str, Tensor] = {}
@@ -205,7 +207,7 @@ class Engine:
             return None
         state = self._backward_state()
         state.reached[param] = None
-        if self.track_statistics:
+        if self.track_statistics or self.verify_backwards > 0:
             state.batch_grads[param] = grad
         if self.running_mean:
             state.prior[param] = self._samples_in_grad(param)
@@ -267,6 +269,9 @@ class Engine:
         self.last_dropped = {}
         if self.keep_grad_sample:
             self._store_grad_sample({p: state.grads[p] for p in reached}, state.generation)
+        if self.verify_backwards > 0 and state.batch_size > 0 and reached:
+            self.verify_backwards -= 1
+            self._verify(source, state)
         if state.batch_size == 0:
             # An empty batch (Poisson sampling): every sum over samples is 0, so .grad gets nothing
             # added (autograd's own sum is 0 too), norms are empty and there are no statistics.
@@ -290,6 +295,36 @@ class Engine:
             for p, n in state.prior.items():
                 if p.grad is not None:
                     self._seen[p] = (n + state.batch_size, id(p.grad), p.grad._version)
+
+    def _verify(self, source: Materialized | Fused, state: _Backward) -> None:
+        """Check that the per-sample gradients add up to autograd's gradient of each parameter.
+
+        They do unless part of the loss reaches a parameter other than through its layer's output:
+        a regulariser added to the loss, or a parent module using the parameter directly. pergrad
+        cannot attribute that part to samples, so it refuses rather than drop or transform it.
+        """
+        assert state.batch_size is not None
+        params = list(state.reached)
+        first = state.batch_grads[params[0]]
+        weight = 1.0 / state.batch_size if self.loss_reduction == "mean" else 1.0
+        totals = source.summed(params, first.new_full((state.batch_size,), weight))
+        for p in params:
+            autograd, ours = state.batch_grads[p], totals[p].to(state.batch_grads[p].dtype)
+            if not torch.isfinite(autograd).all():
+                continue  # non-finite values: nothing to compare; a poisoned sample is handled elsewhere
+            # round-off of two summation orders, relative to the larger side, plus a floor for sums
+            # that cancel to ~0 (a term below the floor would not change training anyway)
+            rel, floor = (1e-6, 1e-10) if autograd.dtype == torch.float64 else (1e-2, 1e-4)
+            scale = torch.maximum(autograd.abs().max(), ours.abs().max())
+            if not torch.allclose(autograd, ours, rtol=0, atol=float(rel * scale + floor)):
+                raise HookStateError(
+                    f"parameter {self.param_names[p]!r}: its gradient has a part that no hooked layer's output "
+                    f"produced (max difference {float((autograd - ours).abs().max()):.3g}). A term of the loss that "
+                    "uses the parameter directly (a regulariser such as weight decay: use the optimizer's "
+                    "weight_decay instead) or a parent module using it outside the layer's forward (e.g. "
+                    "F.linear(x, self.emb.weight)) cannot be attributed to samples. Compute it through the "
+                    "layer, or pass verify=False to PerSampleModule if this is intended."
+                )
 
     def add_target(self, target: Target) -> None:
         self.targets.append(target)

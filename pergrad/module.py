@@ -106,6 +106,10 @@ class PerSampleModule:
             since ``.grad`` was cleared, so micro-batches of any sizes give the full-batch result).
         keep_activation_grads: keep, per backward, the gradient of each sample's own loss with
             respect to every hooked layer's output and the model's input (``activation_grads()``).
+        verify: on the first backward, check that the per-sample gradients add up to autograd's
+            gradient of every parameter (it fails when part of the loss uses a parameter outside its
+            layer, e.g. a regulariser, which pergrad cannot attribute to samples). Costs one batch
+            gradient per layer, once.
         rules: a private ``RuleRegistry`` (default: ``pergrad.registry.default_registry``).
     """
 
@@ -121,6 +125,7 @@ class PerSampleModule:
         track_statistics: bool = False,
         accumulate: str = "backward",
         keep_activation_grads: bool = False,
+        verify: bool = True,
         rules: RuleRegistry | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -152,6 +157,7 @@ class PerSampleModule:
             track_statistics=track_statistics,
             accumulate=accumulate,
             keep_activation_grads=keep_activation_grads,
+            verify_backwards=1 if verify else 0,
             world=Distributed(model.process_group) if isinstance(model, DistributedDataParallel) else None,
         )
         if self._engine.world is not None and accumulate == "samples":

@@ -276,3 +276,32 @@ class SeqInplace(nn.Module):
 def test_inplace_on_a_view_output() -> None:
     torch.manual_seed(13)
     check_against_reference(SeqInplace(), torch.randn(4, 5, 3))
+
+
+class FunctionalTie(nn.Module):
+    """A parent that uses its embedding's weight directly: pergrad cannot see that use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(6, 3)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.emb(idx), self.emb.weight)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_gradient_part_no_layer_produced_is_refused(keep: bool) -> None:
+    idx = torch.randint(0, 6, (4, 5))
+    with (
+        PerSampleModule(FunctionalTie(), keep_grad_sample=keep) as psm,
+        pytest.raises(HookStateError, match=r"'emb.weight'.*no hooked layer's output produced.*F.linear"),
+    ):
+        psm(idx).pow(2).sum().backward()
+    model = nn.Sequential(nn.Linear(3, 2))
+    x = torch.randn(4, 3)
+    with PerSampleModule(model, keep_grad_sample=keep) as psm:
+        loss = psm(x).pow(2).mean() + 0.1 * model[0].weight.pow(2).sum()  # weight decay in the loss
+        with pytest.raises(HookStateError, match=r"'0.weight'.*regulariser such as weight decay"):
+            loss.backward()
+    with PerSampleModule(model, keep_grad_sample=keep, verify=False) as psm:
+        (psm(x).pow(2).mean() + 0.1 * model[0].weight.pow(2).sum()).backward()  # the user opted out
