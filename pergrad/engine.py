@@ -20,6 +20,7 @@ are multiplied by B for ``"mean"`` before the rules run.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 
 from .errors import BatchSizeError, HookStateError, TransformError
 from .hooks import Kept
+from .layout import allocating_from
 from .sources import Call, Fused, Materialized
 from .statistics import Statistics, compute_statistics
 from .transforms import Scaling, Transform, check_output
@@ -118,6 +120,7 @@ class Engine:
         self.last_dropped: dict[str, Tensor] = {}
         self._current: _Backward | None = None
         self._grad_sample_generation: dict[nn.Parameter, int] = {}
+        self._pool: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[Tensor]] = {}
 
     # -- called from hooks during backward -------------------------------------------------------
 
@@ -136,7 +139,8 @@ class Engine:
     def on_output_grad(self, kept: Kept, d: Tensor) -> None:
         if self.closed:
             return
-        with torch.autocast(d.device.type, enabled=False):  # rules compute in the parameters' dtype
+        # rules compute in the parameters' dtype, and build no graph
+        with torch.autocast(d.device.type, enabled=False), torch.no_grad():
             self._on_output_grad(kept, d)
 
     def _on_output_grad(self, kept: Kept, d: Tensor) -> None:
@@ -144,6 +148,8 @@ class Engine:
         layer = kept.layer
         if state.generation is None:
             state.generation, state.batch_size, state.first_layer = kept.generation, kept.batch_size, layer.name
+            if self.keep_grad_sample:
+                self._recycle_stale(kept.generation)
         elif kept.generation != state.generation:
             raise HookStateError(
                 f"one backward pass reached layer {layer.name!r} through two different forward calls of the model; "
@@ -180,7 +186,8 @@ class Engine:
                 n: d.new_zeros((0, *p.shape)) for n, p in module.named_parameters(recurse=False) if p.requires_grad
             }
         else:
-            per_sample = layer.spec.fn(layer.module, kept.a, d)
+            with allocating_from(self._take):
+                per_sample = layer.spec.fn(layer.module, kept.a, d)
         for name, g in per_sample.items():
             param = getattr(layer.module, name)
             if g.shape != (kept.batch_size, *param.shape):
@@ -245,7 +252,7 @@ class Engine:
         if self._current is state:
             self._current = None
         device = next(iter(state.reached), torch.empty(0)).device.type
-        with torch.autocast(device, enabled=False):
+        with torch.autocast(device, enabled=False), torch.no_grad():
             self._finish_backward(state)
 
     def _finish_backward(self, state: _Backward) -> None:
@@ -331,6 +338,32 @@ class Engine:
         self.transformed.update(target.params.values())
         if isinstance(target.transform, Scaling) and target.transform.needs_norms:
             self._needs_norms.update(target.params.values())
+
+    # -- grad_sample buffers: the previous step's memory, reused when nobody else holds it ----------
+
+    def _recycle_stale(self, generation: int) -> None:
+        """A backward of a new forward replaces every ``grad_sample``: release the old ones now, so
+        the rules can write into their memory instead of allocating as much again."""
+        for param, gen in list(self._grad_sample_generation.items()):
+            if gen != generation:
+                self.recycle(param)
+
+    def recycle(self, param: nn.Parameter) -> None:
+        """Drop ``param.grad_sample``; keep its buffer for reuse if no one else refers to it."""
+        self._grad_sample_generation.pop(param, None)
+        old = param.__dict__.pop("grad_sample", None)
+        if old is None:
+            return
+        # references: `old`, getrefcount's argument; storage: `old`, the temporary storage object
+        if sys.getrefcount(old) == 2 and torch._C._storage_Use_Count(old.untyped_storage()._cdata) == 2:
+            self._pool.setdefault((tuple(old.shape), old.dtype, old.device), []).append(old)
+
+    def _take(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        free = self._pool.get((tuple(shape), like.dtype, like.device))
+        return free.pop() if free else torch.empty(shape, dtype=like.dtype, device=like.device)
+
+    def clear_pool(self) -> None:
+        self._pool.clear()
 
     def _store_grad_sample(self, grads: dict[nn.Parameter, Tensor], generation: int | None) -> None:
         for param, g in grads.items():

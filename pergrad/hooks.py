@@ -179,6 +179,8 @@ class LayerHooks:
         def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.grad_fn is not None):
                 return  # nothing will flow back through this call: keep nothing
+            if torch._C._are_functorch_transforms_active():
+                return  # torch.func is differentiating the model itself (vmap/grad): not ours to track
             batch_first = self._batch_first or layer.spec.batch_dim_fixed
             batch_dim = 0 if batch_first else 1
             a = LayerCall(args, kwargs) if layer.spec.all_inputs else _first_input(args, kwargs)

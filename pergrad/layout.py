@@ -3,8 +3,37 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
+import torch
 from torch import Tensor
+
+Allocator = Callable[[tuple[int, ...], Tensor], Tensor]
+_allocator: ContextVar[Allocator | None] = ContextVar("pergrad_allocator", default=None)
+
+
+def new_buffer(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """An uninitialised tensor for a rule's result (``like``'s dtype and device).
+
+    Rules write per-sample gradients into it with ``out=``. Inside ``allocating_from`` it may be
+    a recycled buffer of an earlier step: writing into memory the process already holds is several
+    times faster than into fresh pages, which the kernel must fault in and zero first.
+    """
+    alloc = _allocator.get()
+    if alloc is not None:
+        return alloc(shape, like)
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+@contextmanager
+def allocating_from(alloc: Allocator) -> Iterator[None]:
+    token = _allocator.set(alloc)
+    try:
+        yield
+    finally:
+        _allocator.reset(token)
 
 
 def batch_to_front(t: Tensor, batch_first: bool) -> Tensor:

@@ -333,8 +333,7 @@ class PerSampleModule:
 
     def _clear_grad_sample(self) -> None:
         for p in self.module.parameters():
-            if hasattr(p, "grad_sample"):
-                del p.grad_sample
+            self._engine.recycle(p)
 
     def remove(self) -> None:
         """Remove every hook and every ``grad_sample``: the model is as it was before wrapping."""
@@ -345,6 +344,7 @@ class PerSampleModule:
         self._accumulate_handles.clear()
         self._accumulators.clear()
         self._clear_grad_sample()
+        self._engine.clear_pool()
 
     def __enter__(self) -> PerSampleModule:
         return self

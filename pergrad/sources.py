@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from .hooks import HookedLayer
@@ -45,17 +46,24 @@ class Materialized:
     def per_sample(self, params: Params) -> dict[nn.Parameter, Tensor]:
         return {p: self.grads[p] for p in params}
 
+    # Each reads the [B, *shape] tensors once and allocates nothing of their size.
+
     def sq_norms(self, params: Params) -> dict[nn.Parameter, Tensor]:
-        return {p: self.grads[p].flatten(1).square().sum(1) for p in params}
+        return {p: torch.linalg.vector_norm(self.grads[p].flatten(1), dim=1).square() for p in params}
 
     def summed(self, params: Params, weights: Tensor, drop: Tensor | None = None) -> dict[nn.Parameter, Tensor]:
-        return {p: _weighted(self.grads[p], weights, drop).sum(0) for p in params}
+        if drop is not None:  # leave the dropped samples out (0 * NaN would be NaN)
+            keep = (~drop).nonzero().flatten()
+            return {
+                p: torch.tensordot(weights[keep].to(self.grads[p].dtype), self.grads[p][keep], dims=1) for p in params
+            }
+        return {p: torch.tensordot(weights.to(self.grads[p].dtype), self.grads[p], dims=1) for p in params}
 
     def dots(self, others: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
-        return {p: (self.grads[p] * g).flatten(1).sum(1) for p, g in others.items()}
+        return {p: self.grads[p].flatten(1) @ g.flatten() for p, g in others.items()}
 
     def sum_squares(self, params: Params) -> dict[nn.Parameter, Tensor]:
-        return {p: self.grads[p].square().sum(0) for p in params}
+        return {p: torch.linalg.vector_norm(self.grads[p], dim=0).square() for p in params}
 
     def moments(self, means: dict[nn.Parameter, Tensor]) -> Moments:
         """``||g_i||^2``, ``sum_i g_i^2`` and ``<g_i, mean>`` of every parameter in ``means``."""

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..layout import new_buffer
 from ..registry import FusedRule, default_registry
 from .linear import outer_sq_norms
 
@@ -76,12 +77,10 @@ def conv(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     n, groups = a.shape[0], layer.groups
     if layer.weight.requires_grad:
-        p = patches(padded_input(layer, a), layer.kernel_size, layer.stride, layer.dilation)
-        positions = math.prod(d.shape[2:])
-        p = p.reshape(n, groups, a.shape[1] // groups, positions, -1)  # copies: im2col
-        dg = d.reshape(n, groups, d.shape[1] // groups, positions)
-        w = torch.einsum("ngol,ngclk->ngock", dg, p)
-        out["weight"] = w.reshape(n, *layer.weight.shape)
+        p, dg = _as_linear(layer, a, d)  # [n*g, l, c*k], [n*g, l, o]
+        result = new_buffer((n, *layer.weight.shape), d)
+        torch.bmm(dg.transpose(1, 2), p, out=result.view(n * groups, -1, p.shape[2]))  # ngol,ngclk->ngock
+        out["weight"] = result
     if layer.bias is not None and layer.bias.requires_grad:
         out["bias"] = d.flatten(2).sum(2)
     return out

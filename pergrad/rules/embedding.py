@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..layout import new_buffer
 from ..registry import FusedRule, default_registry
 
 
@@ -21,9 +22,8 @@ def embedding(layer: nn.Module, idx: Tensor, d: Tensor) -> dict[str, Tensor]:
         return {}
     n, (vocab, dim) = idx.shape[0], layer.weight.shape
     flat_rows = (idx.reshape(n, -1) + torch.arange(n, device=idx.device).unsqueeze(1) * vocab).reshape(-1)
-    out = d.new_zeros(n * vocab, dim)
-    out.index_add_(0, flat_rows, d.reshape(-1, dim))
-    out = out.view(n, vocab, dim)
+    out = new_buffer((n, vocab, dim), d).zero_()
+    out.view(n * vocab, dim).index_add_(0, flat_rows, d.reshape(-1, dim))
     if layer.padding_idx is not None:
         out[:, layer.padding_idx] = 0
     return {"weight": out}

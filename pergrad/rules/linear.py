@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..layout import rows
+from ..layout import new_buffer, rows
 from ..registry import FusedRule, default_registry
 
 
@@ -19,11 +19,12 @@ def linear(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     assert isinstance(layer, nn.Linear)
     out: dict[str, Tensor] = {}
     if layer.weight.requires_grad:
+        result = new_buffer((a.shape[0], d.shape[-1], a.shape[-1]), d)
         if a.dim() == 2:
             # one position per sample: an outer product, written once, nothing summed
-            out["weight"] = torch.mul(d.unsqueeze(2), a.unsqueeze(1))  # [n, o, i]
+            out["weight"] = torch.mul(d.unsqueeze(2), a.unsqueeze(1), out=result)  # [n, o, i]
         else:
-            out["weight"] = torch.bmm(rows(d).transpose(1, 2), rows(a))  # nso,nsi->noi
+            out["weight"] = torch.bmm(rows(d).transpose(1, 2), rows(a), out=result)  # nso,nsi->noi
     if layer.bias is not None and layer.bias.requires_grad:
         out["bias"] = d.clone() if d.dim() == 2 else rows(d).sum(1)
     return out

@@ -1,0 +1,453 @@
+"""Speed and memory of per-sample gradients: pergrad next to plain backward, torch.func, Opacus, BackPACK.
+
+Every (workload, method) pair runs in its own subprocess, so the peak memory it reports is its own.
+Each child builds the model and batch, warms up, times ``--steps`` steps (median), reads its peak
+RSS, then checks its result against torch.func's per-sample gradients of the same batch.
+Ratios are against the plain backward of the same run. Peers that are not installed are skipped
+with a printed line. Nothing here is a test: tests only run ``--quick`` and assert nothing about time.
+
+    python benchmarks/bench.py                      # all workloads, all methods found
+    python benchmarks/bench.py --quick              # tiny shapes, no peers (CI smoke test)
+    python benchmarks/bench.py --scaling            # pergrad vs plain over batch size and width
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+MATERIALISE = ["torch_func", "pergrad", "opacus_hooks", "opacus_ew", "backpack"]
+NORMS = ["pergrad_norms", "opacus_ghost_norms", "backpack_l2"]
+CLIP = ["pergrad_clip", "opacus_ghost_clip"]
+STATS = ["pergrad_stats"]
+METHODS = ["plain", *MATERIALISE, *NORMS, *CLIP, *STATS]
+PEERS = {
+    "opacus": ("opacus_hooks", "opacus_ew", "opacus_ghost_norms", "opacus_ghost_clip"),
+    "backpack": ("backpack", "backpack_l2"),
+}
+CLIP_NORM = 1.0
+
+
+# -- workloads -------------------------------------------------------------------------------------
+
+
+def build(workload: str, quick: bool, batch: int | None = None, width: int | None = None) -> tuple[Any, Any, Any]:
+    """``(model, x, y)`` for a workload; float32, fixed seed."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    if workload == "mlp":
+        w = width or (32 if quick else 512)
+        b = batch or (16 if quick else 256)
+        model = nn.Sequential(nn.Linear(784, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 10))
+        return model, torch.randn(b, 784), torch.randint(0, 10, (b,))
+    if workload == "cnn":
+        b = batch or (8 if quick else 64)
+        c1, c2 = (4, 8) if quick else (32, 64)
+        model = nn.Sequential(
+            nn.Conv2d(3, c1, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(c2 * 64, 128), nn.ReLU(), nn.Linear(128, 10),
+        )  # fmt: skip
+        return model, torch.randn(b, 3, 32, 32), torch.randint(0, 10, (b,))
+    if workload == "seq":
+        b, t, vocab, d = (batch or 4, 8, 100, 16) if quick else (batch or 32, 64, 5000, 128)
+
+        class Seq(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.emb, self.norm1 = nn.Embedding(vocab, d), nn.LayerNorm(d)
+                self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+                self.norm2, self.head = nn.LayerNorm(d), nn.Linear(d, 10)
+
+            def forward(self, idx: torch.Tensor) -> torch.Tensor:
+                h = self.norm2(self.down(F.gelu(self.up(self.norm1(self.emb(idx))))))
+                return self.head(h.mean(1))
+
+        return Seq(), torch.randint(0, vocab, (b, t)), torch.randint(0, 10, (b,))
+    raise ValueError(f"unknown workload {workload!r}")
+
+
+# -- methods: each returns (step, result); result() gives what is checked against torch.func ----------
+
+
+def setup(
+    method: str, model: Any, x: Any, y: Any
+) -> tuple[Callable[[], None], Callable[[], tuple[str, dict[str, Any]]]]:
+    import torch
+    import torch.nn.functional as F
+
+    names = [n for n, _ in model.named_parameters()]
+    params = dict(model.named_parameters())
+    b = x.shape[0]
+
+    def loss_of(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, y)
+
+    if method == "plain":
+
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            loss_of(model(x)).backward()
+
+        return step, lambda: ("mean_grad", {n: params[n].grad for n in names})
+
+    if method == "torch_func":
+        from torch.func import functional_call, grad, vmap
+
+        detached = {k: v.detach() for k, v in params.items()}
+
+        def one(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+        per_sample = vmap(grad(one), in_dims=(None, 0, 0))
+        box: dict[str, Any] = {}
+
+        def step() -> None:
+            box["g"] = per_sample(detached, x, y)
+
+        return step, lambda: ("grad_sample", box["g"])
+
+    if method.startswith("pergrad"):
+        from pergrad import PerSampleModule, transforms
+
+        kind = method.removeprefix("pergrad").lstrip("_") or "materialise"
+        psm = PerSampleModule(
+            model, keep_grad_sample=kind == "materialise", track_norms=kind == "norms", track_statistics=kind == "stats"
+        )
+        if kind == "clip":
+            psm.register_transform(model, transforms.clip_norm(CLIP_NORM))
+
+        def step() -> None:
+            psm.zero_grad()
+            loss_of(psm(x)).backward()
+
+        def result() -> tuple[str, dict[str, Any]]:
+            if kind == "materialise":
+                return "grad_sample", {n: params[n].grad_sample for n in names}
+            if kind == "norms":
+                return "norms", psm.per_sample_norms()
+            if kind == "clip":
+                return "clipped_grad", {n: params[n].grad for n in names}
+            stats = psm.statistics()
+            return "second_moment", {n: stats.params[n].second_moment for n in names}
+
+        return step, result
+
+    if method in ("opacus_hooks", "opacus_ew"):
+        from opacus.grad_sample.utils import get_gsm_class
+
+        gsm = get_gsm_class(method.split("_")[1])(model, loss_reduction="mean")
+
+        def step() -> None:
+            gsm.zero_grad(set_to_none=True)
+            for p in params.values():
+                p.grad_sample = None
+            loss_of(gsm(x)).backward()
+
+        return step, lambda: ("grad_sample", {n: params[n].grad_sample for n in names})
+
+    if method in ("opacus_ghost_norms", "opacus_ghost_clip"):
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+        gsm = GradSampleModuleFastGradientClipping(
+            model, max_grad_norm=CLIP_NORM, use_ghost_clipping=True, loss_reduction="mean"
+        )
+        clip = method.endswith("clip")
+        box = {}
+
+        def step() -> None:
+            gsm.zero_grad(set_to_none=True)
+            losses = F.cross_entropy(gsm(x), y, reduction="none")
+            losses.mean().backward(retain_graph=clip)
+            norms = gsm.get_norm_sample()
+            box["norms"] = norms
+            if clip:  # the second, reweighted backward of ghost clipping
+                coef = gsm.get_clipping_coef()
+                gsm.zero_grad(set_to_none=True)
+                gsm.disable_hooks()
+                (losses * coef).sum().div(b).backward()
+                gsm.enable_hooks()
+
+        def result() -> tuple[str, dict[str, Any]]:
+            if clip:
+                return "clipped_grad", {n: params[n].grad for n in names}
+            return "total_norms", {"all": box["norms"]}
+
+        return step, result
+
+    if method in ("backpack", "backpack_l2"):
+        from backpack import backpack, extend
+        from backpack.extensions import BatchGrad, BatchL2Grad
+
+        extended = extend(model)
+        lossfn = extend(torch.nn.CrossEntropyLoss())
+        extension = BatchGrad() if method == "backpack" else BatchL2Grad()
+
+        def step() -> None:
+            extended.zero_grad(set_to_none=True)
+            with backpack(extension):
+                lossfn(extended(x), y).backward()
+
+        def result() -> tuple[str, dict[str, Any]]:
+            if method == "backpack":  # BackPACK stores g_i / B with reduction="mean"
+                return "grad_sample", {n: getattr(params[n], "grad_batch", None) for n in names} | {"_scale": b}
+            return "sq_norms_scaled", {n: getattr(params[n], "batch_l2", None) for n in names} | {"_scale": b * b}
+
+        return step, result
+
+    raise ValueError(f"unknown method {method!r}")
+
+
+# -- the check against torch.func -----------------------------------------------------------------------
+
+
+def check(kind: str, got: dict[str, Any], model: Any, x: Any, y: Any) -> tuple[bool, float, str]:
+    """Compare a method's result with the same quantity from torch.func per-sample gradients."""
+    import torch
+    import torch.nn.functional as F
+    from torch.func import functional_call, grad, vmap
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    ref = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+    scale = got.pop("_scale", 1)
+    if kind == "mean_grad":
+        expected = {n: g.mean(0) for n, g in ref.items()}
+    elif kind == "grad_sample":
+        expected = ref
+    elif kind == "norms":
+        expected = {n: g.flatten(1).norm(dim=1) for n, g in ref.items()}
+    elif kind in ("sq_norms_scaled",):
+        expected = {n: g.flatten(1).square().sum(1) for n, g in ref.items()}
+    elif kind == "total_norms":
+        expected = {"all": torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()}
+    elif kind == "clipped_grad":
+        norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
+        factor = (CLIP_NORM / norms).clamp(max=1)
+        expected = {n: (g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for n, g in ref.items()}
+    elif kind == "second_moment":
+        expected = {n: g.square().mean(0) for n, g in ref.items()}
+    else:
+        raise ValueError(kind)
+    worst, missing = 0.0, [n for n in expected if got.get(n) is None]
+    for n, e in expected.items():
+        if got.get(n) is not None:
+            worst = max(worst, float((got[n].detach() * scale - e).abs().max() / (e.abs().max() + 1e-12)))
+    ok = not missing and worst < 1e-3
+    return ok, worst, (f"missing: {', '.join(missing)}" if missing else "")
+
+
+# -- one child: time, memory, check ------------------------------------------------------------------------
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model, x, y = build(args.workload, args.quick, args.batch, args.width)
+    n_params = sum(p.numel() for p in model.parameters())
+    reference = copy.deepcopy(model)  # the check runs torch.func on a model without any library's hooks
+    baseline = rss_mib()
+    try:
+        step, result = setup(args.method, model, x, y)
+        for _ in range(args.warmup):
+            step()
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+    except ImportError as err:
+        return {"skipped": f"not installed ({err.name})"}
+    except Exception as err:  # a peer that crashes on this workload is a result, not a harness failure
+        return {"error": f"{type(err).__name__}: {str(err)[:160]}"}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    kind, got = result()
+    ok, worst, note = check(kind, dict(got), reference, x, y)
+    return {
+        "median_ms": statistics.median(times) * 1e3,
+        "peak_extra_mib": peak - baseline,
+        "analytic_mib": x.shape[0] * n_params * 4 / 2**20,
+        "params": n_params,
+        "batch": x.shape[0],
+        "checked": kind,
+        "correct": ok,
+        "max_rel_err": worst,
+        "note": note,
+        "torch": torch.__version__,
+    }
+
+
+def run_child(
+    args: argparse.Namespace, workload: str, method: str, batch: int | None = None, width: int | None = None
+) -> dict[str, Any]:
+    cmd = [
+        args.python, str(Path(__file__).resolve()), "--child", "--workload", workload, "--method", method,
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+    ]  # fmt: skip
+    if args.quick:
+        cmd.append("--quick")
+    if batch:
+        cmd += ["--batch", str(batch)]
+    if width:
+        cmd += ["--width", str(width)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+    return json.loads(lines[-1])
+
+
+# -- the table ---------------------------------------------------------------------------------------
+
+
+def cell(r: dict[str, Any], plain: dict[str, Any], fastest_peer: float | None) -> str:
+    if "skipped" in r:
+        return "skipped"
+    if "error" in r:
+        return "crash"
+    ratio = r["median_ms"] / plain["median_ms"]
+    text = f"{r['median_ms']:.1f} ms ({ratio:.2f}x)"
+    if fastest_peer:
+        text += f", {r['median_ms'] / fastest_peer:.2f}x best peer"
+    if not r["correct"]:
+        why = r["note"] or f"max rel err {r['max_rel_err']:.1e}"
+        text += f" WRONG ({why})"
+    return text
+
+
+def table(results: dict[str, dict[str, dict[str, Any]]], methods: list[str]) -> str:
+    workloads = list(results)
+    out = ["| method | " + " | ".join(workloads) + " |", "|---|" + "---|" * len(workloads)]
+    for m in methods:
+        cells = []
+        for w in workloads:
+            r, plain = results[w].get(m, {"skipped": ""}), results[w]["plain"]
+            peers = [
+                v["median_ms"]
+                for k, v in results[w].items()
+                if k.split("_")[0] in PEERS and "median_ms" in v and v["correct"] and _group(k) == _group(m)
+            ]
+            cells.append(cell(r, plain, min(peers) if peers and m.startswith("pergrad") else None))
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    out.append("")
+    out.append("| peak memory beyond plain backward (MiB) / analytic B x #params x 4 | " + " | ".join(workloads) + " |")
+    out.append("|---|" + "---|" * len(workloads))
+    for m in methods[1:]:
+        cells = []
+        for w in workloads:
+            r, plain = results[w].get(m, {}), results[w]["plain"]
+            if "median_ms" in r:
+                beyond = r["peak_extra_mib"] - plain["peak_extra_mib"]
+                cells.append(f"{beyond:.0f} / {r['analytic_mib']:.0f} ({beyond / r['analytic_mib']:.2f}x)")
+            else:
+                cells.append("-")
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def _group(method: str) -> str:
+    for group in (MATERIALISE, NORMS, CLIP, STATS):
+        if method in group:
+            return str(group)
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, pergrad/plain/torch.func only")
+    parser.add_argument("--workloads", nargs="+", default=["mlp", "cnn", "seq"])
+    parser.add_argument("--methods", nargs="+", default=None, help=f"subset of {METHODS}")
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--scaling", action="store_true", help="pergrad vs plain over batch size and width (mlp)")
+    parser.add_argument("--python", default=sys.executable, help="interpreter for the children")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "latest.json")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--method", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
+    if args.quick:
+        args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
+    methods = args.methods or [m for m in METHODS if not (args.quick and m.split("_")[0] in PEERS)]
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for w in args.workloads:
+        results[w] = {}
+        for m in ["plain", *[m for m in methods if m != "plain"]]:
+            r = run_child(args, w, m)
+            results[w][m] = r
+            status = r.get("skipped") or r.get("error") or f"{r['median_ms']:.1f} ms, correct={r['correct']}"
+            print(f"{w:5s} {m:20s} {status}", flush=True)
+    report: dict[str, Any] = {
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, {args.threads} threads, python {platform.python_version()}",
+        "command": " ".join(["python", "benchmarks/bench.py", *(argv if argv is not None else sys.argv[1:])]),
+        "results": results,
+    }
+    print()
+    print(table(results, ["plain", *[m for m in methods if m != "plain"]]))
+    if args.scaling:
+        report["scaling"] = scaling(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"\nsaved {args.out}")
+    return 0
+
+
+def scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """pergrad (materialised and fused norms) vs plain on the mlp, over batch size and width."""
+    series = [{"batch": b, "width": 512} for b in ((4, 16) if args.quick else (16, 64, 256, 1024))]
+    series += [{"batch": 32, "width": w} for w in ((16, 64) if args.quick else (128, 512, 1024, 2048))]
+    rows = []
+    print(
+        "\n| batch | width | plain ms | pergrad ms (x plain) | pergrad_norms ms (x plain) | pergrad peak MiB / analytic |"
+    )
+    print("|---|---|---|---|---|---|")
+    for point in series:
+        r = {
+            m: run_child(args, "mlp", m, point["batch"], point["width"]) for m in ("plain", "pergrad", "pergrad_norms")
+        }
+        rows.append({**point, **r})
+        p, g, nrm = r["plain"], r["pergrad"], r["pergrad_norms"]
+        print(
+            f"| {point['batch']} | {point['width']} | {p['median_ms']:.1f} | {g['median_ms']:.1f} "
+            f"({g['median_ms'] / p['median_ms']:.1f}x) | {nrm['median_ms']:.1f} ({nrm['median_ms'] / p['median_ms']:.2f}x) "
+            f"| {g['peak_extra_mib']:.0f} / {g['analytic_mib']:.0f} |",
+            flush=True,
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

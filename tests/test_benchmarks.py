@@ -1,0 +1,29 @@
+"""The benchmark harness runs end to end in --quick mode and every method it runs is correct.
+
+Nothing about time is asserted: timings live in benchmarks/README.md, not in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> None:
+    out = tmp_path / "quick.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"mlp", "cnn", "seq"}
+    for workload, methods in report["results"].items():
+        assert {"plain", "torch_func", "pergrad", "pergrad_norms", "pergrad_clip", "pergrad_stats"} <= set(methods)
+        for method, result in methods.items():
+            assert result.get("correct") is True, (workload, method, result)
+    assert "| pergrad |" in proc.stdout
