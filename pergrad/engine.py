@@ -181,15 +181,12 @@ class Engine:
             state.calls.append(Call(layer, kept.a, d))
             return
         if kept.batch_size == 0:  # an empty batch: no rule needs to run
-            module = layer.module
-            per_sample = {
-                n: d.new_zeros((0, *p.shape)) for n, p in module.named_parameters(recurse=False) if p.requires_grad
-            }
+            per_sample = {n: d.new_zeros((0, *p.shape)) for n, p in layer.trainable()}
         else:
             with allocating_from(self._take):
                 per_sample = layer.spec.fn(layer.module, kept.a, d)
         for name, g in per_sample.items():
-            param = getattr(layer.module, name)
+            param = layer.module.get_parameter(name)
             if g.shape != (kept.batch_size, *param.shape):
                 raise HookStateError(
                     f"the rule {layer.spec.fn.__qualname__} for layer {layer.name!r} returned shape "

@@ -35,10 +35,15 @@ class HookedLayer:
     module: nn.Module
     spec: RuleSpec
 
+    def trainable(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters the rule computes per-sample gradients for, named as the rule names them."""
+        named = self.module.named_parameters(recurse=self.spec.subtree)
+        return [(n, p) for n, p in named if p.requires_grad]
+
     @property
     def dtype(self) -> torch.dtype | None:
         """The dtype of the layer's parameters: per-sample gradients are computed in it."""
-        return next((p.dtype for p in self.module.parameters(recurse=False)), None)
+        return next((p.dtype for _, p in self.trainable()), None)
 
 
 @dataclass(frozen=True)
@@ -177,13 +182,15 @@ class LayerHooks:
 
     def _keeper(self, layer: HookedLayer) -> Callable[..., None]:
         def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if layer.spec.all_inputs and isinstance(output, tuple | list):
+                output = next((o for o in output if isinstance(o, Tensor)), None)  # its first tensor output
             if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.grad_fn is not None):
                 return  # nothing will flow back through this call: keep nothing
             if torch._C._are_functorch_transforms_active():
                 return  # torch.func is differentiating the model itself (vmap/grad): not ours to track
             batch_first = self._batch_first or layer.spec.batch_dim_fixed
             batch_dim = 0 if batch_first else 1
-            a = LayerCall(args, kwargs) if layer.spec.all_inputs else _first_input(args, kwargs)
+            a = LayerCall(args, kwargs, batch_dim) if layer.spec.all_inputs else _first_input(args, kwargs)
             batched = output if layer.spec.all_inputs else a
             if not isinstance(batched, Tensor):
                 raise TypeError(

@@ -13,7 +13,8 @@ from torch.utils.hooks import RemovableHandle
 from .engine import Distributed, Engine, Target
 from .errors import BatchMixingError, PergradError, TargetError, TransformError, UnsupportedLayerError
 from .hooks import HookedLayer, LayerHooks, owners
-from .registry import RuleRegistry, default_registry, type_names
+from .registry import RuleRegistry, RuleSpec, default_registry, type_names
+from .rules.fallback import fallback as fallback_rule
 from .sources import Materialized
 from .statistics import Statistics, compute_statistics
 from .transforms import Transform, UserTransform
@@ -42,9 +43,14 @@ def _check_layer_options(name: str, module: nn.Module) -> None:
             )
 
 
-def _discover(model: nn.Module, registry: RuleRegistry) -> list[HookedLayer]:
-    layers = []
+FALLBACK = RuleSpec(fallback_rule, all_inputs=True, subtree=True)
+
+
+def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[HookedLayer]:
+    layers: list[HookedLayer] = []
     for name, module in model.named_modules():
+        if any(layer.spec.subtree and name.startswith(f"{layer.name}.") for layer in layers):
+            continue  # inside a module whose rule covers its whole subtree
         if isinstance(module, _BATCH_NORMS) and _own_trainable(module):
             raise BatchMixingError(
                 f"layer {name!r} ({type(module).__name__}) normalises with statistics of the whole batch, so each "
@@ -55,6 +61,8 @@ def _discover(model: nn.Module, registry: RuleRegistry) -> list[HookedLayer]:
         if not trainable:
             continue
         spec = registry.lookup(module)
+        if spec is None and fallback and not isinstance(module, _BATCH_NORMS):
+            spec = FALLBACK
         if spec is None:
             parent = next((t for t in registry.supported_types() if isinstance(module, t)), None)
             why = (
@@ -64,6 +72,7 @@ def _discover(model: nn.Module, registry: RuleRegistry) -> list[HookedLayer]:
                 if parent is not None
                 else f"register a rule for it with @pergrad.register_rule({type(module).__name__})."
             )
+            why += " Or pass fallback=True to compute it with torch.func (exact, slower)."
             raise UnsupportedLayerError(
                 f"layer {name!r} ({type(module).__module__}.{type(module).__qualname__}) has trainable parameters "
                 f"{trainable} but no per-sample rule: {why} Supported types: {type_names(registry.supported_types())}. "
@@ -110,6 +119,9 @@ class PerSampleModule:
             gradient of every parameter (it fails when part of the loss uses a parameter outside its
             layer, e.g. a regulariser, which pergrad cannot attribute to samples). Costs one batch
             gradient per layer, once.
+        fallback: give modules without a rule (custom modules with raw parameters, ``nn.PReLU``,
+            multi-input modules) per-sample gradients computed with ``torch.func`` from their kept
+            inputs and output gradient, instead of an error.
         rules: a private ``RuleRegistry`` (default: ``pergrad.registry.default_registry``).
     """
 
@@ -126,6 +138,7 @@ class PerSampleModule:
         accumulate: str = "backward",
         keep_activation_grads: bool = False,
         verify: bool = True,
+        fallback: bool = False,
         rules: RuleRegistry | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -146,7 +159,7 @@ class PerSampleModule:
         self.reduction = reduction
         self.batch_first = batch_first
         self._registry = default_registry if rules is None else rules
-        self._layers = _discover(model, self._registry)
+        self._layers = _discover(model, self._registry, fallback)
         params = {p: name for name, p in model.named_parameters() if p.requires_grad}
         self._engine = Engine(
             param_names=params,

@@ -57,6 +57,7 @@ class RuleSpec:
     batch_dim_fixed: bool = False
     all_inputs: bool = False
     fused: FusedRule | None = None
+    subtree: bool = False  # the rule covers the parameters of the layer's submodules too
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class LayerCall:
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    batch_dim: int = 0  # where the batch is in the batched arguments (1 with batch_first=False)
 
 
 class RuleRegistry:

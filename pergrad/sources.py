@@ -95,9 +95,8 @@ class Fused:
         self.calls = calls
         self.uses: dict[nn.Parameter, list[tuple[Call, str]]] = {}
         for call in calls:
-            for name, p in call.layer.module.named_parameters(recurse=False):
-                if p.requires_grad:
-                    self.uses.setdefault(p, []).append((call, name))
+            for name, p in call.layer.trainable():
+                self.uses.setdefault(p, []).append((call, name))
 
     def _fused(self, p: nn.Parameter) -> tuple[Call, str, FusedRule] | None:
         """The single call that feeds ``p`` and its fused rule, or None if ``p`` needs building."""
@@ -130,7 +129,7 @@ class Fused:
         out: dict[nn.Parameter, Tensor] = {}
         for call in self._calls_of(wanted):
             for name, g in call.layer.spec.fn(call.layer.module, call.a, call.d).items():
-                p = getattr(call.layer.module, name)
+                p = call.layer.module.get_parameter(name)
                 if p in wanted:
                     out[p] = g if p not in out else out[p] + g
         return out
@@ -170,7 +169,7 @@ class Fused:
             else:
                 result = fused.summed(call.layer.module, a, d)
             for name, g in result.items():
-                p = getattr(call.layer.module, name)
+                p = call.layer.module.get_parameter(name)
                 if p in wanted:
                     out[p] = g if p not in out else out[p] + g
         return out
