@@ -141,3 +141,23 @@ def test_real_models_wrapped_unmodified(name: str) -> None:
         run_pergrad(psm, x, target)
         for n, p in model.named_parameters():
             assert_close(p.grad_sample, ref[n], n)
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow: torch.func's vmap cannot run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w if bool((x * self.w).sum() > 0) else -x * self.w
+
+
+def test_fallback_that_torch_func_cannot_run_is_a_clear_error() -> None:
+    with PerSampleModule(Branchy(), fallback=True) as psm:
+        loss = psm(torch.randn(2, 3)).sum()
+        with pytest.raises(
+            UnsupportedLayerError, match=r"torch.func fallback could not compute .* Branchy .*register_rule\(Branchy\)"
+        ):
+            loss.backward()

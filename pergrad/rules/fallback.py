@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
+from ..errors import UnsupportedLayerError
 from ..registry import LayerCall
 
 
@@ -57,5 +58,12 @@ def fallback(layer: nn.Module, call: LayerCall, d: Tensor) -> dict[str, Tensor]:
         out, pull = pulled[0], pulled[1]
         return pull(d_i.unsqueeze(dim).reshape(out.shape))[0]
 
-    with torch.enable_grad():
-        return vmap(one, in_dims=(None, arg_dims, kwarg_dims, 0))(own, call.args, call.kwargs, d)
+    try:
+        with torch.enable_grad():
+            return vmap(one, in_dims=(None, arg_dims, kwarg_dims, 0))(own, call.args, call.kwargs, d)
+    except Exception as err:  # torch.func cannot run every forward (nn.LSTM, data-dependent control flow)
+        raise UnsupportedLayerError(
+            f"the torch.func fallback could not compute per-sample gradients of a {type(layer).__name__} "
+            f"({type(err).__name__}: {str(err)[:200]}). Register a rule for it with "
+            f"@pergrad.register_rule({type(layer).__name__})."
+        ) from err
