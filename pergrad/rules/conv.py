@@ -89,15 +89,31 @@ def conv(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
 # -- fused: a convolution is the Linear layout [batch * groups, positions, patch] -------------------
 
 
+def im2col(layer: nn.Module, a: Tensor) -> Tensor:
+    """``[n, C, *spatial] -> [n, C*k, l]``: every receptive field of the padded input as a column,
+    channels major and kernel positions minor (the weight's layout). ``F.unfold`` for 1-D and 2-D."""
+    assert isinstance(layer, _ConvNd)
+    x = padded_input(layer, a)
+    if x.dim() <= 4:
+        kernel, dilation, stride = layer.kernel_size, layer.dilation, layer.stride
+        if x.dim() == 3:  # 1-D as 2-D with height 1
+            x, kernel, dilation, stride = x.unsqueeze(2), (1, *kernel), (1, *dilation), (1, *stride)
+        return F.unfold(x, kernel, dilation=dilation, stride=stride)
+    p = patches(x, layer.kernel_size, layer.stride, layer.dilation)  # [n, C, *l, *k]
+    spatial = len(layer.kernel_size)
+    order = (0, 1, *range(2 + spatial, 2 + 2 * spatial), *range(2, 2 + spatial))
+    return p.permute(order).reshape(a.shape[0], -1, math.prod(p.shape[2 : 2 + spatial]))
+
+
 def _as_linear(layer: nn.Module, a: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
-    """Patches ``[n*g, l, c*k]`` and output gradients ``[n*g, l, o]`` (one row per group)."""
+    """Patches ``[n*g, l, c*k]`` and output gradients ``[n*g, l, o]`` (one row per group), as
+    transposed views: the Linear layout, with no copy beyond the unfold."""
     assert isinstance(layer, _ConvNd)
     n, groups = a.shape[0], layer.groups
-    p = patches(padded_input(layer, a), layer.kernel_size, layer.stride, layer.dilation)
-    positions = math.prod(d.shape[2:])
-    p = p.reshape(n, groups, a.shape[1] // groups, positions, -1).permute(0, 1, 3, 2, 4)
-    dg = d.reshape(n, groups, d.shape[1] // groups, positions).transpose(2, 3)
-    return p.reshape(n * groups, positions, -1), dg.reshape(n * groups, positions, -1)
+    cols = im2col(layer, a)  # [n, C*k, l]
+    p = cols.reshape(n * groups, cols.shape[1] // groups, cols.shape[2]).transpose(1, 2)
+    dg = d.reshape(n * groups, d.shape[1] // groups, cols.shape[2]).transpose(1, 2)
+    return p, dg
 
 
 def conv_sq_norms(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
