@@ -1,0 +1,48 @@
+"""The examples that need only torch run here on small settings and say what they claim."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hooks_example_matches_the_hand_computed_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    results = load("hooks").main([])
+    plain, rescaled = results["no rescaling"], results["head returns 0.5 * grad_input"]
+    assert plain["block full grad_input"] == [6.0, 6.0] and plain["block full grad_output"] == [3.0, 3.0]
+    assert plain["pergrad block.weight per sample"] == [3.0, 6.0]
+    assert plain["pergrad head.weight per sample"] == [2.0, 4.0]
+    assert plain["block[0] legacy grad_input"] == [6.0, 12.0, 9.0]
+    # head's rescaled grad_input halves everything before head, not head's own gradient
+    assert rescaled["pergrad block.weight per sample"] == [1.5, 3.0]
+    assert rescaled["pergrad head.weight per sample"] == [2.0, 4.0]
+    assert rescaled["x.grad"] == [3.0, 3.0]
+    assert "legacy grad_input" in capsys.readouterr().out
+
+
+def test_saliency_example_fgsm_raises_the_loss() -> None:
+    result = load("saliency").main(["--steps", "30", "--eps", "0.2"])
+    assert result["accuracy"] > 0.6
+    assert result["adversarial_loss"] > result["clean_loss"]
+    assert result["adversarial_accuracy"] < result["accuracy"]
+
+
+def test_clip_vs_mean_example(capsys: pytest.CaptureFixture[str]) -> None:
+    load("clip_vs_mean").main()
+    out = capsys.readouterr().out
+    assert "||T(E[g])|| = 1.0000" in out and "cosine" in out
