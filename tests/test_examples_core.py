@@ -36,7 +36,7 @@ def test_hooks_example_matches_the_hand_computed_numbers(capsys: pytest.CaptureF
 
 
 def test_saliency_example_fgsm_raises_the_loss() -> None:
-    result = load("saliency").main(["--steps", "30", "--eps", "0.2"])
+    result = load("saliency").main(["--steps", "60", "--eps", "0.2"])
     assert result["accuracy"] > 0.6
     assert result["adversarial_loss"] > result["clean_loss"]
     assert result["adversarial_accuracy"] < result["accuracy"]
