@@ -1,0 +1,7 @@
+"""``python -m pergrad demo``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
