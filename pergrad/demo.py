@@ -149,10 +149,13 @@ def plot(results: list[RunResult], path: Path) -> None:
     layers = list(results[0].layer_norms)
     fig, axes = plt.subplots(1, len(layers) + 1, figsize=(3.2 * (len(layers) + 1), 3.2))
     for ax, layer in zip(axes[:-1], layers, strict=True):
+        values = [v for r in results for v in r.layer_norms[layer] if v > 0]
+        low, high = (min(values), max(values)) if values else (1e-3, 1.0)
+        bins = torch.logspace(math.log10(low), math.log10(high * 1.001), 40).tolist()  # norms span decades
         for r in results:
-            ax.hist(r.layer_norms[layer], bins=40, alpha=0.6, label=r.name)
-        ax.set_title(f"layer {layer}: ||g_i||", fontsize=9)
-        ax.set_yscale("log")
+            ax.hist(r.layer_norms[layer], bins=bins, alpha=0.55, label=r.name)
+        ax.set_title(f"layer {layer}: ||g_i|| (before clipping)", fontsize=9)
+        ax.set_xscale("log")
     axes[0].legend(fontsize=8)
     for r in results:
         axes[-1].plot(range(1, len(r.accuracy) + 1), r.accuracy, marker="o", label=r.name)
