@@ -46,3 +46,14 @@ def test_clip_vs_mean_example(capsys: pytest.CaptureFixture[str]) -> None:
     load("clip_vs_mean").main()
     out = capsys.readouterr().out
     assert "||T(E[g])|| = 1.0000" in out and "cosine" in out
+
+
+def test_dp_sgd_example_learns_with_noise() -> None:
+    result = load("dp_sgd").main(["--epochs", "2", "--sigma", "1.0"])
+    assert result["accuracy"] > 0.7  # chance is 1/3
+
+
+def test_cabs_example_grows_the_batch() -> None:
+    sizes = load("cabs").main(["--steps", "120"])["batch_sizes"]
+    assert sizes[0] == 16 and all(16 <= b <= 2048 for b in sizes)
+    assert sizes[-1] > 2 * sizes[0]  # the noise dominates as the loss falls
