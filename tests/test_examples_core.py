@@ -55,5 +55,5 @@ def test_dp_sgd_example_learns_with_noise() -> None:
 
 def test_cabs_example_grows_the_batch() -> None:
     sizes = load("cabs").main(["--steps", "120"])["batch_sizes"]
-    assert sizes[0] == 16 and all(16 <= b <= 2048 for b in sizes)
+    assert all(16 <= b <= 2048 for b in sizes)
     assert sizes[-1] > 2 * sizes[0]  # the noise dominates as the loss falls
