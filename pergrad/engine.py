@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from .errors import BatchSizeError, HookStateError, TransformError
 from .hooks import Kept
-from .layout import allocating_from
+from .layout import allocating_from, fresh_buffer
 from .sources import Call, Fused, Materialized
 from .statistics import Statistics, compute_statistics
 from .transforms import Scaling, Transform, check_output
@@ -357,7 +357,7 @@ class Engine:
 
     def _take(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
         free = self._pool.get((tuple(shape), like.dtype, like.device))
-        return free.pop() if free else torch.empty(shape, dtype=like.dtype, device=like.device)
+        return free.pop() if free else fresh_buffer(shape, like)
 
     def clear_pool(self) -> None:
         self._pool.clear()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -14,6 +17,39 @@ Allocator = Callable[[tuple[int, ...], Tensor], Tensor]
 _allocator: ContextVar[Allocator | None] = ContextVar("pergrad_allocator", default=None)
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise`` where transparent huge pages are given on request ("[madvise]")."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[madvise]" not in f.read():
+                return None  # "[always]" needs no advice, "[never]" refuses it
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def fresh_buffer(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """``torch.empty``; on CPU a large one is advised to use 2 MiB pages before it is touched, so
+    the kernel faults it in 512 times less often (advice only: a refusal changes nothing)."""
+    out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    madvise = _madvise() if out.device.type == "cpu" and out.nbytes >= 2 * _HUGE_PAGE else None
+    if madvise is not None:
+        start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE  # the whole huge pages inside it
+        end = (out.data_ptr() + out.nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        if end > start:
+            madvise(start, end - start, _MADV_HUGEPAGE)
+    return out
+
+
 def new_buffer(shape: tuple[int, ...], like: Tensor) -> Tensor:
     """An uninitialised tensor for a rule's result (``like``'s dtype and device).
 
@@ -22,9 +58,7 @@ def new_buffer(shape: tuple[int, ...], like: Tensor) -> Tensor:
     times faster than into fresh pages, which the kernel must fault in and zero first.
     """
     alloc = _allocator.get()
-    if alloc is not None:
-        return alloc(shape, like)
-    return torch.empty(shape, dtype=like.dtype, device=like.device)
+    return fresh_buffer(shape, like) if alloc is None else alloc(shape, like)
 
 
 @contextmanager
