@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from .engine import Distributed, Engine, Target
-from .errors import BatchMixingError, PergradError, TargetError, TransformError, UnsupportedLayerError
+from .errors import PergradError, TargetError, TransformError, UnsupportedLayerError
 from .hooks import HookedLayer, LayerHooks, owners
 from .registry import RuleRegistry, RuleSpec, default_registry, type_names
 from .rules.fallback import fallback as fallback_rule
@@ -20,7 +20,6 @@ from .statistics import Statistics, compute_statistics
 from .transforms import Transform, UserTransform
 
 _REDUCTIONS = ("mean", "sum")
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def _own_trainable(module: nn.Module) -> list[str]:
@@ -51,17 +50,11 @@ def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[
     for name, module in model.named_modules():
         if any(layer.spec.subtree and name.startswith(f"{layer.name}.") for layer in layers):
             continue  # inside a module whose rule covers its whole subtree
-        if isinstance(module, _BATCH_NORMS) and _own_trainable(module):
-            raise BatchMixingError(
-                f"layer {name!r} ({type(module).__name__}) normalises with statistics of the whole batch, so each "
-                "sample's output depends on every other sample and per-sample gradients are undefined. Use "
-                "nn.GroupNorm or nn.LayerNorm instead, or freeze it (requires_grad_(False)) and keep the model in eval mode."
-            )
         trainable = _own_trainable(module)
         if not trainable:
             continue
         spec = registry.lookup(module)
-        if spec is None and fallback and not isinstance(module, _BATCH_NORMS):
+        if spec is None and fallback:
             spec = FALLBACK
         if spec is None:
             parent = next((t for t in registry.supported_types() if isinstance(module, t)), None)

@@ -194,10 +194,6 @@ class MyLinear(nn.Linear):
             r"layer '0' \(.*Custom\) has trainable parameters \['scale'\].*requires_grad_\(False\)",
         ),
         (nn.Sequential(MyLinear(3, 3)), r"layer '0' .*MyLinear.*subclasses Linear.*register_rule\(MyLinear\)"),
-        (
-            nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)),
-            r"layer '1' \(BatchNorm1d\).*per-sample gradients are undefined.*nn.GroupNorm",
-        ),
         (nn.Embedding(4, 2, scale_grad_by_freq=True), r"layer '' \(nn.Embedding\) has scale_grad_by_freq=True"),
         (nn.Embedding(4, 2, sparse=True), r"sparse=True.*sparse=False"),
     ],
@@ -284,3 +280,31 @@ def test_bad_arguments() -> None:
         PerSampleModule(mlp(), loss_reduction="avg")
     with pytest.raises(TypeError, match=r"wraps an nn.Module"):
         PerSampleModule(lambda x: x)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_batchnorm_in_eval_mode_matches_torch_func(dims: int) -> None:
+    torch.manual_seed(dims)
+    bn = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)[dims - 1](3)
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1](2, 3, 1)
+    model = nn.Sequential(conv, bn, nn.Tanh()).double()
+    x = torch.randn(4, 2, *([3] * dims), dtype=torch.float64)
+    model(x)  # one training-mode forward fills the running statistics
+    with torch.no_grad():
+        bn.weight.normal_(), bn.bias.normal_()
+    model.eval()
+    target = torch.randn_like(model(x))
+    ref = reference_grad_sample(model, x, target)
+    with PerSampleModule(model) as psm:
+        run_pergrad(psm, x, target)
+        for name, p in model.named_parameters():
+            assert_close(p.grad_sample, ref[name], name)
+        psm.train()
+        with pytest.raises(BatchMixingError, match=r"layer '1' \(BatchNorm\dd\).*training mode"):
+            psm(x)
+
+
+def test_batchnorm_without_running_statistics_fails_in_forward() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3, track_running_stats=False)).eval()
+    with PerSampleModule(model) as psm, pytest.raises(BatchMixingError, match=r"track_running_stats=False"):
+        psm(torch.randn(4, 3))

@@ -31,3 +31,19 @@ def layer_norm(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     x_hat = F.layer_norm(a, layer.normalized_shape, eps=layer.eps)
     shared = tuple(range(1, a.dim() - len(layer.normalized_shape)))
     return affine_grads(layer, x_hat, d, shared)
+
+
+@default_registry.register(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, batch_dim_fixed=True)
+def batch_norm_eval(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """BatchNorm with its running statistics (eval mode): ``x_hat = (a - mean) / sqrt(var + eps)``
+    with the fixed running mean and variance, so samples do not mix and ``g_i`` is defined.
+
+    Index conventions: a, d: [n, c, *spatial]; the spatial dims are summed. Training mode, or
+    ``track_running_stats=False``, normalises with batch statistics: the wrapper refuses those in
+    the forward, before this rule could run.
+    """
+    assert isinstance(layer, nn.modules.batchnorm._BatchNorm)
+    assert layer.running_mean is not None and layer.running_var is not None
+    shape = (1, -1, *([1] * (a.dim() - 2)))
+    x_hat = (a - layer.running_mean.view(shape)) * (layer.running_var.view(shape) + layer.eps).rsqrt()
+    return affine_grads(layer, x_hat, d, tuple(range(2, a.dim())))
