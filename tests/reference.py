@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,7 @@ def reference_grad_sample(
     batch_dim: int = 0,
 ) -> dict[str, Tensor]:
     """``{name: [B, *p.shape]}``: ``d f_i / d p`` for every trainable parameter, via vmap(grad)."""
+    model = _without_buffer_updates(model)
     params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
     frozen = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
     buffers = dict(model.named_buffers())
@@ -31,6 +33,18 @@ def reference_grad_sample(
         return loss(out, ti.unsqueeze(batch_dim))
 
     return vmap(grad(f), in_dims=(None, batch_dim, batch_dim))(params, x, target)
+
+
+def _without_buffer_updates(model: nn.Module) -> nn.Module:
+    """A copy whose training-mode instance norms do not update running statistics (vmap cannot
+    write into unbatched buffers); their outputs use each sample's own statistics either way."""
+    if not any(isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.training for m in model.modules()):
+        return model
+    model = copy.deepcopy(model)
+    for m in model.modules():
+        if isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.training:
+            m.track_running_stats, m.running_mean, m.running_var = False, None, None
+    return model
 
 
 def run_pergrad(psm, x: Tensor, target: Tensor, loss_reduction: str = "mean", batch_dim: int = 0) -> Tensor:

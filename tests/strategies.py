@@ -78,3 +78,44 @@ def embeddings(draw: st.DrawFn) -> tuple[nn.Module, tuple[int, ...]]:
     shared = draw(st.lists(st.integers(1, 5), max_size=2))
     layer = nn.Embedding(vocab, dim, padding_idx=padding_idx)
     return layer.double(), (draw(batch_sizes), *shared)
+
+
+@st.composite
+def group_norms(draw: st.DrawFn) -> tuple[nn.Module, tuple[int, ...]]:
+    groups = draw(st.integers(1, 3))  # groups first, channels as a multiple
+    channels = groups * draw(st.integers(1, 2))
+    spatial = draw(st.lists(st.integers(2, 3), min_size=1, max_size=2))  # group statistics need > 1 value
+    layer = nn.GroupNorm(groups, channels)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    return layer.double(), (draw(batch_sizes), channels, *spatial)
+
+
+@st.composite
+def instance_norms(draw: st.DrawFn) -> tuple[nn.Module, tuple[int, ...]]:
+    nd = draw(st.integers(1, 3))
+    channels = draw(st.integers(1, 3))
+    track = draw(st.booleans())
+    layer = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)[nd - 1](
+        channels, affine=True, track_running_stats=track
+    )
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+        if track:
+            layer.running_mean.normal_()
+            layer.running_var.uniform_(0.5, 2.0)
+    layer.train(draw(st.booleans()))
+    size = st.integers(2, 3)  # instance statistics need more than one position
+    return layer.double(), (draw(batch_sizes), channels, *(draw(size) for _ in range(nd)))
+
+
+@st.composite
+def rms_norms(draw: st.DrawFn) -> tuple[nn.Module, tuple[int, ...]]:
+    normalized = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=2)))
+    shared = draw(st.lists(st.integers(1, 3), max_size=2))
+    layer = nn.RMSNorm(normalized, eps=draw(st.sampled_from([None, 1e-6, 0.1])))
+    with torch.no_grad():
+        layer.weight.normal_()
+    return layer.double(), (draw(batch_sizes), *shared, *normalized)

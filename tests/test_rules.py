@@ -10,7 +10,15 @@ from torch import nn
 
 from pergrad import PerSampleModule
 from tests.reference import assert_close, reference_grad_sample, run_pergrad
-from tests.strategies import conv_layers, embeddings, layer_norms, linear_layers
+from tests.strategies import (
+    conv_layers,
+    embeddings,
+    group_norms,
+    instance_norms,
+    layer_norms,
+    linear_layers,
+    rms_norms,
+)
 
 
 class Head(nn.Module):
@@ -45,7 +53,15 @@ def check_layer(layer: nn.Module, shape: tuple[int, ...], loss_reduction: str, s
             assert_close(p.grad, reduced, f".grad of {name}")
 
 
-families = {"linear": linear_layers(), "conv": conv_layers(), "layer_norm": layer_norms(), "embedding": embeddings()}
+families = {
+    "linear": linear_layers(),
+    "conv": conv_layers(),
+    "layer_norm": layer_norms(),
+    "embedding": embeddings(),
+    "group_norm": group_norms(),
+    "instance_norm": instance_norms(),
+    "rms_norm": rms_norms(),
+}
 
 
 @pytest.mark.parametrize("family", sorted(families))

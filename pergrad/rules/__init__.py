@@ -4,6 +4,6 @@ in ``pergrad.registry.default_registry``."""
 from .conv import conv
 from .embedding import embedding
 from .linear import linear
-from .norm import batch_norm_eval, layer_norm
+from .norm import batch_norm_eval, group_norm, instance_norm, layer_norm, rms_norm
 
-__all__ = ["batch_norm_eval", "conv", "embedding", "layer_norm", "linear"]
+__all__ = ["batch_norm_eval", "conv", "embedding", "group_norm", "instance_norm", "layer_norm", "linear", "rms_norm"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -47,3 +48,41 @@ def batch_norm_eval(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]
     shape = (1, -1, *([1] * (a.dim() - 2)))
     x_hat = (a - layer.running_mean.view(shape)) * (layer.running_var.view(shape) + layer.eps).rsqrt()
     return affine_grads(layer, x_hat, d, tuple(range(2, a.dim())))
+
+
+@default_registry.register(nn.GroupNorm, batch_dim_fixed=True)
+def group_norm(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """``x_hat``: each sample's channels normalised within their group (statistics of the sample alone).
+
+    Index conventions: a, d: [n, c, *spatial]; the spatial dims are summed.
+    """
+    assert isinstance(layer, nn.GroupNorm)
+    x_hat = F.group_norm(a, layer.num_groups, eps=layer.eps)
+    return affine_grads(layer, x_hat, d, tuple(range(2, a.dim())))
+
+
+@default_registry.register(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, batch_dim_fixed=True)
+def instance_norm(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """``x_hat`` from each sample's own per-channel statistics, or from the running ones in eval mode
+    with ``track_running_stats=True`` (training mode updates the running buffers, which mixes
+    nothing into any sample's output). Index conventions: a, d: [n, c, *spatial]; spatial summed.
+    """
+    assert isinstance(layer, nn.modules.instancenorm._InstanceNorm)
+    spatial = tuple(range(2, a.dim()))
+    if layer.training or layer.running_mean is None or layer.running_var is None:
+        mean, var = a.mean(spatial, keepdim=True), a.var(spatial, unbiased=False, keepdim=True)
+    else:
+        shape = (1, -1, *([1] * len(spatial)))
+        mean, var = layer.running_mean.view(shape), layer.running_var.view(shape)
+    return affine_grads(layer, (a - mean) * (var + layer.eps).rsqrt(), d, spatial)
+
+
+@default_registry.register(nn.RMSNorm)
+def rms_norm(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """``x_hat = a / sqrt(mean(a^2) + eps)`` over the trailing ``normalized_shape`` dims (``eps=None``:
+    the dtype's machine epsilon, as PyTorch). Index conventions: a, d: [n, *shared, *normalized]."""
+    assert isinstance(layer, nn.RMSNorm)
+    dims = tuple(range(a.dim() - len(layer.normalized_shape), a.dim()))
+    eps = torch.finfo(a.dtype).eps if layer.eps is None else layer.eps
+    x_hat = a * (a.square().mean(dims, keepdim=True) + eps).rsqrt()
+    return affine_grads(layer, x_hat, d, tuple(range(1, a.dim() - len(layer.normalized_shape))))
