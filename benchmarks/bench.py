@@ -81,6 +81,26 @@ def build(workload: str, quick: bool, batch: int | None = None, width: int | Non
                 return self.head(h.mean(1))
 
         return Seq(), torch.randint(0, vocab, (b, t)), torch.randint(0, 10, (b,))
+    if workload == "resnet":
+        b, c, size = (batch or 4, 8, 8) if quick else (batch or 32, 32, 16)
+
+        class Block(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.conv1, self.norm1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.GroupNorm(8, c)
+                self.conv2, self.norm2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.GroupNorm(8, c)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                out = torch.relu_(self.norm1(self.conv1(x)))
+                out = self.norm2(self.conv2(out))
+                out += x
+                return torch.relu_(out)
+
+        model = nn.Sequential(
+            nn.Conv2d(3, c, 3, padding=1, bias=False), nn.GroupNorm(8, c), nn.ReLU(inplace=True),
+            Block(), Block(), Block(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10),
+        )  # fmt: skip
+        return model, torch.randn(b, 3, size, size), torch.randint(0, 10, (b,))
     raise ValueError(f"unknown workload {workload!r}")
 
 
@@ -381,7 +401,7 @@ def _group(method: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, pergrad/plain/torch.func only")
-    parser.add_argument("--workloads", nargs="+", default=["mlp", "cnn", "seq"])
+    parser.add_argument("--workloads", nargs="+", default=["mlp", "cnn", "seq", "resnet"])
     parser.add_argument("--methods", nargs="+", default=None, help=f"subset of {METHODS}")
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)

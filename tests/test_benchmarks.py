@@ -21,7 +21,7 @@ def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> Non
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"mlp", "cnn", "seq"}
+    assert set(report["results"]) == {"mlp", "cnn", "seq", "resnet"}
     for workload, methods in report["results"].items():
         assert {"plain", "torch_func", "pergrad", "pergrad_norms", "pergrad_clip", "pergrad_stats"} <= set(methods)
         for method, result in methods.items():
