@@ -66,3 +66,20 @@ def test_cuda_tensors_stay_on_the_device() -> None:
         assert all(p.grad.is_cuda for p in model.parameters())
         assert all(n.is_cuda for n in psm.per_sample_norms().values())
         assert psm.statistics().trace_variance.is_cuda
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_autocast_float16_on_cuda_is_close_to_float32() -> None:
+    model = small_cnn().cuda()
+    x = torch.randn(5, 2, 6, 6, device="cuda")
+    with PerSampleModule(model) as psm:
+        exact = grads_of(model, psm, x)
+        model.zero_grad()
+        for p in model.parameters():
+            p.__dict__.pop("grad_sample", None)
+        with torch.autocast("cuda", dtype=torch.float16):
+            out = psm(x)
+        out.float().pow(2).mean().backward()
+        for name, p in model.named_parameters():
+            assert p.grad_sample.dtype == torch.float32 and p.grad_sample.is_cuda
+            assert (p.grad_sample - exact[name][0]).norm() <= 3e-2 * exact[name][0].norm(), name

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import pickle
 import threading
+import weakref
 
 import pytest
 import torch
@@ -60,12 +62,17 @@ def test_exception_in_the_middle_of_a_backward() -> None:
         raise ValueError("boom")
 
     with PerSampleModule(model) as psm:
-        out = psm(x)
+        failed_input = x.clone()
+        kept = weakref.ref(failed_input)
+        out = psm(failed_input)
         out.register_hook(explode)
         with pytest.raises(ValueError, match="boom"):
             (out - target).pow(2).sum().backward()
+        del out, failed_input
         assert_exact_step(psm, model, x, target)
         assert psm._engine._current is None
+        gc.collect()
+        assert kept() is None  # nothing of the failed step is held: memory is back to baseline
 
 
 def test_forward_twice_then_backward_of_the_second() -> None:
