@@ -119,3 +119,27 @@ def rms_norms(draw: st.DrawFn) -> tuple[nn.Module, tuple[int, ...]]:
     with torch.no_grad():
         layer.weight.normal_()
     return layer.double(), (draw(batch_sizes), *shared, *normalized)
+
+
+@st.composite
+def conv_transposes(draw: st.DrawFn) -> tuple[nn.Module, tuple[int, ...]]:
+    nd = draw(st.sampled_from([1, 2, 3]))
+    groups = draw(st.integers(1, 3))  # groups first, channels as multiples of it
+    in_ch, out_ch = groups * draw(st.integers(1, 2)), groups * draw(st.integers(1, 2))
+    kernel = tuple(draw(st.integers(1, 3 if nd < 3 else 2)) for _ in range(nd))
+    stride = tuple(draw(st.integers(1, 2)) for _ in range(nd))
+    dilation = tuple(draw(st.integers(1, 2)) for _ in range(nd))
+    output_padding = tuple(draw(st.integers(0, max(s, dl) - 1)) for s, dl in zip(stride, dilation, strict=True))
+    size = tuple(draw(st.integers(1, 3)) for _ in range(nd))
+    # padding small enough that every output size (h-1)s - 2p + dl(k-1) + op + 1 stays >= 1
+    room = [
+        (h - 1) * s + dl * (k - 1) + op
+        for h, s, dl, k, op in zip(size, stride, dilation, kernel, output_padding, strict=True)
+    ]
+    padding = tuple(draw(st.integers(0, r // 2)) for r in room)
+    conv = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)[nd - 1]
+    layer = conv(
+        in_ch, out_ch, kernel, stride=stride, padding=padding, output_padding=output_padding,
+        groups=groups, bias=draw(st.booleans()), dilation=dilation,
+    )  # fmt: skip
+    return layer.double(), (draw(batch_sizes), in_ch, *size)

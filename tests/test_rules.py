@@ -12,6 +12,7 @@ from pergrad import PerSampleModule
 from tests.reference import assert_close, reference_grad_sample, run_pergrad
 from tests.strategies import (
     conv_layers,
+    conv_transposes,
     embeddings,
     group_norms,
     instance_norms,
@@ -56,6 +57,7 @@ def check_layer(layer: nn.Module, shape: tuple[int, ...], loss_reduction: str, s
 families = {
     "linear": linear_layers(),
     "conv": conv_layers(),
+    "conv_transpose": conv_transposes(),
     "layer_norm": layer_norms(),
     "embedding": embeddings(),
     "group_norm": group_norms(),

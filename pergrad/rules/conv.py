@@ -167,3 +167,45 @@ def conv_dots(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]) 
 
 
 default_registry.register_fused(_ConvNd, FusedRule(conv_sq_norms, conv_summed, conv_dots))
+
+
+# -- transposed convolutions: the weight gradient of the convolution they transpose ------------------
+
+_ConvTransposeNd = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def _twin(layer: nn.Module) -> nn.Module:
+    """The convolution whose input gradient ``layer`` computes: from ``C_out`` to ``C_in`` channels
+    with the same kernel, stride, dilation and groups, on input padded beforehand (meta device:
+    shapes only)."""
+    assert isinstance(layer, _ConvTransposeNd)
+    conv_type = _ConvNd[_ConvTransposeNd.index(type(layer))]
+    c_in, c_out = layer.in_channels, layer.out_channels
+    geometry: dict[str, Any] = {
+        "kernel_size": layer.kernel_size, "stride": layer.stride, "padding": 0,
+        "dilation": layer.dilation, "groups": layer.groups,
+    }  # fmt: skip
+    return conv_type(c_out, c_in, bias=False, device="meta", **geometry)
+
+
+@default_registry.register(*_ConvTransposeNd, batch_dim_fixed=True)
+def conv_transpose(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """``y = conv_transpose(a, W)`` is the input gradient of ``conv(., W)``, so ``g_i(W)`` is the
+    weight gradient of that convolution with ``d_i`` as its input and ``a_i`` as its output
+    gradient: the conv rule with the roles swapped. ``g_i(b)[o] = sum_l d_i[o, l]``.
+
+    Index conventions as in ``conv``, with the convolution running from d (``C_out`` channels) to a
+    (``C_in`` channels); W: [C_in, C_out / g, *kernel].
+    """
+    assert isinstance(layer, _ConvTransposeNd)
+    out: dict[str, Tensor] = {}
+    if layer.weight.requires_grad:
+        # pad d by `padding` on the left; on the right by `padding` less the whole strides that
+        # output_padding added (those windows reach no input position; negative pads crop)
+        padding: tuple[int, ...] = tuple(int(p) for p in layer.padding)  # never a string for ConvTranspose
+        pairs = [(p, p - s * (op // s)) for p, s, op in zip(padding, layer.stride, layer.output_padding, strict=True)]
+        window = F.pad(d, [side for pair in reversed(pairs) for side in pair])
+        out["weight"] = conv(_twin(layer), window, a)["weight"]
+    if layer.bias is not None and layer.bias.requires_grad:
+        out["bias"] = d.flatten(2).sum(2)
+    return out
