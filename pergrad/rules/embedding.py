@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..errors import UnsupportedLayerError
 from ..layout import new_buffer
-from ..registry import FusedRule, default_registry
+from ..registry import FusedRule, LayerCall, default_registry
 
 
 @default_registry.register(nn.Embedding)
@@ -92,3 +93,66 @@ def embedding_sum_squares(layer: nn.Module, idx: Tensor, d: Tensor) -> dict[str,
 default_registry.register_fused(
     (nn.Embedding,), FusedRule(embedding_sq_norms, embedding_summed, embedding_dots, embedding_sum_squares)
 )
+
+
+def _bags(layer: nn.EmbeddingBag, call: LayerCall) -> tuple[Tensor, Tensor, Tensor | None, int]:
+    """Entries as (bag, row, per-sample weight or None) and the number of bags, for a 2-D input
+    ``[B, L]`` or a 1-D input with ``offsets`` (``include_last_offset`` too)."""
+    names = ("input", "offsets", "per_sample_weights")
+    given = dict(zip(names, call.args, strict=False)) | {k: v for k, v in call.kwargs.items() if k in names}
+    idx, offsets, weights = given["input"], given.get("offsets"), given.get("per_sample_weights")
+    if idx.dim() == 2:
+        bags = idx.shape[0]
+        bag = torch.arange(bags, device=idx.device).repeat_interleave(idx.shape[1])
+    else:
+        assert offsets is not None, "a 1-D input to nn.EmbeddingBag comes with offsets"
+        starts = offsets[:-1] if layer.include_last_offset else offsets
+        bags = starts.shape[0]
+        bag = torch.searchsorted(starts, torch.arange(idx.shape[0], device=idx.device), right=True) - 1
+    return bag, idx.reshape(-1), None if weights is None else weights.reshape(-1), bags
+
+
+@default_registry.register(nn.EmbeddingBag, all_inputs=True)
+def embedding_bag(layer: nn.Module, call: LayerCall, d: Tensor) -> dict[str, Tensor]:
+    """Bag b's gradient puts ``w_j d_b`` (sum), ``d_b / |b|`` (mean, ``|b|`` counting non-padding
+    entries) or, per feature, ``d_b`` at the row that gave the maximum (max) into row ``idx_j``
+    of every entry j of the bag; the ``padding_idx`` row stays zero.
+
+    Index conventions: n bag (= sample), j entry, v row, e feature. d: [n, e].
+    """
+    assert isinstance(layer, nn.EmbeddingBag)
+    if layer.scale_grad_by_freq or layer.sparse:
+        raise UnsupportedLayerError(
+            "nn.EmbeddingBag with scale_grad_by_freq=True or sparse=True has no per-sample gradient in pergrad; "
+            "construct it with both False"
+        )
+    if not layer.weight.requires_grad:
+        return {}
+    bag, rows, weights, n = _bags(layer, call)
+    vocab, dim = layer.weight.shape
+    keep = torch.ones_like(rows, dtype=torch.bool) if layer.padding_idx is None else rows != layer.padding_idx
+    if layer.mode == "max":
+        values = layer.weight.detach()[rows].masked_fill(~keep.unsqueeze(1), float("-inf"))  # [j, e]
+        best = torch.full((n, dim), float("-inf"), dtype=values.dtype, device=values.device)
+        best = best.scatter_reduce(0, bag.unsqueeze(1).expand_as(values), values, "amax")
+        winner = (values == best[bag]) & keep.unsqueeze(1)
+        contrib = d[bag] * _first_per_group(winner, bag, n).to(d.dtype)
+    else:
+        scale = keep.to(d.dtype) if weights is None else weights * keep
+        if layer.mode == "mean":
+            count = torch.zeros(n, dtype=d.dtype, device=d.device).index_add_(0, bag, keep.to(d.dtype))
+            scale = scale / count.clamp(min=1)[bag]
+        contrib = d[bag] * scale.unsqueeze(1)
+    out = new_buffer((n, vocab, dim), d).zero_()
+    out.view(n * vocab, dim).index_add_(0, bag * vocab + rows, contrib)
+    return {"weight": out}
+
+
+def _first_per_group(winner: Tensor, group: Tensor, groups: int) -> Tensor:
+    """``winner`` [j, e] keeping only the first True per (group, feature), in entry order."""
+    rank = torch.zeros_like(winner, dtype=torch.long)
+    running = torch.zeros((groups, winner.shape[1]), dtype=torch.long, device=winner.device)
+    for j in range(winner.shape[0]):  # entries in order: count the winners seen so far in the bag
+        rank[j] = running[group[j]]
+        running[group[j]] += winner[j].long()
+    return (winner & (rank == 0)).to(torch.get_default_dtype())
