@@ -81,6 +81,7 @@ class RuleRegistry:
         overwrite: bool = False,
         batch_dim_fixed: bool = False,
         all_inputs: bool = False,
+        subtree: bool = False,
     ) -> Callable[[Rule], Rule]:
         """Decorator: ``@registry.register(MyLayer)`` makes ``fn`` the rule for ``MyLayer``."""
         if not layer_types:
@@ -96,7 +97,7 @@ class RuleRegistry:
 
         def decorator(fn: Rule) -> Rule:
             for layer_type in layer_types:
-                self._rules[layer_type] = RuleSpec(fn, batch_dim_fixed, all_inputs)
+                self._rules[layer_type] = RuleSpec(fn, batch_dim_fixed, all_inputs, subtree=subtree)
             return fn
 
         return decorator

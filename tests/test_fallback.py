@@ -161,3 +161,27 @@ def test_fallback_that_torch_func_cannot_run_is_a_clear_error() -> None:
             UnsupportedLayerError, match=r"torch.func fallback could not compute .* Branchy .*register_rule\(Branchy\)"
         ):
             loss.backward()
+
+
+def test_multihead_attention_is_supported_without_fallback() -> None:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 4)).double()
+    attn = nn.MultiheadAttention(4, 2, batch_first=True).double()
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.attn = model[0], attn
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)
+            return self.attn(h, h, h, need_weights=False)[0]
+
+    net = Net()
+    x = torch.randn(3, 5, 3, dtype=torch.float64)
+    target = torch.randn(3, 5, 4, dtype=torch.float64)
+    ref = reference_grad_sample(net, x, target)
+    with PerSampleModule(net) as psm:
+        run_pergrad(psm, x, target)
+        for name, p in net.named_parameters():
+            assert_close(p.grad_sample, ref[name], name)

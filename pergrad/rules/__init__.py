@@ -3,6 +3,7 @@ in ``pergrad.registry.default_registry``."""
 
 from .conv import conv, conv_transpose
 from .embedding import embedding, embedding_bag
+from .fallback import fallback
 from .linear import linear
 from .norm import batch_norm_eval, group_norm, instance_norm, layer_norm, rms_norm
 from .recurrent import recurrent
@@ -13,6 +14,7 @@ __all__ = [
     "conv_transpose",
     "embedding",
     "embedding_bag",
+    "fallback",
     "group_norm",
     "instance_norm",
     "layer_norm",

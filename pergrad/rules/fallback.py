@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
 from ..errors import UnsupportedLayerError
-from ..registry import LayerCall
+from ..registry import LayerCall, default_registry
 
 
 def _first_tensor(out: Any) -> Tensor:
@@ -67,3 +67,9 @@ def fallback(layer: nn.Module, call: LayerCall, d: Tensor) -> dict[str, Tensor]:
             f"({type(err).__name__}: {str(err)[:200]}). Register a rule for it with "
             f"@pergrad.register_rule({type(layer).__name__})."
         ) from err
+
+
+# nn.MultiheadAttention uses out_proj's weight without calling out_proj, and its own projection
+# weights inside one fused function: the exact per-sample gradient of the whole unit comes from
+# torch.func, so it is supported as it is, without fallback=True.
+default_registry.register(nn.MultiheadAttention, all_inputs=True, subtree=True)(fallback)
