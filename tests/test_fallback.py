@@ -41,7 +41,11 @@ class Model(nn.Module):
         h = self.gate(h, h.flip(-1), power=3)
         h = self.gate(h, h, power=1)
         h = self.act(h)
-        h, _ = self.attn(h, h, h, need_weights=False)
+        b = h.shape[0] if self.attn.batch_first else h.shape[1]
+        length = h.shape[1] if self.attn.batch_first else h.shape[0]
+        pad = torch.zeros(b, length, dtype=torch.bool)
+        pad[:, length - 1] = length > 1  # the last key is padding when there are several
+        h, _ = self.attn(h, h, h, key_padding_mask=pad, need_weights=False)
         return self.out(h)
 
 

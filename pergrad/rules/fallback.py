@@ -8,6 +8,7 @@ with ``vmap``. Exact for any forward, at the cost of one more forward and backwa
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -24,12 +25,16 @@ def _first_tensor(out: Any) -> Tensor:
     return next(o for o in out if isinstance(o, Tensor))
 
 
-def fallback(layer: nn.Module, call: LayerCall, d: Tensor) -> dict[str, Tensor]:
+def fallback(
+    layer: nn.Module, call: LayerCall, d: Tensor, known_dims: dict[str, int | None] | None = None
+) -> dict[str, Tensor]:
     """``g_i = J_theta(f)(x_i)^T d_i`` for every trainable parameter theta of the module and its
     submodules (the module is one opaque unit: its children are not hooked on their own).
 
-    Arguments that are tensors with the batch size on the batch dim are split per sample; every
-    other argument (masks without a batch dim, flags, buffers) is shared by all samples. Only the
+    Arguments that are tensors with the batch size on the batch dim (or, failing that, on dim 0)
+    are split per sample; every other argument (masks without a batch dim, flags) is shared by all
+    samples. Where a shared tensor happens to have the batch size on that dim, it is split too:
+    the first-backward check reports the mismatch if it changes the gradient. Only the
     module's first tensor output is differentiated: gradients reaching its other outputs are not
     seen (the wrapper's first-backward check reports it if they matter).
     """
@@ -38,15 +43,28 @@ def fallback(layer: nn.Module, call: LayerCall, d: Tensor) -> dict[str, Tensor]:
         return {}
     batch, dim = d.shape[0], call.batch_dim
 
-    def batched(x: Any) -> bool:
-        return isinstance(x, Tensor) and x.dim() > dim and x.shape[dim] == batch
+    def batch_dim_of(x: Any) -> int | None:
+        """The wrapper's batch dim if it holds the batch, else dim 0 if that does (masks such as
+        MultiheadAttention's key_padding_mask are batch-first in any layout), else shared."""
+        if not isinstance(x, Tensor):
+            return None
+        for candidate in (dim, 0):
+            if x.dim() > candidate and x.shape[candidate] == batch:
+                return candidate
+        return None
 
-    arg_dims = tuple(dim if batched(x) else None for x in call.args)
-    kwarg_dims = {k: dim if batched(v) else None for k, v in call.kwargs.items()}
+    names = list(inspect.signature(layer.forward).parameters)
+    known = known_dims or {}
+
+    def dim_of(name: str | None, x: Any) -> int | None:
+        return known[name] if name in known and isinstance(x, Tensor) else batch_dim_of(x)
+
+    arg_dims = tuple(dim_of(names[i] if i < len(names) else None, x) for i, x in enumerate(call.args))
+    kwarg_dims = {k: dim_of(k, v) for k, v in call.kwargs.items()}
 
     def one(params: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any], d_i: Tensor) -> dict[str, Tensor]:
         def unsqueeze(x: Any, in_dim: int | None) -> Any:
-            return x.unsqueeze(dim) if in_dim is not None else x
+            return x.unsqueeze(in_dim) if in_dim is not None else x
 
         args = tuple(unsqueeze(x, i) for x, i in zip(args, arg_dims, strict=True))
         kwargs = {k: unsqueeze(v, kwarg_dims[k]) for k, v in kwargs.items()}
@@ -72,4 +90,16 @@ def fallback(layer: nn.Module, call: LayerCall, d: Tensor) -> dict[str, Tensor]:
 # nn.MultiheadAttention uses out_proj's weight without calling out_proj, and its own projection
 # weights inside one fused function: the exact per-sample gradient of the whole unit comes from
 # torch.func, so it is supported as it is, without fallback=True.
-default_registry.register(nn.MultiheadAttention, all_inputs=True, subtree=True)(fallback)
+def multihead_attention(layer: nn.Module, call: LayerCall, d: Tensor) -> dict[str, Tensor]:
+    """The fallback, told that ``key_padding_mask`` is batch-first in any layout and that a 2-D
+    ``attn_mask`` is shared by all samples (a 3-D one holds ``B * num_heads`` masks: not split)."""
+    attn_mask = call.kwargs.get("attn_mask", call.args[5] if len(call.args) > 5 else None)
+    if isinstance(attn_mask, Tensor) and attn_mask.dim() == 3:
+        raise UnsupportedLayerError(
+            "nn.MultiheadAttention with a 3-D attn_mask ([B * num_heads, L, S]) is not split per sample by "
+            "pergrad; pass a 2-D attn_mask and a key_padding_mask instead"
+        )
+    return fallback(layer, call, d, {"key_padding_mask": 0, "attn_mask": None})
+
+
+default_registry.register(nn.MultiheadAttention, all_inputs=True, subtree=True)(multihead_attention)
