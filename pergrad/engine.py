@@ -163,7 +163,7 @@ class Engine:
                 "in the same forward. Every hooked layer must see the batch on the same dim "
                 "(check reshapes that fold the batch into other dims, and batch_first)."
             )
-        if d.shape[0] != kept.batch_size:
+        if d.shape[0] != kept.batch_size and not kept.packed:
             raise BatchSizeError(
                 f"layer {layer.name!r}: output gradient of shape {tuple(d.shape)} does not match the "
                 f"batch of {kept.batch_size} samples of its input"

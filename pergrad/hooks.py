@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
 from .errors import BatchMixingError, BatchSizeError
@@ -55,6 +56,7 @@ class Kept:
     generation: int  # which forward of the wrapped model this call belongs to
     batch_size: int
     key: str = ""  # the layer's name, with ":k" for its k-th call (k >= 1) in that forward
+    packed: bool = False  # the output is a PackedSequence: d is its data, rows of every sample mixed
 
 
 OnOutputGrad = Callable[[Kept, Tensor], None]
@@ -182,8 +184,12 @@ class LayerHooks:
 
     def _keeper(self, layer: HookedLayer) -> Callable[..., None]:
         def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            packed_batch = None
             if layer.spec.all_inputs and isinstance(output, tuple | list):
-                output = next((o for o in output if isinstance(o, Tensor)), None)  # its first tensor output
+                if output and isinstance(output[0], PackedSequence):  # a recurrent layer on packed input
+                    packed_batch, output = int(output[0].batch_sizes[0]), output[0].data
+                else:
+                    output = next((o for o in output if isinstance(o, Tensor)), None)  # its first tensor output
             if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.grad_fn is not None):
                 return  # nothing will flow back through this call: keep nothing
             if torch._C._are_functorch_transforms_active():
@@ -196,7 +202,7 @@ class LayerHooks:
                 raise TypeError(
                     f"pergrad: layer {layer.name!r} ({type(module).__name__}) was called without a tensor input"
                 )
-            if batched.dim() <= batch_dim or output.dim() <= batch_dim:
+            if packed_batch is None and (batched.dim() <= batch_dim or output.dim() <= batch_dim):
                 raise BatchSizeError(
                     f"layer {layer.name!r} ({type(module).__name__}) got input of shape {tuple(batched.shape)}, which has "
                     f"no batch dim {batch_dim}; pergrad needs batched inputs"
@@ -206,7 +212,8 @@ class LayerHooks:
             call = self._calls.get(layer.name, 0)
             self._calls[layer.name] = call + 1
             key = layer.name if call == 0 else f"{layer.name}:{call}"
-            kept = Kept(layer, kept_input, self.generation, batched.shape[batch_dim], key)
+            batch_size = batched.shape[batch_dim] if packed_batch is None else packed_batch
+            kept = Kept(layer, kept_input, self.generation, batch_size, key, packed=packed_batch is not None)
             produced = _producer(output)
             node, index, shape = produced.grad_fn, produced.output_nr, output.shape
             assert node is not None
@@ -215,7 +222,8 @@ class LayerHooks:
             def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
                 d = grad_outputs[index]
                 if d is not None:
-                    on_output_grad(kept, batch_to_front(d.reshape(shape), batch_first))
+                    d = d.reshape(shape)
+                    on_output_grad(kept, d if kept.packed else batch_to_front(d, batch_first))
 
             node.register_prehook(catch)
 

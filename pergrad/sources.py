@@ -159,17 +159,18 @@ class Fused:
         wanted = dict.fromkeys(params)
         out: dict[nn.Parameter, Tensor] = {}
         for call in self._calls_of(wanted):
-            fused = call.layer.spec.fused
-            d = _weighted(call.d, weights, drop)
-            a = call.a
-            if drop is not None and isinstance(a, Tensor) and a.is_floating_point():
-                a = _zero_rows(a, drop)
-            if fused is None:
-                result = {k: g.sum(0) for k, g in call.layer.spec.fn(call.layer.module, a, d).items()}
+            module, fused = call.layer.module, call.layer.spec.fused
+            if fused is None:  # build this call's g_i, then weight them (d may not be laid out by sample)
+                built = call.layer.spec.fn(module, call.a, call.d)
+                grads = {module.get_parameter(k): g for k, g in built.items()}
+                per_call = Materialized(grads).summed(grads, weights, drop)
             else:
-                result = fused.summed(call.layer.module, a, d)
-            for name, g in result.items():
-                p = call.layer.module.get_parameter(name)
+                d = _weighted(call.d, weights, drop)
+                a = call.a
+                if drop is not None and isinstance(a, Tensor) and a.is_floating_point():
+                    a = _zero_rows(a, drop)
+                per_call = {module.get_parameter(k): g for k, g in fused.summed(module, a, d).items()}
+            for p, g in per_call.items():
                 if p in wanted:
                     out[p] = g if p not in out else out[p] + g
         return out

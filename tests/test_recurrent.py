@@ -70,3 +70,47 @@ def test_recurrent_dropout_in_training_is_a_clear_error() -> None:
         loss = psm(torch.randint(0, 11, (2, 3))).sum()
         with pytest.raises(UnsupportedLayerError, match=r"dropout=0.5 .* Use dropout=0 or eval\(\)"):
             loss.backward()
+
+
+class PackedClassifier(nn.Module):
+    """Variable-length sequences packed (unsorted) into a bidirectional LSTM; mean over valid steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 4)
+        self.rnn = nn.LSTM(4, 5, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(10, 3)
+
+    def forward(self, idx: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(idx), lengths, batch_first=True, enforce_sorted=False)
+        out, _ = nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True, total_length=idx.shape[1])
+        mask = (torch.arange(idx.shape[1]) < lengths.unsqueeze(1)).unsqueeze(2)
+        return self.head((out * mask).sum(1) / lengths.unsqueeze(1))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_packed_sequences_match_per_sample_autograd(keep: bool) -> None:
+    torch.manual_seed(5)
+    model = PackedClassifier().double()
+    lengths = torch.tensor([3, 6, 1, 4])
+    idx = torch.randint(0, 11, (4, 6))
+    target = torch.randn(4, 3, dtype=torch.float64)
+    expected: dict[str, list[torch.Tensor]] = {n: [] for n, _ in model.named_parameters()}
+    for i in range(4):
+        model.zero_grad()
+        n = int(lengths[i])
+        (model(idx[i : i + 1, :n], lengths[i : i + 1]) - target[i : i + 1]).pow(2).sum().backward()
+        for name, p in model.named_parameters():
+            expected[name].append(p.grad.clone())
+    model.zero_grad()
+    with PerSampleModule(model, loss_reduction="sum", keep_grad_sample=keep, track_norms=True) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.7))
+        (psm(idx, lengths) - target).pow(2).sum().backward()
+        stacked = {name: torch.stack(g) for name, g in expected.items()}
+        norms = torch.stack([g.flatten(1).square().sum(1) for g in stacked.values()]).sum(0).sqrt()
+        factor = (0.7 / norms).clamp(max=1)
+        for name, p in model.named_parameters():
+            if keep:
+                assert_close(p.grad_sample, stacked[name], name)
+            assert_close(psm.per_sample_norms()[name], stacked[name].flatten(1).norm(dim=1), name)
+            assert_close(p.grad, (stacked[name] * factor.view(-1, *([1] * (p.dim())))).sum(0), name)

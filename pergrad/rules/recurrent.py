@@ -35,16 +35,12 @@ def recurrent(layer: nn.Module, call: LayerCall, d: Tensor) -> dict[str, Tensor]
 
     Index conventions: n sample; d: [n, *output of one sample] (the output sequence only: gradients
     reaching ``h_n``/``c_n`` are not seen, and the wrapper's first-backward check reports it if they
-    matter). The layer's own ``batch_first`` must match the wrapper's.
+    matter). The layer's own ``batch_first`` must match the wrapper's. With a ``PackedSequence``
+    input, each sample runs on its own steps only, and d is the gradient of the packed data.
     """
     assert isinstance(layer, nn.RNNBase)
     x = call.args[0] if call.args else call.kwargs["input"]
     state = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
-    if isinstance(x, PackedSequence):
-        raise UnsupportedLayerError(
-            f"{type(layer).__name__} was called with a PackedSequence: pergrad's recurrent rule needs padded "
-            "tensors (pad_packed_sequence), with the loss masking the padding"
-        )
     if layer.training and layer.dropout > 0:
         raise UnsupportedLayerError(
             f"{type(layer).__name__} has dropout={layer.dropout} between layers in training mode: re-running a "
@@ -52,13 +48,34 @@ def recurrent(layer: nn.Module, call: LayerCall, d: Tensor) -> dict[str, Tensor]
         )
     params = {n: p for n, p in layer.named_parameters() if p.requires_grad}
     batch_dim = 0 if layer.batch_first else 1
-    out = {n: d.new_zeros((d.shape[0], *p.shape)) for n, p in params.items()}
+    samples = _packed_samples(x, d) if isinstance(x, PackedSequence) else _padded_samples(x, d, batch_dim)
+    out = {n: d.new_zeros((len(samples), *p.shape)) for n, p in params.items()}
     with torch.enable_grad():
-        for i in range(d.shape[0]):
-            xi = x.narrow(batch_dim, i, 1).detach()
+        for i, (xi, di) in enumerate(samples):
+            xi = xi.detach().unsqueeze(batch_dim)
             output = layer.forward(xi, _sample(state, i))[0]  # forward(): no hooks, nothing kept
-            grads = torch.autograd.grad(output, list(params.values()), d[i].unsqueeze(batch_dim), allow_unused=True)
+            grads = torch.autograd.grad(output, list(params.values()), di.reshape(output.shape), allow_unused=True)
             for (name, _), g in zip(params.items(), grads, strict=True):
                 if g is not None:
                     out[name][i] = g
     return out
+
+
+def _padded_samples(x: Tensor, d: Tensor, batch_dim: int) -> list[tuple[Tensor, Tensor]]:
+    """Each sample's input sequence and output gradient, from a padded batch (d: batch on dim 0)."""
+    return [(x.select(batch_dim, i), d[i]) for i in range(d.shape[0])]
+
+
+def _packed_samples(x: PackedSequence, d: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Each sample's own steps, in the caller's order, from a PackedSequence and the gradient of its
+    data (time-major blocks, each block sorted by length: row = start of step t + sorted position)."""
+    sizes = x.batch_sizes
+    starts = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
+    n = int(sizes[0])
+    position = x.unsorted_indices if x.unsorted_indices is not None else torch.arange(n)
+    samples = []
+    for i in range(n):
+        p = int(position[i])
+        rows = (starts[: int((sizes > p).sum())] + p).to(x.data.device)
+        samples.append((x.data[rows], d[rows]))
+    return samples
