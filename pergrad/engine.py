@@ -20,6 +20,7 @@ are multiplied by B for ``"mean"`` before the rules run.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -28,11 +29,24 @@ import torch
 from torch import Tensor, nn
 
 from .errors import BatchSizeError, HookStateError, TransformError
-from .hooks import Kept
+from .hooks import Detached, HookedLayer, Kept
 from .layout import allocating_from, fresh_buffer
-from .sources import Call, Fused, Materialized
+from .sources import Call, Fused, Materialized, run_rule
 from .statistics import Statistics, compute_statistics
 from .transforms import Scaling, Transform, check_output
+
+_MANY = 16  # positions per sample from which summing built g_i beats autograd's weight gradient
+
+
+def _positions(module: nn.Module, a: Any, batch_dim: int) -> int:
+    """How many positions per sample a Linear or convolution applies its weight at (1 otherwise)."""
+    if not isinstance(a, Tensor) or a.dim() <= batch_dim or a.shape[batch_dim] == 0:
+        return 1
+    if isinstance(module, nn.Linear):
+        return a.numel() // (a.shape[batch_dim] * a.shape[-1])
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return math.prod(a.shape[2:])
+    return 1
 
 
 def _shape(a: object) -> object:
@@ -80,6 +94,8 @@ class _Backward:
     overwrite: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad holds autograd's sum only
     prior: dict[nn.Parameter, int] = field(default_factory=dict)  # samples already averaged into .grad
     activation_grads: dict[str, Tensor] = field(default_factory=dict)
+    detached: list[Detached] = field(default_factory=list)  # of the calls whose output gradient arrived
+    probed: bool = False  # a probe anchor's AccumulateGrad ran
 
 
 class Engine:
@@ -98,8 +114,11 @@ class Engine:
         keep_activation_grads: bool = False,
         world: Distributed | None = None,
         verify_backwards: int = 1,
+        detach_transformed: bool = False,
     ) -> None:
         self.world = world
+        self.detach_transformed = detach_transformed
+        self._probes: dict[tuple[torch.dtype, torch.device], Tensor] = {}
         self.verify_backwards = verify_backwards
         self.param_names = param_names
         self.keep_activation_grads = keep_activation_grads
@@ -121,6 +140,69 @@ class Engine:
         self._current: _Backward | None = None
         self._grad_sample_generation: dict[nn.Parameter, int] = {}
         self._pool: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[Tensor]] = {}
+
+    # -- called from hooks during the forward ----------------------------------------------------
+
+    def to_detach(self, layer: HookedLayer, a: Any, batch_dim: int) -> Detached | None:
+        """The parameters a call of ``layer`` on input ``a`` may run detached: its weight, when
+        pergrad writes the weight's ``.grad`` itself at less cost than autograd's own weight gradient
+        (one matmul or convolution backward per layer):
+
+        - a transform covers the weight: pergrad computes ``.grad`` from ``(a, d)`` anyway, and
+          autograd's gradient would be thrown away;
+        - ``grad_sample`` is built and the layer sees many positions per sample (a convolution, a
+          Linear on sequences): ``.grad`` is then the sum of the built ``g_i`` -- one read of
+          ``B x |W|`` values -- where autograd spends ``2 B L |W|`` flops on L positions.
+
+        Needs a trainable bias to stay attached as the anchor (see ``Detached``). Not while the
+        first backward's check still needs autograd's gradients, nor with statistics (their mean is
+        autograd's) or DDP (its reducer waits for every parameter's gradient).
+        """
+        if not self.detach_transformed or self.closed or self.verify_backwards > 0:
+            return None
+        if self.track_statistics or self.world is not None:
+            return None
+        module = layer.module
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", "absent")
+        if not (isinstance(weight, nn.Parameter) and weight.requires_grad):
+            return None
+        if not (weight in self.transformed or (self.keep_grad_sample and _positions(module, a, batch_dim) >= _MANY)):
+            return None
+        swaps: list[tuple[str, Tensor | None, Tensor]] = [("weight", weight, weight.detach())]
+        trainable_bias = isinstance(bias, nn.Parameter) and bias.requires_grad
+        if isinstance(module, nn.modules.conv._ConvNd):
+            # mkldnn computes a convolution's bias gradient with its weight gradient, so the bias
+            # is detached too (when pergrad can write its .grad) and the probe added to the output
+            if not trainable_bias:
+                return Detached(self._probe(weight), (weight,), tuple(swaps), probe=True, on_output=True)
+            assert isinstance(bias, nn.Parameter)
+            if bias in self.transformed or self.keep_grad_sample:
+                swaps.append(("bias", bias, bias.detach()))
+                return Detached(self._probe(weight), (weight, bias), tuple(swaps), probe=True, on_output=True)
+        if trainable_bias:
+            assert isinstance(bias, nn.Parameter)
+            return Detached(bias, (weight,), tuple(swaps))
+        if bias is None and isinstance(module, nn.Linear):  # the probe as a zero bias: addmm adds it
+            probe = self._probe(weight)
+            swaps.append(("bias", None, probe.expand(module.out_features)))
+            return Detached(probe, (weight,), tuple(swaps), probe=True)
+        return None  # a frozen bias, or one the module does not keep as `bias`
+
+    def _probe(self, like: Tensor) -> Tensor:
+        """pergrad's zero anchor for ``like``'s dtype and device (see ``Detached``)."""
+        key = (like.dtype, like.device)
+        probe = self._probes.get(key)
+        if probe is None:
+            probe = torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True)
+            probe.register_hook(self._on_probe)
+            self._probes[key] = probe
+        return probe
+
+    def _on_probe(self, grad: Tensor) -> Tensor:
+        """Gradient hook of a probe: it runs exactly in backward passes that accumulate."""
+        if not self.closed:
+            self._backward_state().probed = True
+        return torch.zeros_like(grad)
 
     # -- called from hooks during backward -------------------------------------------------------
 
@@ -168,23 +250,25 @@ class Engine:
                 f"layer {layer.name!r}: output gradient of shape {tuple(d.shape)} does not match the "
                 f"batch of {kept.batch_size} samples of its input"
             )
-        if self.loss_reduction == "mean":
-            d = d * kept.batch_size
+        # each sample's own output gradient is scale * d: the loss averaged over the batch
+        scale = float(kept.batch_size) if self.loss_reduction == "mean" else 1.0
         dtype = layer.dtype
         if dtype is not None and d.dtype != dtype:  # autocast: compute in the parameters' dtype
             d = d.to(dtype)
             if isinstance(kept.a, Tensor) and kept.a.is_floating_point() and kept.a.dtype != dtype:
                 kept = replace(kept, a=kept.a.to(dtype))
         if self.keep_activation_grads:
-            state.activation_grads[kept.key] = d
+            state.activation_grads[kept.key] = d * scale
+        if kept.detached is not None:
+            state.detached.append(kept.detached)
         if not self.keep_grad_sample:
-            state.calls.append(Call(layer, kept.a, d))
+            state.calls.append(Call(layer, kept.a, d, scale))
             return
         if kept.batch_size == 0:  # an empty batch: no rule needs to run
             per_sample = {n: d.new_zeros((0, *p.shape)) for n, p in layer.trainable()}
         else:
             with allocating_from(self._take):
-                per_sample = layer.spec.fn(layer.module, kept.a, d)
+                per_sample = run_rule(layer, kept.a, d, scale)
         for name, g in per_sample.items():
             param = layer.module.get_parameter(name)
             if g.shape != (kept.batch_size, *param.shape):
@@ -259,6 +343,11 @@ class Engine:
             self.last_activation_grads = state.activation_grads
         if state.batch_size is None and not state.reached:
             return
+        owned: dict[nn.Parameter, None] = {}  # detached, no transform: .grad is the plain reduction
+        for detached in state.detached:  # reached in the backward passes that reach their anchor
+            if state.probed if detached.probe else detached.anchor in state.reached:
+                state.reached.update(dict.fromkeys(detached.params))
+                owned.update(dict.fromkeys(p for p in detached.params if p not in self.transformed))
         source: Materialized | Fused = Materialized(state.grads) if self.keep_grad_sample else Fused(state.calls)
         known = state.grads if isinstance(source, Materialized) else source.uses
         missing = [p for p in state.reached if p not in known]
@@ -281,6 +370,9 @@ class Engine:
             # added (autograd's own sum is 0 too), norms are empty and there are no statistics.
             self.last_sq_norms = {p: state.batch_grads.get(p, p).new_zeros(0) for p in reached}
             self.last_statistics = None
+            for p in (d for call in state.detached for d in call.params):
+                if p.grad is None:  # what autograd would have stored
+                    p.grad = torch.zeros_like(p)
             return
         if self.track_statistics and reached:
             # autograd's batch gradient is sum_i g_i / B ("mean") or sum_i g_i ("sum")
@@ -293,6 +385,11 @@ class Engine:
             sq_norms = source.sq_norms(wanted) if wanted else {}
         for target in self.targets:
             self._reduce_target(target, source, state, sq_norms)
+        if owned:
+            weight = 1.0 / state.batch_size if self.reduction == "mean" else 1.0
+            weights = next(iter(owned)).new_full((state.batch_size,), weight)
+            for param, reduced in source.summed(owned, weights).items():
+                self._add_grad(param, reduced, state)
         if self.track_norms:
             self.last_sq_norms = sq_norms
         if self.running_mean:

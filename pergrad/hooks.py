@@ -57,9 +57,33 @@ class Kept:
     batch_size: int
     key: str = ""  # the layer's name, with ":k" for its k-th call (k >= 1) in that forward
     packed: bool = False  # the output is a PackedSequence: d is its data, rows of every sample mixed
+    detached: Detached | None = None  # parameters this call ran with detached (see ``Detached``)
+
+
+@dataclass(frozen=True, eq=False)
+class Detached:
+    """A layer call that runs with its weight detached, so that autograd does not spend a weight-
+    gradient product on it: pergrad writes the weight's ``.grad`` itself, from ``(a, d)``.
+
+    ``anchor`` stays attached in the same call and tells which backward passes reach the detached
+    parameters: its ``AccumulateGrad`` node runs exactly when the call's output gradient flows in a
+    backward that accumulates into ``.grad`` (``.backward()``, not ``torch.autograd.grad``). It is
+    the layer's trainable bias, or, for a layer without one, a zero tensor of pergrad's (a leaf that
+    requires grad) put in the bias's place for the call, or added to the call's output (a
+    convolution: its backward computes the bias gradient only together with the weight gradient).
+    Adding 0 changes no output value.
+    ``swaps`` are the ``(name, original, replacement)`` entries of ``module._parameters`` for the call.
+    """
+
+    anchor: Tensor
+    params: tuple[nn.Parameter, ...]
+    swaps: tuple[tuple[str, Tensor | None, Tensor], ...]
+    probe: bool = False  # the anchor is pergrad's zero, not the layer's bias
+    on_output: bool = False  # the zero is added to the call's output (else it stands in as the bias)
 
 
 OnOutputGrad = Callable[[Kept, Tensor], None]
+ToDetach = Callable[[HookedLayer, Any, int], "Detached | None"]
 
 
 def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -147,8 +171,11 @@ class LayerHooks:
         batch_first: bool,
         on_output_grad: OnOutputGrad,
         on_input_grad: Callable[[int, Tensor], None] | None = None,
+        to_detach: ToDetach | None = None,
     ) -> None:
         self._batch_first = batch_first
+        self._to_detach = to_detach
+        self._detached: dict[str, Detached] = {}  # layer name -> parameters detached for the running call
         self._on_output_grad = on_output_grad
         self._on_input_grad = on_input_grad
         self._calls: dict[str, int] = {}
@@ -157,6 +184,11 @@ class LayerHooks:
             model.register_forward_pre_hook(ModuleHook(self, self._next_generation))
         ]
         for layer in layers:
+            if to_detach is not None and not layer.spec.all_inputs and not layer.spec.subtree:
+                # before the keeper: the output it keeps is the one with the probe added
+                pre, post = ModuleHook(self, self._detacher(layer)), ModuleHook(self, self._reattacher(layer))
+                self._handles.append(layer.module.register_forward_pre_hook(pre))
+                self._handles.append(layer.module.register_forward_hook(post, always_call=True))
             hook = ModuleHook(self, self._keeper(layer))
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
         for name, module in model.named_modules():
@@ -182,8 +214,46 @@ class LayerHooks:
         view.grad_fn.register_prehook(catch)
         return (view, *args[1:])
 
+    def _detacher(self, layer: HookedLayer) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        """Forward pre-hook: run this call with the parameters pergrad owns detached (see ``Detached``)."""
+        assert self._to_detach is not None
+        to_detach = self._to_detach
+
+        def detach(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+                return
+            if torch.compiler.is_compiling():
+                return
+            batch_dim = 0 if self._batch_first or layer.spec.batch_dim_fixed else 1
+            found = to_detach(layer, _first_input(args, {}), batch_dim)
+            if found is None:
+                return
+            self._detached[layer.name] = found
+            for name, _, replacement in found.swaps:
+                module._parameters[name] = replacement  # type: ignore[assignment]
+
+        return detach
+
+    def _reattacher(self, layer: HookedLayer) -> Callable[..., Any]:
+        """Forward hook that runs even when the forward raised: put the real parameters back (and
+        add the probe to the output, for an anchor on the output)."""
+
+        def reattach(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            found = self._detached.get(layer.name)
+            if found is None:
+                return None
+            for name, original, _ in found.swaps:
+                module._parameters[name] = original  # type: ignore[assignment]
+            if not isinstance(output, Tensor):  # the forward raised: the keeper will not run
+                self._detached.pop(layer.name)
+                return None
+            return output + found.anchor if found.on_output else None
+
+        return reattach
+
     def _keeper(self, layer: HookedLayer) -> Callable[..., None]:
         def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            detached = self._detached.pop(layer.name, None)
             packed_batch = None
             if layer.spec.all_inputs and isinstance(output, tuple | list):
                 if output and isinstance(output[0], PackedSequence):  # a recurrent layer on packed input
@@ -213,7 +283,9 @@ class LayerHooks:
             self._calls[layer.name] = call + 1
             key = layer.name if call == 0 else f"{layer.name}:{call}"
             batch_size = batched.shape[batch_dim] if packed_batch is None else packed_batch
-            kept = Kept(layer, kept_input, self.generation, batch_size, key, packed=packed_batch is not None)
+            kept = Kept(
+                layer, kept_input, self.generation, batch_size, key, packed=packed_batch is not None, detached=detached
+            )
             produced = _producer(output)
             node, index, shape = produced.grad_fn, produced.output_nr, output.shape
             assert node is not None

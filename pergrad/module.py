@@ -116,6 +116,11 @@ class PerSampleModule:
             multi-input modules) per-sample gradients computed with ``torch.func`` from their kept
             inputs and output gradient, instead of an error.
         rules: a private ``RuleRegistry`` (default: ``pergrad.registry.default_registry``).
+        detach_transformed: after the first backward, run each layer whose weight a transform
+            covers with that weight detached (its bias stays attached), so autograd skips the weight
+            gradient that pergrad replaces anyway: one matmul or convolution backward less per
+            layer. ``torch.autograd.grad`` with respect to such a weight then raises (it is not in
+            the graph); pass False if you need that.
     """
 
     def __init__(
@@ -133,6 +138,7 @@ class PerSampleModule:
         verify: bool = True,
         fallback: bool = False,
         rules: RuleRegistry | None = None,
+        detach_transformed: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleModule wraps an nn.Module, got {type(model).__name__}")
@@ -164,12 +170,14 @@ class PerSampleModule:
             accumulate=accumulate,
             keep_activation_grads=keep_activation_grads,
             verify_backwards=1 if verify else 0,
+            detach_transformed=detach_transformed,
             world=Distributed(model.process_group) if isinstance(model, DistributedDataParallel) else None,
         )
         if self._engine.world is not None and accumulate == "samples":
             raise ValueError("accumulate='samples' is not supported for DistributedDataParallel models yet")
         on_input = self._engine.on_input_grad if keep_activation_grads else None
-        self._hooks = LayerHooks(model, self._layers, batch_first, self._engine.on_output_grad, on_input)
+        to_detach = self._engine.to_detach if detach_transformed else None
+        self._hooks = LayerHooks(model, self._layers, batch_first, self._engine.on_output_grad, on_input, to_detach)
         # AccumulateGrad nodes are cached weakly by their parameter: hold them so hooks stay on them.
         self._accumulators = [get_gradient_edge(p).node for p in params]
         self._accumulate_handles: list[RemovableHandle] = [

@@ -33,13 +33,16 @@ class FusedRule:
     - ``dots(layer, a, d, other) -> {name: [B]}``: ``<g_i, other[name]>`` for a fixed tensor per parameter;
     - ``sum_squares(layer, a, d) -> {name: param shape} | None``: ``sum_i g_i**2`` elementwise where a
       factorised form is exact for these shapes, else None (the caller then builds ``g_i``).
-    Every function returns entries only for parameters that require grad.
+    Every function returns entries only for parameters that require grad. ``bilinear``: the weight's
+    ``g_i`` is linear in ``a_i`` as well, so for a layer without a trainable bias per-sample weights
+    may scale whichever of ``a`` and ``d`` is smaller.
     """
 
     sq_norms: Callable[[nn.Module, Any, Tensor], dict[str, Tensor]]
     summed: Callable[[nn.Module, Any, Tensor], dict[str, Tensor]]
     dots: Callable[[nn.Module, Any, Tensor, dict[str, Tensor]], dict[str, Tensor]]
     sum_squares: Callable[[nn.Module, Any, Tensor], dict[str, Tensor] | None] | None = None
+    bilinear: bool = False  # g_i(weight) is linear in a_i too (Linear, Conv): weights may go on a
 
 
 @dataclass(frozen=True)

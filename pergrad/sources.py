@@ -81,11 +81,25 @@ class Moments:
 
 @dataclass(frozen=True, eq=False)
 class Call:
-    """One call of a hooked layer in this backward: its input and its scaled output gradient."""
+    """One call of a hooked layer in this backward: its input and output gradient. Each sample's
+    own output gradient is ``scale * d`` (``scale = B`` for a mean loss); the fused quantities put
+    the scale on their (much smaller) results instead of on ``d``."""
 
     layer: HookedLayer
     a: Any
     d: Tensor
+    scale: float = 1.0
+
+
+def run_rule(layer: HookedLayer, a: Any, d: Tensor, scale: float = 1.0) -> dict[str, Tensor]:
+    """The layer's rule for output gradients ``scale * d``. Rules are linear in ``d``, so the scale
+    goes on whichever is smaller: ``d``, or the per-sample gradients the rule returns."""
+    if scale == 1.0:
+        return layer.spec.fn(layer.module, a, d)
+    built_size = d.shape[0] * sum(p.numel() for _, p in layer.trainable())
+    if d.numel() <= built_size:
+        return layer.spec.fn(layer.module, a, d * scale)
+    return {name: g * scale for name, g in layer.spec.fn(layer.module, a, d).items()}
 
 
 class Fused:
@@ -128,7 +142,7 @@ class Fused:
         wanted = dict.fromkeys(params)
         out: dict[nn.Parameter, Tensor] = {}
         for call in self._calls_of(wanted):
-            for name, g in call.layer.spec.fn(call.layer.module, call.a, call.d).items():
+            for name, g in run_rule(call.layer, call.a, call.d, call.scale).items():
                 p = call.layer.module.get_parameter(name)
                 if p in wanted:
                     out[p] = g if p not in out else out[p] + g
@@ -150,7 +164,7 @@ class Fused:
         for call, pairs in grouped.items():
             assert call.layer.spec.fused is not None
             norms = call.layer.spec.fused.sq_norms(call.layer.module, call.a, call.d)
-            out.update({p: norms[name] for p, name in pairs})
+            out.update({p: norms[name] * call.scale**2 for p, name in pairs})
         return out
 
     def summed(self, params: Params, weights: Tensor, drop: Tensor | None = None) -> dict[nn.Parameter, Tensor]:
@@ -161,14 +175,19 @@ class Fused:
         for call in self._calls_of(wanted):
             module, fused = call.layer.module, call.layer.spec.fused
             if fused is None:  # build this call's g_i, then weight them (d may not be laid out by sample)
-                built = call.layer.spec.fn(module, call.a, call.d)
+                built = run_rule(call.layer, call.a, call.d, call.scale)
                 grads = {module.get_parameter(k): g for k, g in built.items()}
                 per_call = Materialized(grads).summed(grads, weights, drop)
             else:
-                d = _weighted(call.d, weights, drop)
-                a = call.a
+                a, d, w = call.a, call.d, weights * call.scale
                 if drop is not None and isinstance(a, Tensor) and a.is_floating_point():
-                    a = _zero_rows(a, drop)
+                    a, d = _zero_rows(a, drop), _zero_rows(d, drop)  # either may hold the NaN
+                bias = getattr(module, "bias", None)
+                no_bias = not (isinstance(bias, Tensor) and bias.requires_grad)  # sum_i w_i d_i needs weighted d
+                if fused.bilinear and no_bias and a.numel() < d.numel():  # weight the smaller of the two
+                    a = _weighted(a, w)
+                else:
+                    d = _weighted(d, w)
                 per_call = {module.get_parameter(k): g for k, g in fused.summed(module, a, d).items()}
             for p, g in per_call.items():
                 if p in wanted:
@@ -184,7 +203,7 @@ class Fused:
             assert call.layer.spec.fused is not None
             by_name = {name: others[p] for p, name in pairs}
             result = call.layer.spec.fused.dots(call.layer.module, call.a, call.d, by_name)
-            out.update({p: result[name] for p, name in pairs})
+            out.update({p: result[name] * call.scale for p, name in pairs})
         return out
 
     def moments(self, means: dict[nn.Parameter, Tensor]) -> Moments:
@@ -201,8 +220,10 @@ class Fused:
                 continue
             norms = fused.sq_norms(call.layer.module, call.a, call.d)
             dots = fused.dots(call.layer.module, call.a, call.d, {name: means[p] for p, name in pairs})
+            s2 = call.scale**2
             for p, name in pairs:
-                out.sq_norms[p], out.sum_squares[p], out.dots[p] = norms[name], squares[name], dots[name]
+                out.sq_norms[p], out.sum_squares[p] = norms[name] * s2, squares[name] * s2
+                out.dots[p] = dots[name] * call.scale
         for built in self._built(rest):
             part = built.moments({p: means[p] for p in built.grads})
             out.sq_norms.update(part.sq_norms)

@@ -21,16 +21,18 @@ def linear_layers(draw: st.DrawFn) -> tuple[nn.Module, tuple[int, ...]]:
 
 
 @st.composite
-def conv_layers(draw: st.DrawFn) -> tuple[nn.Module, tuple[int, ...]]:
-    nd = draw(st.sampled_from([1, 2, 3]))
-    groups = draw(st.integers(1, 3))  # groups first, channels as multiples of it
-    in_ch, out_ch = groups * draw(st.integers(1, 2)), groups * draw(st.integers(1, 2))
+def conv_layers(draw: st.DrawFn, wide: bool = False) -> tuple[nn.Module, tuple[int, ...]]:
+    """Any convolution; ``wide``: 2-D/3-D with 8 input channels per group and at least 6 output
+    positions per dim, the shapes for which the rule takes its batch-as-groups path."""
+    nd = draw(st.sampled_from([2, 3] if wide else [1, 2, 3]))
+    groups = draw(st.integers(1, 2 if wide else 3))  # groups first, channels as multiples of it
+    in_ch, out_ch = groups * (8 if wide else draw(st.integers(1, 2))), groups * draw(st.integers(1, 2))
     per_dim = st.integers(1, 3) if nd < 3 else st.integers(1, 2)
     kernel = tuple(draw(per_dim) for _ in range(nd))
     dilation = tuple(draw(st.integers(1, 2)) for _ in range(nd))
     mode = draw(st.sampled_from(["zeros", "reflect", "replicate", "circular"]))
     padding_kind = draw(st.sampled_from(["int", "tuple", "same", "valid"]))
-    stride = (1,) * nd if padding_kind == "same" else tuple(draw(st.integers(1, 2)) for _ in range(nd))
+    stride = (1,) * nd if padding_kind == "same" or wide else tuple(draw(st.integers(1, 2)) for _ in range(nd))
     extent = [dl * (k - 1) + 1 for k, dl in zip(kernel, dilation)]
     if padding_kind == "int":
         padding: int | str | tuple[int, ...] = draw(st.integers(0, 2))
@@ -42,8 +44,8 @@ def conv_layers(draw: st.DrawFn) -> tuple[nn.Module, tuple[int, ...]]:
         padding = padding_kind
         pads = [(e - 1 + 1) // 2 for e in extent] if padding_kind == "same" else [0] * nd
     # reflect needs pad < size, circular pad <= size; the padded input must hold one kernel extent
-    low = [max(p + 1, e - 2 * p, 1) for p, e in zip(pads, extent)]
-    size = tuple(draw(st.integers(lo, lo + 3)) for lo in low)
+    low = [max(p + 1, e - 2 * p, 1) + (5 if wide else 0) for p, e in zip(pads, extent)]
+    size = tuple(draw(st.integers(lo, lo + (1 if wide else 3))) for lo in low)
     conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[nd - 1]
     layer = conv(
         in_ch,

@@ -76,7 +76,9 @@ def conv(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     assert isinstance(layer, _ConvNd)
     out: dict[str, Tensor] = {}
     n, groups = a.shape[0], layer.groups
-    if layer.weight.requires_grad:
+    if layer.weight.requires_grad and _batch_as_groups_is_faster(layer, a, d):
+        out["weight"] = _batch_as_groups(layer, a, d)
+    elif layer.weight.requires_grad:
         p, dg = _as_linear(layer, a, d)  # [n*g, l, c*k], [n*g, l, o]
         result = new_buffer((n, *layer.weight.shape), d)
         torch.bmm(dg.transpose(1, 2), p, out=result.view(n * groups, -1, p.shape[2]))  # ngol,ngclk->ngock
@@ -84,6 +86,47 @@ def conv(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     if layer.bias is not None and layer.bias.requires_grad:
         out["bias"] = d.flatten(2).sum(2)
     return out
+
+
+def _input_and_padding(layer: nn.Module, a: Tensor) -> tuple[Tensor, list[int]]:
+    """The input and padding to hand ``aten.convolution`` (and its backward): zero padding that is
+    the same on both sides is left to the convolution; anything else is applied to a copy."""
+    assert isinstance(layer, _ConvNd)
+    pad = conv_padding(layer)
+    if layer.padding_mode == "zeros" and pad[0::2] == pad[1::2]:
+        return a, pad[-2::-2]
+    return padded_input(layer, a), [0] * len(layer.kernel_size)
+
+
+def _batch_as_groups_is_faster(layer: nn.Module, a: Tensor, d: Tensor) -> bool:
+    """Whether the batch-as-groups weight gradient beats unfold + bmm for these shapes.
+
+    Measured on CPU (benchmarks/README.md): unfolding writes ``k`` copies of the input and is
+    memory-bound, so it loses on 2-D/3-D inputs with many channels and many output positions;
+    it wins for few input channels (an RGB stem), few positions, and 1-D inputs.
+    """
+    assert isinstance(layer, _ConvNd)
+    channels = a.shape[1] // layer.groups
+    positions = math.prod(d.shape[2:])
+    return a.dim() >= 4 and channels >= 8 and positions >= 4 * channels
+
+
+def _batch_as_groups(layer: nn.Module, a: Tensor, d: Tensor) -> Tensor:
+    """``g_i(W)`` for every sample at once, ``[n, O, C/g, *kernel]``: the weight gradient of ONE
+    convolution over the whole batch folded into the channels, ``[1, n*C, ...] -> [1, n*O, ...]``
+    with ``n*g`` groups, so that no group mixes two samples. Computed by the convolution's own
+    weight backward, with no unfolded copy of the input.
+    """
+    assert isinstance(layer, _ConvNd)
+    n, groups = a.shape[0], layer.groups
+    stride, zeros, dilation, _ = _conv_args(layer)
+    x, padding = _input_and_padding(layer, a)
+    shape = (n * layer.out_channels, *layer.weight.shape[1:])
+    _, grad_w, _ = torch.ops.aten.convolution_backward(
+        d.reshape(1, n * d.shape[1], *d.shape[2:]), x.reshape(1, n * x.shape[1], *x.shape[2:]),
+        x.new_empty(shape), None, stride, padding, dilation, False, zeros, n * groups, [False, True, False],
+    )  # fmt: skip
+    return grad_w.view(n, *layer.weight.shape)
 
 
 # -- fused: a convolution is the Linear layout [batch * groups, positions, patch] -------------------
@@ -120,7 +163,9 @@ def conv_sq_norms(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``||g_i(W)||^2``: the Linear norm on unfolded patches, summed over groups."""
     assert isinstance(layer, _ConvNd)
     out = {}
-    if layer.weight.requires_grad:
+    if layer.weight.requires_grad and _batch_as_groups_is_faster(layer, a, d):
+        out["weight"] = torch.linalg.vector_norm(_batch_as_groups(layer, a, d).flatten(1), dim=1).square()
+    elif layer.weight.requires_grad:
         p, dg = _as_linear(layer, a, d)
         out["weight"] = outer_sq_norms(p, dg).view(a.shape[0], layer.groups).sum(1)
     if layer.bias is not None and layer.bias.requires_grad:
@@ -138,16 +183,14 @@ def conv_summed(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``sum_i g_i``: the convolution's own weight/bias backward (no unfold)."""
     assert isinstance(layer, _ConvNd)
     stride, zeros, dilation, groups = _conv_args(layer)
-    has_bias = layer.bias is not None and layer.bias.requires_grad
-    _, grad_w, grad_b = torch.ops.aten.convolution_backward(
-        d, padded_input(layer, a), layer.weight, [d.shape[1]] if has_bias else None,
-        stride, zeros, dilation, False, zeros, groups, [False, layer.weight.requires_grad, has_bias],
-    )  # fmt: skip
+    x, padding = _input_and_padding(layer, a)
     out = {}
-    if layer.weight.requires_grad:
-        out["weight"] = grad_w
-    if has_bias:
-        out["bias"] = grad_b
+    if layer.weight.requires_grad:  # (mkldnn computes a bias gradient only together with this one)
+        out["weight"] = torch.ops.aten.convolution_backward(
+            d, x, layer.weight, None, stride, padding, dilation, False, zeros, groups, [False, True, False]
+        )[1]
+    if layer.bias is not None and layer.bias.requires_grad:
+        out["bias"] = d.sum((0, *range(2, d.dim())))
     return out
 
 
@@ -157,16 +200,15 @@ def conv_dots(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]) 
     out = {}
     if layer.weight.requires_grad:
         stride, zeros, dilation, groups = _conv_args(layer)
-        y = torch.ops.aten.convolution(
-            padded_input(layer, a), other["weight"], None, stride, zeros, dilation, False, zeros, groups
-        )
+        x, padding = _input_and_padding(layer, a)
+        y = torch.ops.aten.convolution(x, other["weight"], None, stride, padding, dilation, False, zeros, groups)
         out["weight"] = (y * d).flatten(1).sum(1)
     if layer.bias is not None and layer.bias.requires_grad:
         out["bias"] = d.flatten(2).sum(2) @ other["bias"]
     return out
 
 
-default_registry.register_fused(_ConvNd, FusedRule(conv_sq_norms, conv_summed, conv_dots))
+default_registry.register_fused(_ConvNd, FusedRule(conv_sq_norms, conv_summed, conv_dots, bilinear=True))
 
 
 # -- transposed convolutions: the weight gradient of the convolution they transpose ------------------

@@ -97,5 +97,5 @@ def linear_sum_squares(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tens
 
 
 default_registry.register_fused(
-    (nn.Linear,), FusedRule(linear_sq_norms, linear_summed, linear_dots, linear_sum_squares)
+    (nn.Linear,), FusedRule(linear_sq_norms, linear_summed, linear_dots, linear_sum_squares, bilinear=True)
 )

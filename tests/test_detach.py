@@ -1,0 +1,107 @@
+"""Layers whose weight gradient pergrad writes itself run with that weight detached after the first
+backward (``detach_transformed=True``): autograd skips the weight gradient, and every result stays
+what plain autograd and torch.func give."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pergrad import PerSampleModule, transforms
+from tests.reference import assert_close, reference_grad_sample
+
+
+def conv_net(bias: bool) -> nn.Module:
+    """Positions enough that materialising mode detaches the convolutions and the Linear on [B, T, D]."""
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1, bias=bias), nn.ReLU(inplace=True),
+        nn.Conv2d(4, 4, 3, padding=1, bias=bias), nn.Flatten(2), nn.Linear(36, 5, bias=bias), nn.Flatten(),
+        nn.Linear(20, 3, bias=bias),
+    ).double()  # fmt: skip
+
+
+def clipped_mean(ref: dict[str, torch.Tensor], max_norm: float) -> dict[str, torch.Tensor]:
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
+    factor = (max_norm / norms).clamp(max=1)
+    return {k: (g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for k, g in ref.items()}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("input_grad", [False, True])
+@pytest.mark.parametrize(("keep", "clip"), [(True, True), (True, False), (False, True)])
+def test_steps_after_the_first_are_exact(bias: bool, input_grad: bool, keep: bool, clip: bool) -> None:
+    torch.manual_seed(0)
+    model = conv_net(bias)
+    x, y = torch.randn(5, 3, 6, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+    ref = reference_grad_sample(model, x, y, loss=lambda out, t: F.cross_entropy(out, t, reduction="sum"))
+    expected = clipped_mean(ref, 0.5) if clip else {k: g.mean(0) for k, g in ref.items()}
+    weight_grads_by_autograd = []
+    for p in model.parameters():
+        if p.dim() > 1:
+            p.register_hook(lambda g: weight_grads_by_autograd.append(g))
+    with PerSampleModule(model, keep_grad_sample=keep) as psm:
+        if clip:
+            psm.register_transform(model, transforms.clip_norm(0.5))
+        for step in range(3):
+            weight_grads_by_autograd.clear()
+            psm.zero_grad()
+            F.cross_entropy(psm(x.clone().requires_grad_(input_grad)), y).backward()
+            for name, p in model.named_parameters():
+                assert type(p) is nn.Parameter
+                assert_close(p.grad, expected[name], f"step {step}: .grad of {name}")
+                if keep:
+                    assert_close(p.grad_sample, ref[name], f"step {step}: grad_sample of {name}")
+            # the first backward is checked against autograd's gradients; later ones skip them, except,
+            # without a transform, for the two Linears (4 and 1 positions per sample): summing their
+            # built g_i would cost more than autograd's weight gradient
+            assert len(weight_grads_by_autograd) == (4 if step == 0 else 0 if clip else 2)
+
+
+def test_autograd_grad_after_the_first_step_leaves_grad_untouched() -> None:
+    """The detached weights' anchors (bias or pergrad's zero) tell .backward() from autograd.grad."""
+    torch.manual_seed(1)
+    for bias in (True, False):
+        model = conv_net(bias)
+        x, y = torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+        with PerSampleModule(model, keep_grad_sample=False) as psm:
+            psm.register_transform(model, transforms.clip_norm(1.0))
+            F.cross_entropy(psm(x), y).backward()
+            psm.zero_grad()
+            xr = x.clone().requires_grad_()
+            (gx,) = torch.autograd.grad(F.cross_entropy(psm(xr), y), xr)
+            (expected,) = torch.autograd.grad(F.cross_entropy(model(xr), y), xr)
+            assert_close(gx, expected)
+            assert all(p.grad is None for p in model.parameters())
+
+
+def test_model_is_restored_after_a_forward_that_raises() -> None:
+    torch.manual_seed(2)
+    model = conv_net(bias=False)
+    x, y = torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with PerSampleModule(model) as psm:
+        psm.register_transform(model, transforms.clip_norm(1.0))
+        F.cross_entropy(psm(x), y).backward()
+        with pytest.raises(RuntimeError):
+            psm(torch.randn(4, 5, 6, 6, dtype=torch.float64))  # wrong channel count
+        assert all(type(p) is nn.Parameter for p in model.parameters())
+        assert all(m.bias is None for m in model if isinstance(m, nn.Conv2d | nn.Linear))
+        assert sorted(model.state_dict()) == sorted(conv_net(bias=False).state_dict())
+
+
+def test_autograd_grad_of_a_detached_weight_needs_the_opt_out() -> None:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    for detach in (True, False):
+        with PerSampleModule(model, detach_transformed=detach) as psm:
+            psm.register_transform(model, transforms.clip_norm(1.0))
+            F.cross_entropy(psm(x), y).backward()
+            loss = F.cross_entropy(psm(x), y)
+            if detach:
+                with pytest.raises(RuntimeError, match="not have been used in the graph"):
+                    torch.autograd.grad(loss, model[0].weight)
+            else:
+                (g,) = torch.autograd.grad(loss, model[0].weight)
+                assert_close(g, torch.autograd.grad(F.cross_entropy(model(x), y), model[0].weight)[0])
