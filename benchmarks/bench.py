@@ -148,6 +148,7 @@ def setup(
         from pergrad import PerSampleModule, transforms
 
         kind = method.removeprefix("pergrad").lstrip("_") or "materialise"
+        box = {}
         psm = PerSampleModule(
             model, keep_grad_sample=kind == "materialise", track_norms=kind == "norms", track_statistics=kind == "stats"
         )
@@ -157,6 +158,10 @@ def setup(
         def step() -> None:
             psm.zero_grad()
             loss_of(psm(x)).backward()
+            if kind == "norms":  # what a user reads each step
+                box["read"] = psm.per_sample_norms()
+            elif kind == "stats":
+                box["read"] = psm.statistics().trace_variance
 
         def result() -> tuple[str, dict[str, Any]]:
             if kind == "materialise":
@@ -343,6 +348,23 @@ def run_child(
     return json.loads(lines[-1])
 
 
+def merge_rounds(runs: list[dict[str, Any]], plain: list[dict[str, Any]]) -> dict[str, Any]:
+    """One method's rounds as one result: the median of its per-round medians, and the median of its
+    per-round ratios to the plain backward of the same round; correct only if every round was."""
+    if "median_ms" not in runs[0]:
+        return runs[0]
+    ratios = [r["median_ms"] / p["median_ms"] for r, p in zip(runs, plain, strict=True)]
+    return {
+        **runs[0],
+        "median_ms": statistics.median(r["median_ms"] for r in runs),
+        "ratio_to_plain": statistics.median(ratios),
+        "rounds_ms": [r["median_ms"] for r in runs],
+        "peak_extra_mib": statistics.median(r["peak_extra_mib"] for r in runs),
+        "correct": all(r["correct"] for r in runs),
+        "max_rel_err": max(r["max_rel_err"] for r in runs),
+    }
+
+
 # -- the table ---------------------------------------------------------------------------------------
 
 
@@ -351,7 +373,7 @@ def cell(r: dict[str, Any], plain: dict[str, Any], fastest_peer: float | None) -
         return "skipped"
     if "error" in r:
         return "crash"
-    ratio = r["median_ms"] / plain["median_ms"]
+    ratio = r.get("ratio_to_plain", r["median_ms"] / plain["median_ms"])
     text = f"{r['median_ms']:.1f} ms ({ratio:.2f}x)"
     if fastest_peer:
         text += f", {r['median_ms'] / fastest_peer:.2f}x best peer"
@@ -404,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=["mlp", "cnn", "seq", "resnet"])
     parser.add_argument("--methods", nargs="+", default=None, help=f"subset of {METHODS}")
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=3, help="run every method this many times, interleaved")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--scaling", action="store_true", help="pergrad vs plain over batch size and width (mlp)")
@@ -420,16 +443,21 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args)))
         return 0
     if args.quick:
-        args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
+        args.steps, args.warmup, args.rounds = min(args.steps, 3), min(args.warmup, 1), 1
     methods = args.methods or [m for m in METHODS if not (args.quick and m.split("_")[0] in PEERS)]
+    order = ["plain", *[m for m in methods if m != "plain"]]
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for w in args.workloads:
-        results[w] = {}
-        for m in ["plain", *[m for m in methods if m != "plain"]]:
-            r = run_child(args, w, m)
-            results[w][m] = r
-            status = r.get("skipped") or r.get("error") or f"{r['median_ms']:.1f} ms, correct={r['correct']}"
-            print(f"{w:5s} {m:20s} {status}", flush=True)
+        rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in order}
+        for k in range(args.rounds):  # every method once per round: a slow spell hits one round of each
+            for m in order:
+                if k and ("skipped" in rounds[m][0] or "error" in rounds[m][0]):
+                    continue
+                r = run_child(args, w, m)
+                rounds[m].append(r)
+                status = r.get("skipped") or r.get("error") or f"{r['median_ms']:.1f} ms, correct={r['correct']}"
+                print(f"{w:6s} {m:20s} round {k + 1}: {status}", flush=True)
+        results[w] = {m: merge_rounds(rs, rounds["plain"]) for m, rs in rounds.items()}
     report: dict[str, Any] = {
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, {args.threads} threads, python {platform.python_version()}",
         "command": " ".join(["python", "benchmarks/bench.py", *(argv if argv is not None else sys.argv[1:])]),

@@ -140,6 +140,7 @@ class Engine:
         self._current: _Backward | None = None
         self._grad_sample_generation: dict[nn.Parameter, int] = {}
         self._pool: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[Tensor]] = {}
+        self._lent: list[Tensor] = []
 
     # -- called from hooks during the forward ----------------------------------------------------
 
@@ -158,15 +159,16 @@ class Engine:
         first backward's check still needs autograd's gradients, nor with statistics (their mean is
         autograd's) or DDP (its reducer waits for every parameter's gradient).
         """
-        if not self.detach_transformed or self.closed or self.verify_backwards > 0:
-            return None
-        if self.track_statistics or self.world is not None:
+        if not self.detach_transformed or self.closed or self.verify_backwards > 0 or self.world is not None:
             return None
         module = layer.module
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", "absent")
         if not (isinstance(weight, nn.Parameter) and weight.requires_grad):
             return None
-        if not (weight in self.transformed or (self.keep_grad_sample and _positions(module, a, batch_dim) >= _MANY)):
+        many = _positions(module, a, batch_dim) >= _MANY
+        # with statistics, the mean of a detached weight comes from its built g_i (many positions)
+        owned = many if self.track_statistics else weight in self.transformed or (self.keep_grad_sample and many)
+        if not owned:
             return None
         swaps: list[tuple[str, Tensor | None, Tensor]] = [("weight", weight, weight.detach())]
         trainable_bias = isinstance(bias, nn.Parameter) and bias.requires_grad
@@ -176,7 +178,7 @@ class Engine:
             if not trainable_bias:
                 return Detached(self._probe(weight), (weight,), tuple(swaps), probe=True, on_output=True)
             assert isinstance(bias, nn.Parameter)
-            if bias in self.transformed or self.keep_grad_sample:
+            if bias in self.transformed or self.keep_grad_sample or self.track_statistics:
                 swaps.append(("bias", bias, bias.detach()))
                 return Detached(self._probe(weight), (weight, bias), tuple(swaps), probe=True, on_output=True)
         if trainable_bias:
@@ -333,8 +335,12 @@ class Engine:
         if self._current is state:
             self._current = None
         device = next(iter(state.reached), torch.empty(0)).device.type
-        with torch.autocast(device, enabled=False), torch.no_grad():
-            self._finish_backward(state)
+        try:
+            with torch.autocast(device, enabled=False), torch.no_grad(), allocating_from(self._lend):
+                self._finish_backward(state)
+        finally:
+            state.calls.clear()  # the kept inputs and output gradients, before the buffers go back
+            self._take_back()
 
     def _finish_backward(self, state: _Backward) -> None:
         if self.closed:
@@ -377,7 +383,8 @@ class Engine:
         if self.track_statistics and reached:
             # autograd's batch gradient is sum_i g_i / B ("mean") or sum_i g_i ("sum")
             scale = 1.0 if self.loss_reduction == "mean" else 1.0 / state.batch_size
-            means = {p: state.batch_grads[p] * scale for p in reached}
+            # a copy: .grad may alias the batch gradient; detached weights have none (computed then)
+            means = {p: state.batch_grads[p] * scale for p in reached if p in state.batch_grads}
             names = {p: self.param_names[p] for p in reached}
             self.last_statistics, sq_norms = compute_statistics(source, names, state.batch_size, means)
         else:
@@ -387,8 +394,13 @@ class Engine:
             self._reduce_target(target, source, state, sq_norms)
         if owned:
             weight = 1.0 / state.batch_size if self.reduction == "mean" else 1.0
-            weights = next(iter(owned)).new_full((state.batch_size,), weight)
-            for param, reduced in source.summed(owned, weights).items():
+            stats = self.last_statistics if self.track_statistics else None
+            if stats is not None:  # the means are there already
+                size = 1.0 if self.reduction == "mean" else float(state.batch_size)
+                totals = {p: stats.params[self.param_names[p]].mean * size for p in owned}
+            else:
+                totals = source.summed(owned, next(iter(owned)).new_full((state.batch_size,), weight))
+            for param, reduced in totals.items():
                 self._add_grad(param, reduced, state)
         if self.track_norms:
             self.last_sq_norms = sq_norms
@@ -455,6 +467,22 @@ class Engine:
     def _take(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
         free = self._pool.get((tuple(shape), like.dtype, like.device))
         return free.pop() if free else fresh_buffer(shape, like)
+
+    def _lend(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """A buffer for a per-sample tensor built at the end of the backward and dropped there
+        (``keep_grad_sample=False``); ``_take_back`` returns it to the pool afterwards."""
+        buffer = self._take(shape, like)
+        self._lent.append(buffer)
+        return buffer
+
+    def _take_back(self) -> None:
+        """Return the lent buffers nothing refers to any more to the pool: the next backward writes
+        into memory the process holds instead of faulting in fresh pages (several times slower)."""
+        while self._lent:
+            buffer = self._lent.pop()
+            # references: `buffer`, getrefcount's argument; storage: `buffer`, the temporary object
+            if sys.getrefcount(buffer) == 2 and torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) == 2:
+                self._pool.setdefault((tuple(buffer.shape), buffer.dtype, buffer.device), []).append(buffer)
 
     def clear_pool(self) -> None:
         self._pool.clear()

@@ -254,8 +254,7 @@ class PerSampleModule:
                 raise PergradError("statistics() is available after a backward pass")
             return self._engine.last_statistics
         source, names, batch_size = self._materialized()
-        means = {p: g.mean(0) for p, g in source.grads.items()}
-        return compute_statistics(source, names, batch_size, means)[0]
+        return compute_statistics(source, names, batch_size, {})[0]  # means from grad_sample
 
     def activation_grads(self) -> dict[str, Tensor]:
         """Per-sample gradients of the last backward with respect to activations, ``[B, ...]``:

@@ -22,6 +22,7 @@ from typing import Any
 from torch import Tensor, nn
 
 Rule = Callable[[nn.Module, Any, Tensor], dict[str, Tensor]]
+Moments = tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,10 @@ class FusedRule:
     - ``dots(layer, a, d, other) -> {name: [B]}``: ``<g_i, other[name]>`` for a fixed tensor per parameter;
     - ``sum_squares(layer, a, d) -> {name: param shape} | None``: ``sum_i g_i**2`` elementwise where a
       factorised form is exact for these shapes, else None (the caller then builds ``g_i``).
-    Every function returns entries only for parameters that require grad. ``bilinear``: the weight's
+    - ``moments(layer, a, d, other) -> (sq_norms, sum_squares, dots) | None``: the three at once,
+      sharing work, where factorised (else None: the caller uses the functions above or builds ``g_i``).
+    Every function returns entries only for parameters that require grad, as fresh tensors (the
+    caller may scale them in place). ``bilinear``: the weight's
     ``g_i`` is linear in ``a_i`` as well, so for a layer without a trainable bias per-sample weights
     may scale whichever of ``a`` and ``d`` is smaller.
     """
@@ -43,6 +47,7 @@ class FusedRule:
     dots: Callable[[nn.Module, Any, Tensor, dict[str, Tensor]], dict[str, Tensor]]
     sum_squares: Callable[[nn.Module, Any, Tensor], dict[str, Tensor] | None] | None = None
     bilinear: bool = False  # g_i(weight) is linear in a_i too (Linear, Conv): weights may go on a
+    moments: Callable[[nn.Module, Any, Tensor, dict[str, Tensor]], Moments | None] | None = None
 
 
 @dataclass(frozen=True)

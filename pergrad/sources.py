@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .hooks import HookedLayer
+from .layout import new_buffer
 from .registry import FusedRule
 
 Params = Iterable[nn.Parameter]
@@ -29,12 +30,21 @@ Params = Iterable[nn.Parameter]
 
 def _weighted(d: Tensor, weights: Tensor, drop: Tensor | None = None) -> Tensor:
     """``w_i d_i`` per sample; samples in ``drop`` give exactly 0 (even where ``d_i`` is NaN)."""
-    out = d * weights.view(-1, *([1] * (d.dim() - 1)))
+    out = torch.mul(d, weights.view(-1, *([1] * (d.dim() - 1))), out=new_buffer(tuple(d.shape), d))
     return out if drop is None else _zero_rows(out, drop)
 
 
 def _zero_rows(t: Tensor, drop: Tensor) -> Tensor:
     return t.masked_fill(drop.view(-1, *([1] * (t.dim() - 1))), 0)
+
+
+def _sum_of_squares(g: Tensor) -> Tensor:
+    """``sum_i g_i^2`` elementwise: one fused multiply-add per sample into a single accumulator (a
+    reduction over dim 0 strides across the whole tensor and is ~40x slower on CPU)."""
+    out = torch.zeros(g.shape[1:], dtype=g.dtype, device=g.device)
+    for gi in g:
+        out.addcmul_(gi, gi)
+    return out
 
 
 class Materialized:
@@ -63,20 +73,25 @@ class Materialized:
         return {p: self.grads[p].flatten(1) @ g.flatten() for p, g in others.items()}
 
     def sum_squares(self, params: Params) -> dict[nn.Parameter, Tensor]:
-        return {p: torch.linalg.vector_norm(self.grads[p], dim=0).square() for p in params}
+        return {p: _sum_of_squares(self.grads[p]) for p in params}
 
-    def moments(self, means: dict[nn.Parameter, Tensor]) -> Moments:
-        """``||g_i||^2``, ``sum_i g_i^2`` and ``<g_i, mean>`` of every parameter in ``means``."""
-        return Moments(self.sq_norms(means), self.sum_squares(means), self.dots(means))
+    def moments(self, params: Params, means: dict[nn.Parameter, Tensor]) -> Moments:
+        """``||g_i||^2``, ``sum_i g_i^2`` and ``<g_i, mean>`` of every parameter in ``params``; a mean
+        missing from ``means`` is taken from the built ``g_i``: ``(1/B) sum_i g_i``."""
+        params = list(params)
+        means = {p: means[p] if p in means else self.grads[p].sum(0).div_(self.grads[p].shape[0]) for p in params}
+        return Moments(self.sq_norms(params), self.sum_squares(params), self.dots(means), means)
 
 
 @dataclass(frozen=True)
 class Moments:
-    """Per parameter: ``sq_norms`` [B], ``sum_squares`` (param shape), ``dots`` [B] with the mean."""
+    """Per parameter: ``sq_norms`` [B], ``sum_squares`` (param shape), ``dots`` [B] with the mean,
+    and the ``means`` themselves."""
 
     sq_norms: dict[nn.Parameter, Tensor]
     sum_squares: dict[nn.Parameter, Tensor]
     dots: dict[nn.Parameter, Tensor]
+    means: dict[nn.Parameter, Tensor]
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,7 +113,7 @@ def run_rule(layer: HookedLayer, a: Any, d: Tensor, scale: float = 1.0) -> dict[
         return layer.spec.fn(layer.module, a, d)
     built_size = d.shape[0] * sum(p.numel() for _, p in layer.trainable())
     if d.numel() <= built_size:
-        return layer.spec.fn(layer.module, a, d * scale)
+        return layer.spec.fn(layer.module, a, torch.mul(d, scale, out=new_buffer(tuple(d.shape), d)))
     return {name: g * scale for name, g in layer.spec.fn(layer.module, a, d).items()}
 
 
@@ -107,6 +122,7 @@ class Fused:
 
     def __init__(self, calls: list[Call]) -> None:
         self.calls = calls
+        self._small: dict[Call, dict[str, Tensor]] = {}
         self.uses: dict[nn.Parameter, list[tuple[Call, str]]] = {}
         for call in calls:
             for name, p in call.layer.trainable():
@@ -137,12 +153,23 @@ class Fused:
                 grouped.setdefault(found[0], []).append((p, found[1]))
         return grouped, rest
 
+    def _run(self, call: Call) -> dict[str, Tensor]:
+        """The call's rule. A result no larger than ``d`` is kept for the other quantities of this
+        backward (norm layers: norms and weighted sums read the same small ``g_i``); larger ones
+        are built again rather than held, so at most one layer's are alive at a time."""
+        found = self._small.get(call)
+        if found is None:
+            found = run_rule(call.layer, call.a, call.d, call.scale)
+            if sum(g.numel() for g in found.values()) <= call.d.numel():
+                self._small[call] = found
+        return found
+
     def per_sample(self, params: Params) -> dict[nn.Parameter, Tensor]:
         """Build ``g_i`` for ``params``: every call's rule, summed per sample."""
         wanted = dict.fromkeys(params)
         out: dict[nn.Parameter, Tensor] = {}
         for call in self._calls_of(wanted):
-            for name, g in run_rule(call.layer, call.a, call.d, call.scale).items():
+            for name, g in self._run(call).items():
                 p = call.layer.module.get_parameter(name)
                 if p in wanted:
                     out[p] = g if p not in out else out[p] + g
@@ -175,7 +202,7 @@ class Fused:
         for call in self._calls_of(wanted):
             module, fused = call.layer.module, call.layer.spec.fused
             if fused is None:  # build this call's g_i, then weight them (d may not be laid out by sample)
-                built = run_rule(call.layer, call.a, call.d, call.scale)
+                built = self._run(call)
                 grads = {module.get_parameter(k): g for k, g in built.items()}
                 per_call = Materialized(grads).summed(grads, weights, drop)
             else:
@@ -206,27 +233,36 @@ class Fused:
             out.update({p: result[name] * call.scale for p, name in pairs})
         return out
 
-    def moments(self, means: dict[nn.Parameter, Tensor]) -> Moments:
-        """Norms, sums of squares and inner products with ``means``. Where a layer has no factorised
-        sum of squares, its ``g_i`` are built once and all three are read off them."""
-        grouped, rest = self._by_call(means)
-        out = Moments({}, {}, {})
+    def moments(self, params: Params, means: dict[nn.Parameter, Tensor]) -> Moments:
+        """Norms, sums of squares and inner products with the means. Where a layer has no factorised
+        sum of squares, or its mean is not in ``means`` (autograd did not compute it), its ``g_i``
+        are built once and all of them, the mean included, are read off them."""
+        grouped, rest = self._by_call(params)
+        for call in [c for c, pairs in grouped.items() if any(p not in means for p, _ in pairs)]:
+            rest.extend(p for p, _ in grouped.pop(call))
+        out = Moments({}, {}, {}, {p: means[p] for p in params if p in means})
         for call, pairs in grouped.items():
-            fused = call.layer.spec.fused
+            fused, module = call.layer.spec.fused, call.layer.module
             assert fused is not None
-            squares = None if fused.sum_squares is None else fused.sum_squares(call.layer.module, call.a, call.d)
-            if squares is None:
+            by_name = {name: means[p] for p, name in pairs}
+            found = None if fused.moments is None else fused.moments(module, call.a, call.d, by_name)
+            if found is None and fused.sum_squares is not None:
+                squares = fused.sum_squares(module, call.a, call.d)
+                if squares is not None:
+                    norms = fused.sq_norms(module, call.a, call.d)
+                    found = norms, squares, fused.dots(module, call.a, call.d, by_name)
+            if found is None:
                 rest.extend(p for p, _ in pairs)
                 continue
-            norms = fused.sq_norms(call.layer.module, call.a, call.d)
-            dots = fused.dots(call.layer.module, call.a, call.d, {name: means[p] for p, name in pairs})
+            norms, squares, dots = found
             s2 = call.scale**2
-            for p, name in pairs:
-                out.sq_norms[p], out.sum_squares[p] = norms[name] * s2, squares[name] * s2
-                out.dots[p] = dots[name] * call.scale
+            for p, name in pairs:  # fresh tensors: scaled in place
+                out.sq_norms[p], out.sum_squares[p] = norms[name].mul_(s2), squares[name].mul_(s2)
+                out.dots[p] = dots[name].mul_(call.scale)
         for built in self._built(rest):
-            part = built.moments({p: means[p] for p in built.grads})
+            part = built.moments(built.grads, means)
             out.sq_norms.update(part.sq_norms)
             out.sum_squares.update(part.sum_squares)
             out.dots.update(part.dots)
+            out.means.update(part.means)
         return out

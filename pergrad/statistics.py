@@ -24,6 +24,7 @@ The three tests need ``B >= 2`` and are NaN otherwise.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -33,14 +34,27 @@ from torch import Tensor, nn
 from .sources import Fused, Materialized
 
 
-@dataclass(frozen=True)
 class ParamStatistics:
-    """Elementwise statistics of one parameter's per-sample gradients (each of the parameter's shape)."""
+    """Elementwise statistics of one parameter's per-sample gradients (each of the parameter's shape).
 
-    mean: Tensor
-    second_moment: Tensor
-    variance: Tensor
-    snr: Tensor
+    ``mean`` and ``second_moment`` are kept; ``variance`` and ``snr`` are computed when first read.
+    """
+
+    def __init__(self, mean: Tensor, second_moment: Tensor) -> None:
+        self.mean, self.second_moment = mean, second_moment
+
+    @functools.cached_property
+    def variance(self) -> Tensor:
+        """``second_moment - mean^2`` (biased)."""
+        return self.second_moment - self.mean.square()
+
+    @functools.cached_property
+    def snr(self) -> Tensor:
+        """``mean^2 / variance``."""
+        return self.mean.square() / self.variance
+
+    def __repr__(self) -> str:
+        return f"ParamStatistics(shape={tuple(self.mean.shape)})"
 
 
 @dataclass(frozen=True)
@@ -67,20 +81,25 @@ class Statistics:
 def compute_statistics(
     source: Materialized | Fused, names: dict[nn.Parameter, str], batch_size: int, means: dict[nn.Parameter, Tensor]
 ) -> tuple[Statistics, dict[nn.Parameter, Tensor]]:
-    """All statistics for the parameters in ``names``, given their mean gradients ``g``; also
-    returns the per-parameter ``||g_i||^2`` computed on the way."""
+    """All statistics for the parameters in ``names``, given their mean gradients ``g`` (those
+    missing are computed from the per-sample gradients); also returns the per-parameter
+    ``||g_i||^2`` computed on the way."""
     b = batch_size
     params = list(names)
-    moments = source.moments({p: means[p] for p in params})
+    moments = source.moments(params, means)
+    means = moments.means
     per_param = {}
+    second_moments, mean_squares = [], []
     for p in params:
-        m2 = moments.sum_squares[p] / b
-        variance = m2 - means[p].square()
-        per_param[names[p]] = ParamStatistics(means[p], m2, variance, means[p].square() / variance)
+        m2 = moments.sum_squares[p].div_(b)  # a fresh tensor of the moments
+        per_param[names[p]] = ParamStatistics(means[p], m2)
+        second_moments.append(m2.sum())
+        flat = means[p].reshape(-1)
+        mean_squares.append(torch.dot(flat, flat))
     sample_sq = torch.stack([moments.sq_norms[p] for p in params]).sum(0)
     p_i = torch.stack([moments.dots[p] for p in params]).sum(0)
-    g2 = torch.stack([means[p].square().sum() for p in params]).sum()
-    trace = torch.stack([s.variance.sum() for s in per_param.values()]).sum()
+    g2 = torch.stack(mean_squares).sum()
+    trace = torch.stack(second_moments).sum() - g2  # sum_j (second_moment_j - mean_j^2)
     denominator = (b - 1) if b > 1 else float("nan")
     # each numerator is a sum of squares (>= 0); clamp the round-off of a cancellation to 0
     norm_test = ((sample_sq.sum() - b * g2).clamp(min=0) / denominator / (b * g2)).sqrt()

@@ -11,6 +11,7 @@ from torch import nn
 
 from pergrad import PerSampleModule, transforms
 from tests.reference import assert_close, reference_grad_sample
+from tests.test_fused import check_statistics
 
 
 def conv_net(bias: bool) -> nn.Module:
@@ -105,3 +106,34 @@ def test_autograd_grad_of_a_detached_weight_needs_the_opt_out() -> None:
             else:
                 (g,) = torch.autograd.grad(loss, model[0].weight)
                 assert_close(g, torch.autograd.grad(F.cross_entropy(model(x), y), model[0].weight)[0])
+
+
+class Tokens(nn.Module):
+    """A Linear on 16 positions per sample (detached with statistics) between two small ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.wide, self.head = nn.Linear(3, 6), nn.Linear(6, 5), nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.wide(torch.tanh(self.inp(x)))).mean(1))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("model_kind", ["conv", "tokens"])
+def test_statistics_after_the_first_step_take_means_from_built_gradients(keep: bool, model_kind: str) -> None:
+    torch.manual_seed(4)
+    if model_kind == "conv":
+        model, x = conv_net(bias=True), torch.randn(5, 3, 6, 6, dtype=torch.float64)
+        y = torch.randint(0, 3, (5,))
+    else:
+        model, x = Tokens().double(), torch.randn(5, 16, 3, dtype=torch.float64)
+        y = torch.randint(0, 2, (5,))
+    ref = reference_grad_sample(model, x, y, loss=lambda out, t: F.cross_entropy(out, t, reduction="sum"))
+    with PerSampleModule(model, keep_grad_sample=keep, track_statistics=True) as psm:
+        for _ in range(3):
+            psm.zero_grad()
+            F.cross_entropy(psm(x), y).backward()
+            check_statistics(psm.statistics(), ref)
+            for name, p in model.named_parameters():
+                assert_close(p.grad, ref[name].mean(0), f".grad of {name}")

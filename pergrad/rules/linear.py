@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layout import new_buffer, rows
-from ..registry import FusedRule, default_registry
+from ..registry import FusedRule, Moments, default_registry
 
 
 @default_registry.register(nn.Linear)
@@ -96,6 +96,25 @@ def linear_sum_squares(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tens
     return out
 
 
+def linear_moments(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]) -> Moments | None:
+    """Norms, sums of squares and inner products of a Linear on ``[B, D]`` with ``a^2`` and ``d^2``
+    computed once: ``||g_i(W)||^2 = |a_i^2| |d_i^2|``, ``sum_i g_i(W)^2 = (d^2)^T (a^2)``,
+    ``<g_i(W), G> = d_i . (G a_i)``; the bias's from ``d`` alone. None for more positions."""
+    if a.dim() != 2:
+        return None
+    norms, squares, dots = {}, {}, {}
+    d2 = d.square()
+    if _trainable(layer, "weight"):
+        a2 = a.square()
+        norms["weight"] = a2.sum(1) * d2.sum(1)
+        squares["weight"] = d2.T @ a2
+        dots["weight"] = torch.linalg.vecdot(a @ other["weight"].T, d)
+    if _trainable(layer, "bias"):
+        norms["bias"], squares["bias"], dots["bias"] = d2.sum(1), d2.sum(0), d @ other["bias"]
+    return norms, squares, dots
+
+
 default_registry.register_fused(
-    (nn.Linear,), FusedRule(linear_sq_norms, linear_summed, linear_dots, linear_sum_squares, bilinear=True)
+    (nn.Linear,),
+    FusedRule(linear_sq_norms, linear_summed, linear_dots, linear_sum_squares, bilinear=True, moments=linear_moments),
 )
