@@ -35,6 +35,7 @@ from .sources import Call, Fused, Materialized, run_rule
 from .statistics import Statistics, compute_statistics
 from .transforms import Scaling, Transform, check_output
 
+_Key = tuple[tuple[int, ...], torch.dtype, torch.device]  # a buffer's shape, dtype and device
 _MANY = 16  # positions per sample from which summing built g_i beats autograd's weight gradient
 
 
@@ -139,8 +140,10 @@ class Engine:
         self.last_dropped: dict[str, Tensor] = {}
         self._current: _Backward | None = None
         self._grad_sample_generation: dict[nn.Parameter, int] = {}
-        self._pool: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[Tensor]] = {}
+        self._pool: dict[_Key, list[Tensor]] = {}
         self._lent: list[Tensor] = []
+        self._taken: dict[_Key, int] = {}  # buffers handed out in the running backward, by shape
+        self._wanted: dict[_Key, int] = {}  # the most of them one backward took
 
     # -- called from hooks during the forward ----------------------------------------------------
 
@@ -462,10 +465,19 @@ class Engine:
             return
         # references: `old`, getrefcount's argument; storage: `old`, the temporary storage object
         if sys.getrefcount(old) == 2 and torch._C._storage_Use_Count(old.untyped_storage()._cdata) == 2:
-            self._pool.setdefault((tuple(old.shape), old.dtype, old.device), []).append(old)
+            self._keep_for_reuse(old)
+
+    def _keep_for_reuse(self, buffer: Tensor) -> None:
+        """Pool ``buffer`` if a backward asks for that many buffers of its shape (the others go)."""
+        key = (tuple(buffer.shape), buffer.dtype, buffer.device)
+        free = self._pool.setdefault(key, [])
+        if len(free) < self._wanted.get(key, 0):
+            free.append(buffer)
 
     def _take(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
-        free = self._pool.get((tuple(shape), like.dtype, like.device))
+        key = (tuple(shape), like.dtype, like.device)
+        self._taken[key] = self._taken.get(key, 0) + 1
+        free = self._pool.get(key)
         return free.pop() if free else fresh_buffer(shape, like)
 
     def _lend(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -478,11 +490,14 @@ class Engine:
     def _take_back(self) -> None:
         """Return the lent buffers nothing refers to any more to the pool: the next backward writes
         into memory the process holds instead of faulting in fresh pages (several times slower)."""
+        for key, count in self._taken.items():  # the most buffers of a shape one backward asked for
+            self._wanted[key] = max(self._wanted.get(key, 0), count)
+        self._taken.clear()
         while self._lent:
             buffer = self._lent.pop()
             # references: `buffer`, getrefcount's argument; storage: `buffer`, the temporary object
             if sys.getrefcount(buffer) == 2 and torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) == 2:
-                self._pool.setdefault((tuple(buffer.shape), buffer.dtype, buffer.device), []).append(buffer)
+                self._keep_for_reuse(buffer)
 
     def clear_pool(self) -> None:
         self._pool.clear()

@@ -210,3 +210,20 @@ def test_micro_batches_of_varying_size_give_the_full_batch_result(
                 scaled = ref[name] * factor.view(-1, *([1] * (ref[name].dim() - 1)))
                 assert_close(p.grad, scaled.mean(0) if reduction == "mean" else scaled.sum(0), f"{name} round {step}")
             model.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_reused_buffers_do_not_pile_up_over_steps(keep: bool) -> None:
+    """Buffers kept for reuse are bounded by what one backward asks for: a step's per-sample tensors
+    of a shape no rule allocates (bias sums) or transient ones must not accumulate over steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3)).double()
+    x, y = torch.randn(6, 20, 4, dtype=torch.float64), torch.randn(6, 20, 3, dtype=torch.float64)
+    with PerSampleModule(model, keep_grad_sample=keep, track_norms=True) as psm:
+        psm.register_transform(model[2], transforms.clip_norm(1.0))
+        pooled = []
+        for _ in range(8):
+            psm.zero_grad()
+            run_pergrad(psm, x, y)
+            pooled.append(sum(len(free) for free in psm._engine._pool.values()))
+        assert pooled[2:] == [pooled[2]] * 6, pooled
