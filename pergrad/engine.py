@@ -14,8 +14,9 @@ One backward pass goes like this:
    ``p.grad += (1/B) sum_i T(g_i)`` for ``"mean"``, ``sum_i T(g_i)`` for ``"sum"``.
 
 Per-sample gradients are those of each sample's OWN loss ``f_i``, where the loss is
-``(1/B) sum_i f_i`` (``loss_reduction="mean"``) or ``sum_i f_i`` (``"sum"``): the output gradients
-are multiplied by B for ``"mean"`` before the rules run.
+``(1/B) sum_i f_i`` (``loss_reduction="mean"``) or ``sum_i f_i`` (``"sum"``): for ``"mean"`` each
+sample's output gradient is B times the one autograd delivers, and that factor goes on whichever
+is smaller (``d``, or the rule's results; see ``sources.run_rule``).
 """
 
 from __future__ import annotations
@@ -154,13 +155,14 @@ class Engine:
 
         - a transform covers the weight: pergrad computes ``.grad`` from ``(a, d)`` anyway, and
           autograd's gradient would be thrown away;
-        - ``grad_sample`` is built and the layer sees many positions per sample (a convolution, a
-          Linear on sequences): ``.grad`` is then the sum of the built ``g_i`` -- one read of
-          ``B x |W|`` values -- where autograd spends ``2 B L |W|`` flops on L positions.
+        - ``grad_sample`` is built (or statistics tracked) and the layer sees many positions per
+          sample (a convolution, a Linear on sequences): ``.grad`` (the mean) is then the sum of the
+          built ``g_i`` -- one read of ``B x |W|`` values -- where autograd spends ``2 B L |W|``
+          flops on L positions. With statistics this is the only case: their means are autograd's.
 
-        Needs a trainable bias to stay attached as the anchor (see ``Detached``). Not while the
-        first backward's check still needs autograd's gradients, nor with statistics (their mean is
-        autograd's) or DDP (its reducer waits for every parameter's gradient).
+        The anchor (see ``Detached``) is the layer's trainable bias, or pergrad's zero probe. Not
+        while the first backward's check still needs autograd's gradients, nor under DDP (its
+        reducer waits for every parameter's gradient).
         """
         if not self.detach_transformed or self.closed or self.verify_backwards > 0 or self.world is not None:
             return None
