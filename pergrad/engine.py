@@ -21,6 +21,7 @@ is smaller (``d``, or the rule's results; see ``sources.run_rule``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from dataclasses import dataclass, field, replace
@@ -49,6 +50,13 @@ def _positions(module: nn.Module, a: Any, batch_dim: int) -> int:
     if isinstance(module, nn.modules.conv._ConvNd):
         return math.prod(a.shape[2:])
     return 1
+
+
+def _no_autocast(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Rules compute in the parameters' dtype: autocast off where it is on."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _shape(a: object) -> object:
@@ -173,6 +181,8 @@ class Engine:
         many = _positions(module, a, batch_dim) >= _MANY
         # with statistics, the mean of a detached weight comes from its built g_i (many positions)
         owned = many if self.track_statistics else weight in self.transformed or (self.keep_grad_sample and many)
+        # norms of a convolution build its g_i (see conv_builds): their sum is cheaper than autograd's
+        owned = owned or (self.track_norms and many and isinstance(module, nn.modules.conv._ConvNd))
         if not owned:
             return None
         swaps: list[tuple[str, Tensor | None, Tensor]] = [("weight", weight, weight.detach())]
@@ -183,7 +193,7 @@ class Engine:
             if not trainable_bias:
                 return Detached(self._probe(weight), (weight,), tuple(swaps), probe=True, on_output=True)
             assert isinstance(bias, nn.Parameter)
-            if bias in self.transformed or self.keep_grad_sample or self.track_statistics:
+            if bias in self.transformed or self.keep_grad_sample or self.track_norms:
                 swaps.append(("bias", bias, bias.detach()))
                 return Detached(self._probe(weight), (weight, bias), tuple(swaps), probe=True, on_output=True)
         if trainable_bias:
@@ -229,7 +239,7 @@ class Engine:
         if self.closed:
             return
         # rules compute in the parameters' dtype, and build no graph
-        with torch.autocast(d.device.type, enabled=False), torch.no_grad():
+        with _no_autocast(d.device.type), torch.no_grad():
             self._on_output_grad(kept, d)
 
     def _on_output_grad(self, kept: Kept, d: Tensor) -> None:
@@ -341,7 +351,7 @@ class Engine:
             self._current = None
         device = next(iter(state.reached), torch.empty(0)).device.type
         try:
-            with torch.autocast(device, enabled=False), torch.no_grad(), allocating_from(self._lend):
+            with _no_autocast(device), torch.no_grad(), allocating_from(self._lend):
                 self._finish_backward(state)
         finally:
             state.calls.clear()  # the kept inputs and output gradients, before the buffers go back

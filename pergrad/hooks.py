@@ -38,8 +38,10 @@ class HookedLayer:
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters the rule computes per-sample gradients for, named as the rule names them."""
-        named = self.module.named_parameters(recurse=self.spec.subtree)
-        return [(n, p) for n, p in named if p.requires_grad]
+        if self.spec.subtree:
+            return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        own = {id(p): (n, p) for n, p in reversed(self.module._parameters.items()) if p is not None}
+        return [(n, p) for n, p in reversed(own.values()) if p.requires_grad]  # first name of each, in order
 
     @property
     def dtype(self) -> torch.dtype | None:

@@ -36,6 +36,9 @@ class FusedRule:
       factorised form is exact for these shapes, else None (the caller then builds ``g_i``).
     - ``moments(layer, a, d, other) -> (sq_norms, sum_squares, dots) | None``: the three at once,
       sharing work, where factorised (else None: the caller uses the functions above or builds ``g_i``).
+    - ``builds(layer, a, d) -> bool``: ``sq_norms`` would build every ``g_i`` for these shapes anyway
+      (an outer product, not a Gram form): the caller then builds them once with the rule and reads
+      norms, and weighted sums, off them.
     Every function returns entries only for parameters that require grad, as fresh tensors (the
     caller may scale them in place). ``bilinear``: the weight's
     ``g_i`` is linear in ``a_i`` as well, so for a layer without a trainable bias per-sample weights
@@ -48,6 +51,7 @@ class FusedRule:
     sum_squares: Callable[[nn.Module, Any, Tensor], dict[str, Tensor] | None] | None = None
     bilinear: bool = False  # g_i(weight) is linear in a_i too (Linear, Conv): weights may go on a
     moments: Callable[[nn.Module, Any, Tensor, dict[str, Tensor]], Moments | None] | None = None
+    builds: Callable[[nn.Module, Any, Tensor], bool] | None = None
 
 
 @dataclass(frozen=True)

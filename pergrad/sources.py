@@ -135,7 +135,9 @@ class Fused:
             return None
         call, name = uses[0]
         fused = call.layer.spec.fused
-        return None if fused is None else (call, name, fused)
+        if fused is None or (fused.builds is not None and fused.builds(call.layer.module, call.a, call.d)):
+            return None
+        return call, name, fused
 
     def _calls_of(self, params: Params) -> list[Call]:
         """The calls that feed any of ``params``, each once, in forward order."""
@@ -154,13 +156,15 @@ class Fused:
         return grouped, rest
 
     def _run(self, call: Call) -> dict[str, Tensor]:
-        """The call's rule. A result no larger than ``d`` is kept for the other quantities of this
-        backward (norm layers: norms and weighted sums read the same small ``g_i``); larger ones
-        are built again rather than held, so at most one layer's are alive at a time."""
+        """The call's rule. A result no larger than the call's kept ``a`` and ``d`` is kept for the
+        other quantities of this backward (norm layers, convolutions: norms and weighted sums read
+        the same ``g_i``); larger ones are built again rather than held, so that at most one
+        layer's large ``g_i`` are alive at a time."""
         found = self._small.get(call)
         if found is None:
             found = run_rule(call.layer, call.a, call.d, call.scale)
-            if sum(g.numel() for g in found.values()) <= call.d.numel():
+            kept = call.d.numel() + (call.a.numel() if isinstance(call.a, Tensor) else 0)
+            if sum(g.numel() for g in found.values()) <= kept:
                 self._small[call] = found
         return found
 
@@ -195,13 +199,14 @@ class Fused:
         return out
 
     def summed(self, params: Params, weights: Tensor, drop: Tensor | None = None) -> dict[nn.Parameter, Tensor]:
-        """``sum_i w_i g_i``; rules are linear in d, so this is each call's batch gradient of ``w_i d_i``.
-        Samples in ``drop`` are left out entirely (their input rows too, which may hold NaN)."""
+        """``sum_i w_i g_i``; rules are linear in d, so this is each call's batch gradient of ``w_i d_i``
+        (or the weighted sum of its ``g_i`` where they were built for the norms already). Samples in
+        ``drop`` are left out entirely (their input rows too, which may hold NaN)."""
         wanted = dict.fromkeys(params)
         out: dict[nn.Parameter, Tensor] = {}
         for call in self._calls_of(wanted):
             module, fused = call.layer.module, call.layer.spec.fused
-            if fused is None:  # build this call's g_i, then weight them (d may not be laid out by sample)
+            if fused is None or call in self._small:  # weight the built g_i (d may not be laid out by sample)
                 built = self._run(call)
                 grads = {module.get_parameter(k): g for k, g in built.items()}
                 per_call = Materialized(grads).summed(grads, weights, drop)

@@ -31,7 +31,7 @@ def clipped_mean(ref: dict[str, torch.Tensor], max_norm: float) -> dict[str, tor
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("input_grad", [False, True])
-@pytest.mark.parametrize(("keep", "clip"), [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize(("keep", "clip"), [(True, True), (True, False), (False, True), (False, False)])
 def test_steps_after_the_first_are_exact(bias: bool, input_grad: bool, keep: bool, clip: bool) -> None:
     torch.manual_seed(0)
     model = conv_net(bias)
@@ -42,21 +42,23 @@ def test_steps_after_the_first_are_exact(bias: bool, input_grad: bool, keep: boo
     for p in model.parameters():
         if p.dim() > 1:
             p.register_hook(lambda g: weight_grads_by_autograd.append(g))
-    with PerSampleModule(model, keep_grad_sample=keep) as psm:
+    with PerSampleModule(model, keep_grad_sample=keep, track_norms=True) as psm:
         if clip:
             psm.register_transform(model, transforms.clip_norm(0.5))
         for step in range(3):
             weight_grads_by_autograd.clear()
             psm.zero_grad()
             F.cross_entropy(psm(x.clone().requires_grad_(input_grad)), y).backward()
+            norms = psm.per_sample_norms()
             for name, p in model.named_parameters():
                 assert type(p) is nn.Parameter
                 assert_close(p.grad, expected[name], f"step {step}: .grad of {name}")
+                assert_close(norms[name], ref[name].flatten(1).norm(dim=1), f"step {step}: norms of {name}")
                 if keep:
                     assert_close(p.grad_sample, ref[name], f"step {step}: grad_sample of {name}")
             # the first backward is checked against autograd's gradients; later ones skip them, except,
             # without a transform, for the two Linears (4 and 1 positions per sample): summing their
-            # built g_i would cost more than autograd's weight gradient
+            # built g_i would cost more than autograd's weight gradient (and norms do not build them)
             assert len(weight_grads_by_autograd) == (4 if step == 0 else 0 if clip else 2)
 
 

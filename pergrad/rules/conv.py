@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..layout import new_buffer
 from ..registry import FusedRule, default_registry
-from .linear import outer_sq_norms
+from .linear import gram_is_cheaper, outer_sq_norms
 
 _ConvNd = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -208,7 +208,19 @@ def conv_dots(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]) 
     return out
 
 
-default_registry.register_fused(_ConvNd, FusedRule(conv_sq_norms, conv_summed, conv_dots, bilinear=True))
+def conv_builds(layer: nn.Module, a: Tensor, d: Tensor) -> bool:
+    """Whether ``conv_sq_norms`` builds every ``g_i`` (batch-as-groups or outer product, not Gram)."""
+    assert isinstance(layer, _ConvNd)
+    if _batch_as_groups_is_faster(layer, a, d):
+        return True
+    channels, positions = a.shape[1] // layer.groups, math.prod(d.shape[2:])
+    kernel = math.prod(layer.kernel_size)
+    return not gram_is_cheaper(positions, channels * kernel, d.shape[1] // layer.groups)
+
+
+default_registry.register_fused(
+    _ConvNd, FusedRule(conv_sq_norms, conv_summed, conv_dots, bilinear=True, builds=conv_builds)
+)
 
 
 # -- transposed convolutions: the weight gradient of the convolution they transpose ------------------

@@ -39,10 +39,15 @@ def gram_is_cheaper(shared: int, fan_in: int, fan_out: int) -> bool:
     return shared * (fan_in + fan_out) <= fan_in * fan_out
 
 
+def _sq_norms(t: Tensor) -> Tensor:
+    """``||t_i||^2`` per sample, read in one pass (no squared temporary)."""
+    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).square()
+
+
 def outer_sq_norms(a: Tensor, d: Tensor) -> Tensor:
     """``||sum_s d_s a_s^T||_F^2`` per sample. Index conventions: a: [n, s, i], d: [n, s, o] -> [n]."""
     if a.shape[1] == 1:
-        return a.square().sum((1, 2)) * d.square().sum((1, 2))
+        return _sq_norms(a) * _sq_norms(d)
     if gram_is_cheaper(a.shape[1], a.shape[2], d.shape[2]):
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2))
     return torch.bmm(d.transpose(1, 2), a).square().sum((1, 2))
@@ -59,7 +64,7 @@ def linear_sq_norms(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]
     if _trainable(layer, "weight"):
         out["weight"] = outer_sq_norms(rows(a), rows(d))
     if _trainable(layer, "bias"):
-        out["bias"] = rows(d).sum(1).square().sum(1)
+        out["bias"] = _sq_norms(d if d.dim() == 2 else rows(d).sum(1))
     return out
 
 
