@@ -368,7 +368,11 @@ def merge_rounds(runs: list[dict[str, Any]], plain: list[dict[str, Any]]) -> dic
 # -- the table ---------------------------------------------------------------------------------------
 
 
-def cell(r: dict[str, Any], plain: dict[str, Any], fastest_peer: float | None) -> str:
+def _is_peer(method: str) -> bool:
+    return method == "torch_func" or method.split("_")[0] in PEERS
+
+
+def cell(r: dict[str, Any], plain: dict[str, Any], fastest_peer: tuple[float, str] | None) -> str:
     if "skipped" in r:
         return "skipped"
     if "error" in r:
@@ -376,7 +380,7 @@ def cell(r: dict[str, Any], plain: dict[str, Any], fastest_peer: float | None) -
     ratio = r.get("ratio_to_plain", r["median_ms"] / plain["median_ms"])
     text = f"{r['median_ms']:.1f} ms ({ratio:.2f}x)"
     if fastest_peer:
-        text += f", {r['median_ms'] / fastest_peer:.2f}x best peer"
+        text += f", {r['median_ms'] / fastest_peer[0]:.2f}x {fastest_peer[1]}"
     if not r["correct"]:
         why = r["note"] or f"max rel err {r['max_rel_err']:.1e}"
         text += f" WRONG ({why})"
@@ -391,9 +395,9 @@ def table(results: dict[str, dict[str, dict[str, Any]]], methods: list[str]) -> 
         for w in workloads:
             r, plain = results[w].get(m, {"skipped": ""}), results[w]["plain"]
             peers = [
-                v["median_ms"]
+                (v["median_ms"], k)
                 for k, v in results[w].items()
-                if k.split("_")[0] in PEERS and "median_ms" in v and v["correct"] and _group(k) == _group(m)
+                if _is_peer(k) and "median_ms" in v and v["correct"] and _group(k) == _group(m)
             ]
             cells.append(cell(r, plain, min(peers) if peers and m.startswith("pergrad") else None))
         out.append(f"| {m} | " + " | ".join(cells) + " |")
@@ -433,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default=sys.executable, help="interpreter for the children")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "latest.json")
+    parser.add_argument("--from-json", type=Path, help="print the tables of a saved run and exit")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
@@ -441,6 +446,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)))
+        return 0
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        first = next(iter(saved["results"].values()))
+        print(f"{saved['command']}\n{saved['machine']}\n")
+        print(table(saved["results"], list(first)))
+        if "scaling" in saved:
+            print_scaling(saved["scaling"])
         return 0
     if args.quick:
         args.steps, args.warmup, args.rounds = min(args.steps, 3), min(args.warmup, 1), 1
@@ -478,23 +491,29 @@ def scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
     series = [{"batch": b, "width": 512} for b in ((4, 16) if args.quick else (16, 64, 256, 1024))]
     series += [{"batch": 32, "width": w} for w in ((16, 64) if args.quick else (128, 512, 1024, 2048))]
     rows = []
-    print(
-        "\n| batch | width | plain ms | pergrad ms (x plain) | pergrad_norms ms (x plain) | pergrad peak MiB / analytic |"
-    )
-    print("|---|---|---|---|---|---|")
     for point in series:
         r = {
             m: run_child(args, "mlp", m, point["batch"], point["width"]) for m in ("plain", "pergrad", "pergrad_norms")
         }
         rows.append({**point, **r})
-        p, g, nrm = r["plain"], r["pergrad"], r["pergrad_norms"]
-        print(
-            f"| {point['batch']} | {point['width']} | {p['median_ms']:.1f} | {g['median_ms']:.1f} "
-            f"({g['median_ms'] / p['median_ms']:.1f}x) | {nrm['median_ms']:.1f} ({nrm['median_ms'] / p['median_ms']:.2f}x) "
-            f"| {g['peak_extra_mib']:.0f} / {g['analytic_mib']:.0f} |",
-            flush=True,
-        )
+        print(f"scaling batch {point['batch']} width {point['width']} done", flush=True)
+    print_scaling(rows)
     return rows
+
+
+def print_scaling(rows: list[dict[str, Any]]) -> None:
+    print(
+        "\n| batch | width | plain ms | pergrad ms (x plain) | pergrad_norms ms (x plain) "
+        "| pergrad peak MiB beyond plain / analytic |"
+    )
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        p, g, nrm = row["plain"], row["pergrad"], row["pergrad_norms"]
+        print(
+            f"| {row['batch']} | {row['width']} | {p['median_ms']:.1f} | {g['median_ms']:.1f} "
+            f"({g['median_ms'] / p['median_ms']:.1f}x) | {nrm['median_ms']:.1f} ({nrm['median_ms'] / p['median_ms']:.2f}x) "
+            f"| {g['peak_extra_mib'] - p['peak_extra_mib']:.0f} / {g['analytic_mib']:.0f} |"
+        )
 
 
 if __name__ == "__main__":
