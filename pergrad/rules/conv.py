@@ -136,12 +136,14 @@ def im2col(layer: nn.Module, a: Tensor) -> Tensor:
     """``[n, C, *spatial] -> [n, C*k, l]``: every receptive field of the padded input as a column,
     channels major and kernel positions minor (the weight's layout). ``F.unfold`` for 1-D and 2-D."""
     assert isinstance(layer, _ConvNd)
-    x = padded_input(layer, a)
-    if x.dim() <= 4:
+    if a.dim() <= 4:
+        x, padding = _input_and_padding(layer, a)  # unfold zero-pads by itself, without a copy
         kernel, dilation, stride = layer.kernel_size, layer.dilation, layer.stride
         if x.dim() == 3:  # 1-D as 2-D with height 1
             x, kernel, dilation, stride = x.unsqueeze(2), (1, *kernel), (1, *dilation), (1, *stride)
-        return F.unfold(x, kernel, dilation=dilation, stride=stride)
+            padding = [0, *padding]
+        return F.unfold(x, kernel, dilation=dilation, padding=tuple(padding), stride=stride)
+    x = padded_input(layer, a)
     p = patches(x, layer.kernel_size, layer.stride, layer.dilation)  # [n, C, *l, *k]
     spatial = len(layer.kernel_size)
     order = (0, 1, *range(2 + spatial, 2 + 2 * spatial), *range(2, 2 + spatial))
