@@ -122,7 +122,7 @@ class Fused:
 
     def __init__(self, calls: list[Call]) -> None:
         self.calls = calls
-        self._small: dict[Call, dict[str, Tensor]] = {}
+        self._builds: dict[Call, dict[str, Tensor]] = {}
         self.uses: dict[nn.Parameter, list[tuple[Call, str]]] = {}
         for call in calls:
             for name, p in call.layer.trainable():
@@ -160,12 +160,12 @@ class Fused:
         other quantities of this backward (norm layers, convolutions: norms and weighted sums read
         the same ``g_i``); larger ones are built again rather than held, so that at most one
         layer's large ``g_i`` are alive at a time."""
-        found = self._small.get(call)
+        found = self._builds.get(call)
         if found is None:
             found = run_rule(call.layer, call.a, call.d, call.scale)
             kept = call.d.numel() + (call.a.numel() if isinstance(call.a, Tensor) else 0)
             if sum(g.numel() for g in found.values()) <= kept:
-                self._small[call] = found
+                self._builds[call] = found
         return found
 
     def per_sample(self, params: Params) -> dict[nn.Parameter, Tensor]:
@@ -206,7 +206,7 @@ class Fused:
         out: dict[nn.Parameter, Tensor] = {}
         for call in self._calls_of(wanted):
             module, fused = call.layer.module, call.layer.spec.fused
-            if fused is None or call in self._small:  # weight the built g_i (d may not be laid out by sample)
+            if fused is None or call in self._builds:  # weight the built g_i (d may not be laid out by sample)
                 built = self._run(call)
                 grads = {module.get_parameter(k): g for k, g in built.items()}
                 per_call = Materialized(grads).summed(grads, weights, drop)
