@@ -139,3 +139,20 @@ def test_statistics_after_the_first_step_take_means_from_built_gradients(keep: b
             check_statistics(psm.statistics(), ref)
             for name, p in model.named_parameters():
                 assert_close(p.grad, ref[name].mean(0), f".grad of {name}")
+
+
+def test_backward_with_inputs_after_the_first_step_writes_only_those() -> None:
+    """``backward(inputs=[x])`` accumulates into ``x.grad`` only, as in autograd, also when layers run
+    with detached weights."""
+    torch.manual_seed(5)
+    for bias in (True, False):
+        model = conv_net(bias)
+        x, y = torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+        with PerSampleModule(model, keep_grad_sample=False) as psm:
+            psm.register_transform(model, transforms.clip_norm(1.0))
+            F.cross_entropy(psm(x), y).backward()
+            psm.zero_grad()
+            xr = x.clone().requires_grad_()
+            F.cross_entropy(psm(xr), y).backward(inputs=[xr])
+            assert xr.grad is not None
+            assert all(p.grad is None for p in model.parameters())
