@@ -62,19 +62,27 @@ def test_steps_after_the_first_are_exact(bias: bool, input_grad: bool, keep: boo
             assert len(weight_grads_by_autograd) == (4 if step == 0 else 0 if clip else 2)
 
 
-def test_autograd_grad_after_the_first_step_leaves_grad_untouched() -> None:
-    """The detached weights' anchors (bias or pergrad's zero) tell .backward() from autograd.grad."""
+@pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=[x])"])
+def test_input_gradients_after_the_first_step_leave_parameters_alone(how: str) -> None:
+    """The detached weights' anchors (bias or pergrad's zero) tell ``.backward()`` from
+    ``torch.autograd.grad`` and ``backward(inputs=[x])``: those write no parameter's ``.grad``."""
     torch.manual_seed(1)
     for bias in (True, False):
         model = conv_net(bias)
         x, y = torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+        xr = x.clone().requires_grad_()
+        (expected,) = torch.autograd.grad(F.cross_entropy(model(xr), y), xr)
         with PerSampleModule(model, keep_grad_sample=False) as psm:
             psm.register_transform(model, transforms.clip_norm(1.0))
             F.cross_entropy(psm(x), y).backward()
             psm.zero_grad()
             xr = x.clone().requires_grad_()
-            (gx,) = torch.autograd.grad(F.cross_entropy(psm(xr), y), xr)
-            (expected,) = torch.autograd.grad(F.cross_entropy(model(xr), y), xr)
+            loss = F.cross_entropy(psm(xr), y)
+            if how == "autograd.grad":
+                (gx,) = torch.autograd.grad(loss, xr)
+            else:
+                loss.backward(inputs=[xr])
+                gx = xr.grad
             assert_close(gx, expected)
             assert all(p.grad is None for p in model.parameters())
 
@@ -139,20 +147,3 @@ def test_statistics_after_the_first_step_take_means_from_built_gradients(keep: b
             check_statistics(psm.statistics(), ref)
             for name, p in model.named_parameters():
                 assert_close(p.grad, ref[name].mean(0), f".grad of {name}")
-
-
-def test_backward_with_inputs_after_the_first_step_writes_only_those() -> None:
-    """``backward(inputs=[x])`` accumulates into ``x.grad`` only, as in autograd, also when layers run
-    with detached weights."""
-    torch.manual_seed(5)
-    for bias in (True, False):
-        model = conv_net(bias)
-        x, y = torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
-        with PerSampleModule(model, keep_grad_sample=False) as psm:
-            psm.register_transform(model, transforms.clip_norm(1.0))
-            F.cross_entropy(psm(x), y).backward()
-            psm.zero_grad()
-            xr = x.clone().requires_grad_()
-            F.cross_entropy(psm(xr), y).backward(inputs=[xr])
-            assert xr.grad is not None
-            assert all(p.grad is None for p in model.parameters())
