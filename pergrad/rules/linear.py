@@ -89,18 +89,6 @@ def linear_dots(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]
     return out
 
 
-def linear_sum_squares(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor] | None:
-    """``sum_i g_i(W)^2 = (d^2)^T (a^2)``: exact only with one position per sample."""
-    if a.dim() != 2:
-        return None
-    out = {}
-    if _trainable(layer, "weight"):
-        out["weight"] = d.square().T @ a.square()
-    if _trainable(layer, "bias"):
-        out["bias"] = d.square().sum(0)
-    return out
-
-
 def linear_moments(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]) -> Moments | None:
     """Norms, sums of squares and inner products of a Linear on ``[B, D]`` with ``a^2`` and ``d^2``
     computed once: ``||g_i(W)||^2 = |a_i^2| |d_i^2|``, ``sum_i g_i(W)^2 = (d^2)^T (a^2)``,
@@ -121,5 +109,5 @@ def linear_moments(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tens
 
 default_registry.register_fused(
     (nn.Linear,),
-    FusedRule(linear_sq_norms, linear_summed, linear_dots, linear_sum_squares, bilinear=True, moments=linear_moments),
+    FusedRule(linear_sq_norms, linear_summed, linear_dots, bilinear=True, moments=linear_moments),
 )
