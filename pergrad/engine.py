@@ -22,7 +22,6 @@ is smaller (``d``, or the rule's results; see ``sources.run_rule``).
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,26 +29,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .detach import Detached, Detacher
 from .errors import BatchSizeError, HookStateError, TransformError
-from .hooks import Detached, HookedLayer, Kept
+from .hooks import Kept
 from .layout import allocating_from, fresh_buffer
 from .sources import Call, Fused, Materialized, run_rule
 from .statistics import Statistics, compute_statistics
 from .transforms import Scaling, Transform, check_output
 
 _Key = tuple[tuple[int, ...], torch.dtype, torch.device]  # a buffer's shape, dtype and device
-_MANY = 16  # positions per sample from which summing built g_i beats autograd's weight gradient
-
-
-def _positions(module: nn.Module, a: Any, batch_dim: int) -> int:
-    """How many positions per sample a Linear or convolution applies its weight at (1 otherwise)."""
-    if not isinstance(a, Tensor) or a.dim() <= batch_dim or a.shape[batch_dim] == 0:
-        return 1
-    if isinstance(module, nn.Linear):
-        return a.numel() // (a.shape[batch_dim] * a.shape[-1])
-    if isinstance(module, nn.modules.conv._ConvNd):
-        return math.prod(a.shape[2:])
-    return 1
 
 
 def _no_autocast(device_type: str) -> contextlib.AbstractContextManager[Any]:
@@ -106,6 +94,8 @@ class _Backward:
     activation_grads: dict[str, Tensor] = field(default_factory=dict)
     detached: list[Detached] = field(default_factory=list)  # of the calls whose output gradient arrived
     probed: bool = False  # a probe anchor's AccumulateGrad ran
+    written: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad written by pergrad, in order
+    accumulated: dict[nn.Parameter, None] = field(default_factory=dict)  # AccumulateGrad ran (autograd's part)
 
 
 class Engine:
@@ -128,7 +118,6 @@ class Engine:
     ) -> None:
         self.world = world
         self.detach_transformed = detach_transformed
-        self._probes: dict[tuple[torch.dtype, torch.device], Tensor] = {}
         self.verify_backwards = verify_backwards
         self.param_names = param_names
         self.keep_activation_grads = keep_activation_grads
@@ -153,70 +142,12 @@ class Engine:
         self._lent: list[Tensor] = []
         self._taken: dict[_Key, int] = {}  # buffers handed out in the running backward, by shape
         self._wanted: dict[_Key, int] = {}  # the most of them one backward took
+        self.detacher = Detacher(self)
+        self._deferred: dict[nn.Parameter, dict[Any, Any]] = {}  # post-accumulate-grad hooks held back
 
-    # -- called from hooks during the forward ----------------------------------------------------
-
-    def to_detach(self, layer: HookedLayer, a: Any, batch_dim: int) -> Detached | None:
-        """The parameters a call of ``layer`` on input ``a`` may run detached: its weight, when
-        pergrad writes the weight's ``.grad`` itself at less cost than autograd's own weight gradient
-        (one matmul or convolution backward per layer):
-
-        - a transform covers the weight: pergrad computes ``.grad`` from ``(a, d)`` anyway, and
-          autograd's gradient would be thrown away;
-        - ``grad_sample`` is built (or statistics tracked) and the layer sees many positions per
-          sample (a convolution, a Linear on sequences): ``.grad`` (the mean) is then the sum of the
-          built ``g_i`` -- one read of ``B x |W|`` values -- where autograd spends ``2 B L |W|``
-          flops on L positions. With statistics this is the only case: their means are autograd's.
-
-        The anchor (see ``Detached``) is the layer's trainable bias, or pergrad's zero probe. Not
-        while the first backward's check still needs autograd's gradients, nor under DDP (its
-        reducer waits for every parameter's gradient).
-        """
-        if not self.detach_transformed or self.closed or self.verify_backwards > 0 or self.world is not None:
-            return None
-        module = layer.module
-        weight, bias = getattr(module, "weight", None), getattr(module, "bias", "absent")
-        if not (isinstance(weight, nn.Parameter) and weight.requires_grad):
-            return None
-        many = _positions(module, a, batch_dim) >= _MANY
-        # with statistics, the mean of a detached weight comes from its built g_i (many positions)
-        owned = many if self.track_statistics else weight in self.transformed or (self.keep_grad_sample and many)
-        # norms of a convolution build its g_i (see conv_builds): their sum is cheaper than autograd's
-        owned = owned or (self.track_norms and many and isinstance(module, nn.modules.conv._ConvNd))
-        if not owned:
-            return None
-        swaps: list[tuple[str, Tensor | None, Tensor]] = [("weight", weight, weight.detach())]
-        trainable_bias = isinstance(bias, nn.Parameter) and bias.requires_grad
-        if isinstance(module, nn.modules.conv._ConvNd):
-            # mkldnn computes a convolution's bias gradient with its weight gradient, so the bias
-            # is detached too (when pergrad can write its .grad) and the probe added to the output
-            if not trainable_bias:
-                return Detached(self._probe(weight), (weight,), tuple(swaps), probe=True, on_output=True)
-            assert isinstance(bias, nn.Parameter)
-            if bias in self.transformed or self.keep_grad_sample or self.track_norms:
-                swaps.append(("bias", bias, bias.detach()))
-                return Detached(self._probe(weight), (weight, bias), tuple(swaps), probe=True, on_output=True)
-        if trainable_bias:
-            assert isinstance(bias, nn.Parameter)
-            return Detached(bias, (weight,), tuple(swaps))
-        if bias is None and isinstance(module, nn.Linear):  # the probe as a zero bias: addmm adds it
-            probe = self._probe(weight)
-            swaps.append(("bias", None, probe.expand(module.out_features)))
-            return Detached(probe, (weight,), tuple(swaps), probe=True)
-        return None  # a frozen bias, or one the module does not keep as `bias`
-
-    def _probe(self, like: Tensor) -> Tensor:
-        """pergrad's zero anchor for ``like``'s dtype and device (see ``Detached``)."""
-        key = (like.dtype, like.device)
-        probe = self._probes.get(key)
-        if probe is None:
-            probe = torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True)
-            probe.register_hook(self._on_probe)
-            self._probes[key] = probe
-        return probe
-
-    def _on_probe(self, grad: Tensor) -> Tensor:
-        """Gradient hook of a probe: it runs exactly in backward passes that accumulate."""
+    def on_probe(self, grad: Tensor) -> Tensor:
+        """Gradient hook of a probe anchor (see ``Detached``): it runs exactly in backward passes that
+        accumulate into ``.grad``."""
         if not self.closed:
             self._backward_state().probed = True
         return torch.zeros_like(grad)
@@ -227,6 +158,7 @@ class Engine:
         task = torch._C._current_graph_task_id()
         if self._current is None or self._current.task_id != task:
             # A new backward pass. A previous one that failed midway left its state here: drop it.
+            self.restore_deferred_hooks()
             state = _Backward(task)
             self._current = state
             # Run after every callback queued during this backward (DDP's gradient all-reduce among
@@ -312,11 +244,21 @@ class Engine:
             return None
         state = self._backward_state()
         state.reached[param] = None
+        state.accumulated[param] = None
         if self.track_statistics or self.verify_backwards > 0:
             state.batch_grads[param] = grad
         if self.running_mean:
             state.prior[param] = self._samples_in_grad(param)
+        writes = param in self.transformed or param in self.detacher.current
+        if writes and param._post_accumulate_grad_hooks:
+            self._defer_post_accumulate_hooks(param)
         if param in self.transformed:  # .grad is written at the end of the backward
+            if param in self.detacher.current and bool(grad.any()):  # (a rare path: a sync is fine)
+                raise HookStateError(
+                    self._unattributable(
+                        param, "it arrived although every call of its layer ran with the weight detached"
+                    )
+                )
             if param.grad is None:
                 state.overwrite[param] = None  # let autograd store its sum; replaced at the end
                 return None
@@ -356,6 +298,8 @@ class Engine:
         finally:
             state.calls.clear()  # the kept inputs and output gradients, before the buffers go back
             self._take_back()
+            deferred = self.restore_deferred_hooks()
+        self._run_post_accumulate_hooks(state, deferred)
 
     def _finish_backward(self, state: _Backward) -> None:
         if self.closed:
@@ -392,6 +336,7 @@ class Engine:
             self.last_sq_norms = {p: state.batch_grads.get(p, p).new_zeros(0) for p in reached}
             self.last_statistics = None
             for p in (d for call in state.detached for d in call.params):
+                state.written[p] = None
                 if p.grad is None:  # what autograd would have stored
                     p.grad = torch.zeros_like(p)
             return
@@ -424,6 +369,33 @@ class Engine:
                 if p.grad is not None:
                     self._seen[p] = (n + state.batch_size, id(p.grad), p.grad._version)
 
+    # -- post-accumulate-grad hooks of the parameters whose .grad pergrad writes -----------------
+
+    def _defer_post_accumulate_hooks(self, param: nn.Parameter) -> None:
+        """Hold ``param``'s post-accumulate-grad hooks back while autograd's ``AccumulateGrad`` runs:
+        ``.grad`` is not final until pergrad writes it at the end of the backward."""
+        hooks = param._post_accumulate_grad_hooks
+        self._deferred.setdefault(param, {}).update(hooks)
+        hooks.clear()
+
+    def restore_deferred_hooks(self) -> set[nn.Parameter]:
+        """Put held-back hooks back in place (also after a backward that failed midway)."""
+        restored = set(self._deferred)
+        for param, hooks in self._deferred.items():
+            if param._post_accumulate_grad_hooks is not None:
+                param._post_accumulate_grad_hooks.update(hooks)
+        self._deferred.clear()
+        return restored
+
+    def _run_post_accumulate_hooks(self, state: _Backward, deferred: set[nn.Parameter]) -> None:
+        """Call the post-accumulate-grad hooks of every parameter whose ``.grad`` pergrad wrote, now
+        that it is final, unless autograd called them already (its own ``.grad``)."""
+        for param in state.written:
+            hooks = param._post_accumulate_grad_hooks
+            if hooks and (param in deferred or param not in state.accumulated):
+                for hook in list(hooks.values()):
+                    hook(param)
+
     def _verify(self, source: Materialized | Fused, state: _Backward) -> None:
         """Check that the per-sample gradients add up to autograd's gradient of each parameter.
 
@@ -446,13 +418,23 @@ class Engine:
             scale = torch.maximum(autograd.abs().max(), ours.abs().max())
             if not torch.allclose(autograd, ours, rtol=0, atol=float(rel * scale + floor)):
                 raise HookStateError(
-                    f"parameter {self.param_names[p]!r}: its gradient has a part that no hooked layer's output "
-                    f"produced (max difference {float((autograd - ours).abs().max()):.3g}). A term of the loss that "
-                    "uses the parameter directly (a regulariser such as weight decay: use the optimizer's "
-                    "weight_decay instead) or a parent module using it outside the layer's forward (e.g. "
-                    "F.linear(x, self.emb.weight)) cannot be attributed to samples. Compute it through the "
-                    "layer, or pass verify=False to PerSampleModule if this is intended."
+                    self._unattributable(p, f"max difference {float((autograd - ours).abs().max()):.3g}")
+                    + " Or pass verify=False to PerSampleModule if dropping that part is intended."
                 )
+
+    def _unattributable(self, param: nn.Parameter, seen: str) -> str:
+        return (
+            f"parameter {self.param_names[param]!r}: its gradient has a part that no hooked layer's output "
+            f"produced ({seen}). A term of the loss that uses the parameter directly (a regulariser such as "
+            "weight decay: use the optimizer's weight_decay instead) or a parent module using it outside the "
+            "layer's forward (e.g. F.linear(x, self.emb.weight)) cannot be attributed to samples. Compute it "
+            "through the layer."
+        )
+
+    def clear_targets(self) -> None:
+        self.targets.clear()
+        self.transformed.clear()
+        self._needs_norms.clear()
 
     def add_target(self, target: Target) -> None:
         self.targets.append(target)
@@ -580,6 +562,7 @@ class Engine:
             reduced = self.world.all_reduce_sum(reduced)
             if self.reduction == "mean":
                 reduced = reduced / self.world.size
+        state.written[param] = None
         if param.grad is None or param in state.overwrite:
             param.grad = reduced.to(param.dtype)
         elif self.running_mean:

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
+from .detach import Detached
 from .errors import BatchMixingError, BatchSizeError
 from .layout import batch_to_front
 from .registry import LayerCall, RuleSpec
@@ -62,30 +63,8 @@ class Kept:
     detached: Detached | None = None  # parameters this call ran with detached (see ``Detached``)
 
 
-@dataclass(frozen=True, eq=False)
-class Detached:
-    """A layer call that runs with its weight detached, so that autograd does not spend a weight-
-    gradient product on it: pergrad writes the weight's ``.grad`` itself, from ``(a, d)``.
-
-    ``anchor`` stays attached in the same call and tells which backward passes reach the detached
-    parameters: its ``AccumulateGrad`` node runs exactly when the call's output gradient flows in a
-    backward that accumulates into ``.grad`` (``.backward()``, not ``torch.autograd.grad``). It is
-    the layer's trainable bias, or, for a layer without one, a zero tensor of pergrad's (a leaf that
-    requires grad) put in the bias's place for the call, or added to the call's output (a
-    convolution: its backward computes the bias gradient only together with the weight gradient).
-    Adding 0 changes no output value.
-    ``swaps`` are the ``(name, original, replacement)`` entries of ``module._parameters`` for the call.
-    """
-
-    anchor: Tensor
-    params: tuple[nn.Parameter, ...]
-    swaps: tuple[tuple[str, Tensor | None, Tensor], ...]
-    probe: bool = False  # the anchor is pergrad's zero, not the layer's bias
-    on_output: bool = False  # the zero is added to the call's output (else it stands in as the bias)
-
-
 OnOutputGrad = Callable[[Kept, Tensor], None]
-ToDetach = Callable[[HookedLayer, Any, int], "Detached | None"]
+ToDetach = Callable[[HookedLayer, Any, int, int], "Detached | None"]
 
 
 def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -94,7 +73,7 @@ def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return next(iter(kwargs.values()), None)
 
 
-class _Detached:
+class _Inert:
     """What a pergrad hook becomes in a deepcopied or unpickled model: a hook that does nothing."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
@@ -103,7 +82,7 @@ class _Detached:
 
 class ModuleHook:
     """A module hook owned by one ``LayerHooks``. Copying or pickling the model copies no pergrad
-    state: the copy gets a ``_Detached`` hook in its place."""
+    state: the copy gets a ``_Inert`` hook in its place."""
 
     def __init__(self, owner: LayerHooks, fn: Callable[..., Any]) -> None:
         self.owner, self.fn = owner, fn
@@ -111,11 +90,11 @@ class ModuleHook:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Detached:
-        return _Detached()
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Inert:
+        return _Inert()
 
-    def __reduce__(self) -> tuple[type[_Detached], tuple[()]]:
-        return (_Detached, ())
+    def __reduce__(self) -> tuple[type[_Inert], tuple[()]]:
+        return (_Inert, ())
 
 
 def owners(model: nn.Module) -> list[LayerHooks]:
@@ -164,41 +143,58 @@ def _producer(output: Tensor) -> Tensor:
 
 
 class LayerHooks:
-    """Installs and removes the forward hooks of the hooked layers and the root's generation counter."""
+    """Installs and removes the forward hooks of the hooked layers and the root's generation counter.
+
+    The root's hook stays for the wrapper's lifetime; the layers' hooks are installed for one set of
+    layers and replaced when the model's parameters change (``install``/``uninstall``).
+    """
 
     def __init__(
         self,
         model: nn.Module,
-        layers: list[HookedLayer],
         batch_first: bool,
         on_output_grad: OnOutputGrad,
         on_input_grad: Callable[[int, Tensor], None] | None = None,
         to_detach: ToDetach | None = None,
+        on_model_call: Callable[[], None] | None = None,
     ) -> None:
+        self._model = model
         self._batch_first = batch_first
         self._to_detach = to_detach
         self._detached: dict[str, Detached] = {}  # layer name -> parameters detached for the running call
         self._on_output_grad = on_output_grad
         self._on_input_grad = on_input_grad
+        self._on_model_call = on_model_call
         self._calls: dict[str, int] = {}
         self.generation = 0
-        self._handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(ModuleHook(self, self._next_generation))
-        ]
+        self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation))
+        self._handles: list[RemovableHandle] = []
+
+    def install(self, layers: list[HookedLayer]) -> None:
+        """Hook ``layers`` (and refuse batch statistics in every BatchNorm of the model)."""
+        self.uninstall()
         for layer in layers:
-            if to_detach is not None and not layer.spec.all_inputs and not layer.spec.subtree:
+            if self._to_detach is not None and not layer.spec.all_inputs and not layer.spec.subtree:
                 # before the keeper: the output it keeps is the one with the probe added
                 pre, post = ModuleHook(self, self._detacher(layer)), ModuleHook(self, self._reattacher(layer))
                 self._handles.append(layer.module.register_forward_pre_hook(pre))
                 self._handles.append(layer.module.register_forward_hook(post, always_call=True))
             hook = ModuleHook(self, self._keeper(layer))
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
-        for name, module in model.named_modules():
+        for name, module in self._model.named_modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 hook = ModuleHook(self, _refuse_batch_statistics(name))
                 self._handles.append(module.register_forward_pre_hook(hook))
 
+    def uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._detached.clear()
+
     def _next_generation(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if self._on_model_call is not None:
+            self._on_model_call()
         self.generation += 1
         self._calls.clear()
         x = args[0] if args else None
@@ -227,7 +223,7 @@ class LayerHooks:
             if torch.compiler.is_compiling():
                 return
             batch_dim = 0 if self._batch_first or layer.spec.batch_dim_fixed else 1
-            found = to_detach(layer, _first_input(args, {}), batch_dim)
+            found = to_detach(layer, _first_input(args, {}), batch_dim, self.generation)
             if found is None:
                 return
             self._detached[layer.name] = found
@@ -304,6 +300,5 @@ class LayerHooks:
         return keep
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self.uninstall()
+        self._root.remove()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel
@@ -45,10 +46,24 @@ def _check_layer_options(name: str, module: nn.Module) -> None:
 FALLBACK = RuleSpec(fallback_rule, all_inputs=True, subtree=True)
 
 
+def _inside(name: str, parent: str) -> bool:
+    """Whether module ``name`` is a strict descendant of module ``parent`` ("" is the root)."""
+    return name != parent and (parent == "" or name.startswith(f"{parent}."))
+
+
+def _layout(modules: list[nn.Module]) -> tuple[object, ...]:
+    """What the wrapper was built for: every module's children and parameters (by identity) and
+    whether each parameter requires grad. Cheap enough to compare at every forward."""
+    return tuple(
+        (*map(id, m._modules.values()), *((id(p), p.requires_grad) for p in m._parameters.values() if p is not None))
+        for m in modules
+    )
+
+
 def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[HookedLayer]:
     layers: list[HookedLayer] = []
     for name, module in model.named_modules():
-        if any(layer.spec.subtree and name.startswith(f"{layer.name}.") for layer in layers):
+        if any(layer.spec.subtree and _inside(name, layer.name) for layer in layers):
             continue  # inside a module whose rule covers its whole subtree
         trainable = _own_trainable(module)
         if not trainable:
@@ -158,10 +173,9 @@ class PerSampleModule:
         self.reduction = reduction
         self.batch_first = batch_first
         self._registry = default_registry if rules is None else rules
-        self._layers = _discover(model, self._registry, fallback)
-        params = {p: name for name, p in model.named_parameters() if p.requires_grad}
+        self._fallback, self._verify = fallback, verify
         self._engine = Engine(
-            param_names=params,
+            param_names={},
             loss_reduction=loss_reduction,
             reduction=reduction,
             keep_grad_sample=keep_grad_sample,
@@ -175,14 +189,61 @@ class PerSampleModule:
         )
         if self._engine.world is not None and accumulate == "samples":
             raise ValueError("accumulate='samples' is not supported for DistributedDataParallel models yet")
+        self._targets: list[tuple[nn.Module | str, Transform]] = []  # as registered, resolved again on rebinding
+        self._layers: list[HookedLayer] = []
+        self._accumulators: list[Any] = []
+        self._accumulate_handles: list[RemovableHandle] = []
+        self._bind()  # raises for unsupported layers before any hook is installed
         on_input = self._engine.on_input_grad if keep_activation_grads else None
-        to_detach = self._engine.to_detach if detach_transformed else None
-        self._hooks = LayerHooks(model, self._layers, batch_first, self._engine.on_output_grad, on_input, to_detach)
+        to_detach = self._engine.detacher.for_call if detach_transformed else None
+        self._hooks = LayerHooks(model, batch_first, self._engine.on_output_grad, on_input, to_detach, self._sync)
+        self._hooks.install(self._layers)
+        self._install_accumulate_hooks()
+
+    # -- following the model: its parameters, as they are at each forward ------------------------
+
+    def _bind(self) -> None:
+        """Find the layers and parameters of the model as it is now, and what the transforms cover."""
+        model = self.module
+        self._layers = _discover(model, self._registry, self._fallback)
+        self._modules = list(model.modules())
+        self._layout = _layout(self._modules)
+        engine = self._engine
+        engine.param_names = {p: name for name, p in model.named_parameters() if p.requires_grad}
+        engine.detacher.candidates(self._layers, model)
+        engine.clear_targets()
+        for target, transform in self._targets:
+            label, params, _, _ = self._resolve(target)
+            engine.add_target(Target(label, params, transform))
+
+    def _install_accumulate_hooks(self) -> None:
+        for handle in self._accumulate_handles:
+            handle.remove()
+        params = list(self._engine.param_names)
         # AccumulateGrad nodes are cached weakly by their parameter: hold them so hooks stay on them.
         self._accumulators = [get_gradient_edge(p).node for p in params]
-        self._accumulate_handles: list[RemovableHandle] = [
+        self._accumulate_handles = [
             node.register_prehook(self._accumulate_hook(p)) for p, node in zip(params, self._accumulators)
         ]
+
+    def _sync(self) -> None:
+        """At every call of the model: if its parameters are no longer the ones the wrapper was built
+        for (replaced by ``load_state_dict(assign=True)``, a module swapped in, ``requires_grad``
+        switched), wrap the model as it is now -- the registered transforms included -- and check the
+        next backward against autograd again (``verify``)."""
+        if self._engine.closed or _layout(self._modules) == self._layout:
+            return
+        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+            return  # torch.func or the compiler runs the model with parameters of its own
+        if any(not isinstance(p, nn.Parameter) for _, p in self.module.named_parameters(remove_duplicate=False)):
+            return  # torch.func.functional_call swapped plain tensors in for this call only
+        before = set(self._engine.param_names)
+        self._bind()
+        self._hooks.install(self._layers)
+        self._install_accumulate_hooks()
+        for param in before - set(self._engine.param_names):
+            self._engine.recycle(param)  # no grad_sample left on parameters the model no longer holds
+        self._engine.verify_backwards = 1 if self._verify else 0
 
     def _accumulate_hook(self, param: nn.Parameter) -> Callable[[tuple[Tensor, ...]], tuple[Tensor, ...] | None]:
         engine = self._engine
@@ -293,7 +354,7 @@ class PerSampleModule:
         It must return the same structure and shapes. With ``batched=True`` it receives and returns
         the whole batch ``[B, ...]``. The built-ins of ``pergrad.transforms`` are batched already.
         """
-        label, params, single = self._resolve(target)
+        label, params, single, ref = self._resolve(target)
         if not params:
             raise TargetError(f"{label} has no trainable parameters; nothing to transform")
         for other in self._engine.targets:
@@ -310,9 +371,15 @@ class PerSampleModule:
             transform = UserTransform(fn, batched=batched, single_tensor=single, target=label)
         else:
             raise TransformError(f"the transform for {label} must be callable, got {type(fn).__name__}")
+        self._targets.append((ref, transform))
         self._engine.add_target(Target(label, params, transform))
 
-    def _resolve(self, target: nn.Module | nn.Parameter | str) -> tuple[str, dict[str, nn.Parameter], bool]:
+    def _resolve(
+        self, target: nn.Module | nn.Parameter | str
+    ) -> tuple[str, dict[str, nn.Parameter], bool, nn.Module | str]:
+        """The target's label, the trainable parameters it covers (by name relative to it), whether
+        it is one parameter, and how to find it again when the model changes (a parameter by its
+        qualified name, a module as given)."""
         modules = dict(self.module.named_modules())
         parameters = dict(self.module.named_parameters())
         if isinstance(target, str):
@@ -330,14 +397,17 @@ class PerSampleModule:
             if name is None:
                 raise TargetError(f"the parameter of shape {tuple(target.shape)} is not part of the wrapped model")
             params = {name: target} if target.requires_grad else {}
-            return f"parameter {name!r}", params, True
+            return f"parameter {name!r}", params, True, name
         if isinstance(target, nn.Module):
             name = next((n for n, m in modules.items() if m is target), None)
             if name is None:
-                raise TargetError(f"the module {type(target).__name__} is not part of the wrapped model")
+                raise TargetError(
+                    f"the module {type(target).__name__} is not part of the wrapped model (a module replaced after "
+                    "its transform was registered? register the transform on the new module, or by name)"
+                )
             params = {n: p for n, p in target.named_parameters() if p.requires_grad}
             label = "the whole model" if name == "" else f"module {name!r}"
-            return label, params, False
+            return label, params, False, target
         raise TargetError(
             f"a transform target is a module, a parameter or a qualified name, got {type(target).__name__}"
         )
@@ -351,6 +421,7 @@ class PerSampleModule:
     def remove(self) -> None:
         """Remove every hook and every ``grad_sample``: the model is as it was before wrapping."""
         self._engine.closed = True
+        self._engine.restore_deferred_hooks()
         self._hooks.remove()
         for handle in self._accumulate_handles:
             handle.remove()

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from pergrad import PerSampleModule, transforms
 from tests.reference import assert_close, reference_grad_sample
@@ -39,9 +40,10 @@ def test_steps_after_the_first_are_exact(bias: bool, input_grad: bool, keep: boo
     ref = reference_grad_sample(model, x, y, loss=lambda out, t: F.cross_entropy(out, t, reduction="sum"))
     expected = clipped_mean(ref, 0.5) if clip else {k: g.mean(0) for k, g in ref.items()}
     weight_grads_by_autograd = []
-    for p in model.parameters():
-        if p.dim() > 1:
-            p.register_hook(lambda g: weight_grads_by_autograd.append(g))
+    # on the AccumulateGrad nodes (held: they are cached weakly): a tensor hook would keep the weight attached
+    nodes = [get_gradient_edge(p).node for p in model.parameters() if p.dim() > 1]
+    for node in nodes:
+        node.register_prehook(lambda g: weight_grads_by_autograd.append(g))
     with PerSampleModule(model, keep_grad_sample=keep, track_norms=True) as psm:
         if clip:
             psm.register_transform(model, transforms.clip_norm(0.5))

@@ -1,0 +1,175 @@
+"""Skipping autograd's weight gradient where pergrad writes ``.grad`` itself.
+
+After the first backward, a layer whose weight gradient pergrad computes anyway can run with that
+weight detached for the call (a swap in ``module._parameters``, undone by a forward hook that runs
+even when the forward raises): autograd then spends no matmul or convolution backward on it, and
+pergrad writes the weight's ``.grad`` from the layer's ``(a, d)``.
+
+The shortcut is taken only where it provably gives what autograd would:
+
+- the weight appears once in the model and in one hooked layer (a tied weight is also reached
+  another way, whose share autograd would add on top of pergrad's sum);
+- no tensor hook is registered on it (``p.register_hook``: autograd would never call it);
+  post-accumulate-grad hooks are fine: pergrad calls them once it has written ``.grad``;
+- every call of the layer in one forward runs the same way: the first call decides for the rest,
+  so each parameter's ``.grad`` is either all autograd's or all pergrad's;
+- not while the first backward's check still needs autograd's gradients, nor under DDP (its
+  reducer waits for every parameter's gradient), torch.func transforms or torch.compile.
+
+Which backward passes reach a detached weight is told by an *anchor* that stays attached in the
+same call (see ``Detached``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .hooks import HookedLayer
+
+MANY = 16  # positions per sample from which summing built g_i beats autograd's weight gradient
+
+
+@dataclass(frozen=True, eq=False)
+class Detached:
+    """A layer call that runs with its weight detached.
+
+    ``anchor`` tells which backward passes reach the detached parameters: its ``AccumulateGrad``
+    node runs exactly when the call's output gradient flows in a backward that accumulates into
+    ``.grad`` (``.backward()``, not ``torch.autograd.grad``). It is the layer's trainable bias, or,
+    for a layer without one, a zero tensor of pergrad's (a leaf that requires grad) put in the
+    bias's place for the call, or added to the call's output (a convolution: its backward computes
+    the bias gradient only together with the weight gradient). Adding 0 changes no output value.
+    ``swaps`` are the ``(name, original, replacement)`` entries of ``module._parameters`` for the call.
+    """
+
+    anchor: Tensor
+    params: tuple[nn.Parameter, ...]
+    swaps: tuple[tuple[str, Tensor | None, Tensor], ...]
+    probe: bool = False  # the anchor is pergrad's zero, not the layer's bias
+    on_output: bool = False  # the zero is added to the call's output (else it stands in as the bias)
+
+
+def positions(module: nn.Module, a: Any, batch_dim: int) -> int:
+    """How many positions per sample a Linear or convolution applies its weight at (1 otherwise)."""
+    if not isinstance(a, Tensor) or a.dim() <= batch_dim or a.shape[batch_dim] == 0:
+        return 1
+    if isinstance(module, nn.Linear):
+        return a.numel() // (a.shape[batch_dim] * a.shape[-1])
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return math.prod(a.shape[2:])
+    return 1
+
+
+def has_tensor_hooks(p: Tensor) -> bool:
+    """Whether ``p.register_hook`` hooks are on ``p`` (autograd calls them with its own gradient)."""
+    return bool(p._backward_hooks)
+
+
+class Detacher:
+    """Decides, for each call of a hooked layer, whether its weight runs detached."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.single: set[nn.Parameter] = set()  # appear once in the model, in one hooked layer
+        self._probes: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        self._generation = -1
+        self._decided: dict[str, bool] = {}  # layer name -> did its first call in this forward detach
+        self.current: set[nn.Parameter] = set()  # the parameters detached in this forward
+
+    def candidates(self, layers: list[HookedLayer], model: nn.Module) -> None:
+        """Record which parameters may ever run detached: those the model holds once, in a layer
+        whose rule takes its first input alone (not a subtree or all-inputs rule)."""
+        counts: dict[nn.Parameter, int] = {}
+        for _, p in model.named_parameters(remove_duplicate=False):
+            counts[p] = counts.get(p, 0) + 1
+        self.single = {
+            p
+            for layer in layers
+            if not (layer.spec.all_inputs or layer.spec.subtree)
+            for _, p in layer.module.named_parameters(recurse=False)
+            if counts.get(p) == 1
+        }
+
+    def _ok(self, p: Any) -> bool:
+        return isinstance(p, nn.Parameter) and p.requires_grad and p in self.single and not has_tensor_hooks(p)
+
+    def for_call(self, layer: HookedLayer, a: Any, batch_dim: int, generation: int) -> Detached | None:
+        """The parameters this call of ``layer`` on input ``a`` runs detached, or None.
+
+        The first call of a layer in a forward decides for every later one: detached where
+        pergrad writes the weight's ``.grad`` at less cost than autograd's weight gradient --
+
+        - a transform covers the weight: pergrad computes ``.grad`` from ``(a, d)`` anyway;
+        - ``grad_sample`` is built (or statistics tracked) and the layer sees many positions per
+          sample (a convolution, a Linear on sequences): ``.grad`` (the mean) is then the sum of
+          the built ``g_i``, one read of ``B x |W|`` values, where autograd spends ``2 B L |W|``
+          flops on L positions;
+        - norms of a convolution are tracked (they build its ``g_i``: see ``conv_builds``).
+        """
+        engine = self.engine
+        if generation != self._generation:
+            self._generation, self._decided, self.current = generation, {}, set()
+        if not engine.detach_transformed or engine.closed or engine.verify_backwards > 0 or engine.world is not None:
+            return None
+        first = self._decided.get(layer.name)
+        found = self._detach(layer, a, batch_dim, decided=first)
+        if first is None:
+            self._decided[layer.name] = found is not None
+        if found is not None:
+            self.current.update(found.params)
+        return found
+
+    def _detach(self, layer: HookedLayer, a: Any, batch_dim: int, decided: bool | None) -> Detached | None:
+        if decided is False:
+            return None
+        engine, module = self.engine, layer.module
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", "absent")
+        if not self._ok(weight):
+            return None
+        assert isinstance(weight, nn.Parameter)
+        if decided is None:
+            many = positions(module, a, batch_dim) >= MANY
+            # with statistics, the mean of a detached weight comes from its built g_i (many positions)
+            owned = (
+                many if engine.track_statistics else weight in engine.transformed or (engine.keep_grad_sample and many)
+            )
+            owned = owned or (engine.track_norms and many and isinstance(module, nn.modules.conv._ConvNd))
+            if not owned:
+                return None
+        swaps: list[tuple[str, Tensor | None, Tensor]] = [("weight", weight, weight.detach())]
+        trainable_bias = isinstance(bias, nn.Parameter) and bias.requires_grad
+        if isinstance(module, nn.modules.conv._ConvNd):
+            # mkldnn computes a convolution's bias gradient with its weight gradient, so the bias
+            # is detached too (when pergrad can write its .grad) and the probe added to the output
+            if not trainable_bias:
+                return Detached(self.probe(weight), (weight,), tuple(swaps), probe=True, on_output=True)
+            assert isinstance(bias, nn.Parameter)
+            writes_bias = bias in engine.transformed or engine.keep_grad_sample or engine.track_norms
+            if writes_bias and self._ok(bias):
+                swaps.append(("bias", bias, bias.detach()))
+                return Detached(self.probe(weight), (weight, bias), tuple(swaps), probe=True, on_output=True)
+        if trainable_bias:
+            assert isinstance(bias, nn.Parameter)
+            return Detached(bias, (weight,), tuple(swaps))
+        if bias is None and isinstance(module, nn.Linear):  # the probe as a zero bias: addmm adds it
+            probe = self.probe(weight)
+            swaps.append(("bias", None, probe.expand(module.out_features)))
+            return Detached(probe, (weight,), tuple(swaps), probe=True)
+        return None  # a frozen bias, or one the module does not keep as `bias`
+
+    def probe(self, like: Tensor) -> Tensor:
+        """pergrad's zero anchor for ``like``'s dtype and device (see ``Detached``)."""
+        key = (like.dtype, like.device)
+        probe = self._probes.get(key)
+        if probe is None:
+            probe = torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True)
+            probe.register_hook(self.engine.on_probe)
+            self._probes[key] = probe
+        return probe
