@@ -37,9 +37,13 @@ def test_hooks_example_matches_the_hand_computed_numbers(capsys: pytest.CaptureF
 
 def test_saliency_example_fgsm_raises_the_loss() -> None:
     result = load("saliency").main(["--steps", "60", "--eps", "0.2"])
-    assert result["accuracy"] > 0.6
-    assert result["adversarial_loss"] > result["clean_loss"]
-    assert result["adversarial_accuracy"] < result["accuracy"]
+    # measured with --seed 0..39 x torch.set_num_threads(1, 2), 80 runs: accuracy worst 0.992 (median
+    # 1.0; chance 0.5), adversarial accuracy worst 0.004 (median 0), adversarial / clean loss worst 87
+    # (median 140). Input gradients mixed up between samples leave about half the predictions
+    # (adversarial accuracy ~0.5), with the wrong sign all of them, and the loss falls.
+    assert result["accuracy"] > 0.9
+    assert result["adversarial_accuracy"] < 0.25
+    assert result["adversarial_loss"] > 10 * result["clean_loss"]
 
 
 def test_clip_vs_mean_example(capsys: pytest.CaptureFixture[str]) -> None:
