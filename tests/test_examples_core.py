@@ -54,7 +54,9 @@ def test_clip_vs_mean_example(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_dp_sgd_example_learns_with_noise() -> None:
     result = load("dp_sgd").main(["--epochs", "2", "--sigma", "1.0"])
-    assert result["accuracy"] > 0.7  # chance is 1/3
+    # chance is 1/3. This run: 0.838. With the example's torch.manual_seed and data seeds offset by
+    # 1000 * k, k = 0..39, x torch.set_num_threads(1, 2), 80 runs: worst 0.708, median 0.819.
+    assert result["accuracy"] > 0.6
 
 
 def test_cabs_example_grows_the_batch() -> None:
