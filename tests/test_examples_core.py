@@ -61,5 +61,8 @@ def test_dp_sgd_example_learns_with_noise() -> None:
 
 def test_cabs_example_grows_the_batch() -> None:
     sizes = load("cabs").main(["--steps", "120"])["batch_sizes"]
-    assert all(16 <= b <= 2048 for b in sizes)
-    assert sizes[-1] > 2 * sizes[0]  # the noise dominates as the loss falls
+    # --seed 0..39 x torch.set_num_threads(1, 2), 80 runs: first 16..22, last 47..67, last / first
+    # 2.41..4.19 (median 3.30). A tr(Sigma) of zero (or B times too small) stays at 16 throughout;
+    # one B times too large ends at the cap 2048 (the example clips every size to [16, 2048]).
+    assert sizes[-1] > 1.5 * sizes[0]  # the noise dominates as the loss falls
+    assert sizes[-1] < 200
