@@ -26,6 +26,12 @@ from torch import nn
 
 from . import PerSampleModule, transforms
 
+PNG_NAME = "pergrad-demo.png"
+
+
+class Diverged(RuntimeError):
+    """A run's loss, parameters or per-sample gradient norms stopped being finite."""
+
 
 @dataclass
 class DemoConfig:
@@ -97,6 +103,9 @@ def train(cfg: DemoConfig, name: str, data: tuple[torch.Tensor, ...]) -> RunResu
             ):
                 optimizer.zero_grad()
                 loss = F.cross_entropy(psm(x_train[idx]), y_train[idx])
+                loss_value = loss.item()
+                if not math.isfinite(loss_value):
+                    raise Diverged(_diverged(cfg, name, epoch, f"the loss is {loss_value}"))
                 loss.backward()
                 if name == "clipped" and cfg.noise > 0:
                     for p in model.parameters():
@@ -108,13 +117,22 @@ def train(cfg: DemoConfig, name: str, data: tuple[torch.Tensor, ...]) -> RunResu
                     squares = [v.square() for k, v in per_param.items() if k.rsplit(".", 1)[0] == layer]
                     norms[layer].append(torch.stack(squares).sum(0).sqrt().cpu())
                 if len(idx) > 1:
-                    cabs.append(psm.statistics().cabs_batch_size(cfg.lr, loss.item()))
+                    cabs.append(psm.statistics().cabs_batch_size(cfg.lr, loss_value))
             result.epoch_seconds.append(time.perf_counter() - start)
+            if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+                raise Diverged(_diverged(cfg, name, epoch, "the parameters are not finite"))
             with torch.no_grad():
                 result.accuracy.append((model(x_test).argmax(1) == y_test).float().mean().item())
         result.layer_norms = {layer: torch.cat(v).tolist() for layer, v in sorted(norms.items())}
+        if not all(math.isfinite(v) for values in result.layer_norms.values() for v in values):
+            raise Diverged(_diverged(cfg, name, cfg.epochs - 1, "the per-sample gradient norms are not finite"))
         result.cabs = cabs
     return result
+
+
+def _diverged(cfg: DemoConfig, name: str, epoch: int, what: str) -> str:
+    hint = "--lr or --noise" if name == "clipped" and cfg.noise > 0 else "--lr"
+    return f"the {name} run diverged in epoch {epoch + 1}: {what}; try a smaller {hint}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -168,7 +186,10 @@ def plot(results: list[RunResult], path: Path) -> None:
 
 
 def run(cfg: DemoConfig) -> tuple[list[RunResult], str, Path]:
-    """Train both runs, print the table, save the PNG; returns the results, the table and the PNG path."""
+    """Train both runs, print the table, save the PNG; returns the results, the table and the PNG path.
+
+    Raises ``Diverged`` when a run's loss, parameters or per-sample gradient norms stop being finite
+    (too large a learning rate or noise)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the demo's steps are tiny: threads cost more than they give
     try:
@@ -178,6 +199,6 @@ def run(cfg: DemoConfig) -> tuple[list[RunResult], str, Path]:
         torch.set_num_threads(threads)
     text = table(results)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    png = cfg.out / "pergrad-demo.png"
+    png = cfg.out / PNG_NAME
     plot(results, png)
     return results, text, png

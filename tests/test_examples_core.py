@@ -37,9 +37,13 @@ def test_hooks_example_matches_the_hand_computed_numbers(capsys: pytest.CaptureF
 
 def test_saliency_example_fgsm_raises_the_loss() -> None:
     result = load("saliency").main(["--steps", "60", "--eps", "0.2"])
-    assert result["accuracy"] > 0.6
-    assert result["adversarial_loss"] > result["clean_loss"]
-    assert result["adversarial_accuracy"] < result["accuracy"]
+    # measured with --seed 0..39 x torch.set_num_threads(1, 2), 80 runs: accuracy worst 0.992 (median
+    # 1.0; chance 0.5), adversarial accuracy worst 0.004 (median 0), adversarial / clean loss worst 87
+    # (median 140). Input gradients mixed up between samples leave about half the predictions
+    # (adversarial accuracy ~0.5), with the wrong sign all of them, and the loss falls.
+    assert result["accuracy"] > 0.9
+    assert result["adversarial_accuracy"] < 0.25
+    assert result["adversarial_loss"] > 10 * result["clean_loss"]
 
 
 def test_clip_vs_mean_example(capsys: pytest.CaptureFixture[str]) -> None:
@@ -50,10 +54,15 @@ def test_clip_vs_mean_example(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_dp_sgd_example_learns_with_noise() -> None:
     result = load("dp_sgd").main(["--epochs", "2", "--sigma", "1.0"])
-    assert result["accuracy"] > 0.7  # chance is 1/3
+    # chance is 1/3. This run: 0.838. With the example's torch.manual_seed and data seeds offset by
+    # 1000 * k, k = 0..39, x torch.set_num_threads(1, 2), 80 runs: worst 0.708, median 0.819.
+    assert result["accuracy"] > 0.6
 
 
 def test_cabs_example_grows_the_batch() -> None:
     sizes = load("cabs").main(["--steps", "120"])["batch_sizes"]
-    assert all(16 <= b <= 2048 for b in sizes)
-    assert sizes[-1] > 2 * sizes[0]  # the noise dominates as the loss falls
+    # --seed 0..39 x torch.set_num_threads(1, 2), 80 runs: first 16..22, last 47..67, last / first
+    # 2.41..4.19 (median 3.30). A tr(Sigma) of zero (or B times too small) stays at 16 throughout;
+    # one B times too large ends at the cap 2048 (the example clips every size to [16, 2048]).
+    assert sizes[-1] > 1.5 * sizes[0]  # the noise dominates as the loss falls
+    assert sizes[-1] < 200
