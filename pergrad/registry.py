@@ -10,12 +10,17 @@ A rule is a pure function ``rule(layer, a, d) -> {param_name: Tensor[B, *param.s
   requires grad to its per-sample gradients ``g_i = d f_i / d param``.
 
 Lookup is by exact type: a subclass of ``nn.Linear`` may override ``forward``, so it only gets a
-rule when someone registers one for it.
+rule when someone registers one for it. A rule may also be registered for a class by its fully
+qualified name (``"transformers.pytorch_utils.Conv1D"``: ``f"{cls.__module__}.{cls.__qualname__}"``),
+so that pergrad supports layers of optional packages without importing them. That lookup is exact
+too: it compares the qualified name of ``type(layer)`` itself, never of its bases.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,6 +28,29 @@ from torch import Tensor, nn
 
 Rule = Callable[[nn.Module, Any, Tensor], dict[str, Tensor]]
 Moments = tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]
+LayerKey = type[nn.Module] | str  # a layer class, or its fully qualified name
+
+_QUALIFIED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
+def qualified_name(layer_type: type) -> str:
+    """``"torch.nn.modules.linear.Linear"``: the name a class is registered under by name."""
+    return f"{layer_type.__module__}.{layer_type.__qualname__}"
+
+
+def _resolve(name: str) -> type[nn.Module] | None:
+    """The class a qualified name denotes, if its module is imported already (nothing is imported)."""
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        module = sys.modules.get(".".join(parts[:split]))
+        if module is None:
+            continue
+        found: Any = module
+        for attr in parts[split:]:
+            found = getattr(found, attr, None)
+        if isinstance(found, type) and issubclass(found, nn.Module) and qualified_name(found) == name:
+            return found
+    return None
 
 
 @dataclass(frozen=True)
@@ -82,63 +110,133 @@ class LayerCall:
 
 
 class RuleRegistry:
-    """A mapping from layer types to rules; ``default_registry`` holds the built-in ones."""
+    """A mapping from layer classes to rules; ``default_registry`` holds the built-in ones.
 
-    def __init__(self, rules: dict[type[nn.Module], RuleSpec] | None = None) -> None:
-        self._rules: dict[type[nn.Module], RuleSpec] = dict(rules or {})
+    Keys are classes (``nn.Linear``) or fully qualified class names (``"transformers.pytorch_utils.Conv1D"``);
+    both match ``type(layer)`` exactly. A class and a name that denote the same class are the same
+    key: registering both needs ``overwrite=True``, and the later registration wins.
+    """
+
+    def __init__(self, rules: Mapping[LayerKey, RuleSpec] | None = None) -> None:
+        self._rules: dict[type[nn.Module], RuleSpec] = {}
+        self._named: dict[str, RuleSpec] = {}
+        for key, spec in (rules or {}).items():
+            if isinstance(key, str):
+                self._named[key] = spec
+            else:
+                self._rules[key] = spec
 
     def register(
         self,
-        *layer_types: type[nn.Module],
+        *layer_types: LayerKey,
         overwrite: bool = False,
         batch_dim_fixed: bool = False,
         all_inputs: bool = False,
         subtree: bool = False,
     ) -> Callable[[Rule], Rule]:
-        """Decorator: ``@registry.register(MyLayer)`` makes ``fn`` the rule for ``MyLayer``."""
+        """Decorator: ``@registry.register(MyLayer)`` makes ``fn`` the rule for ``MyLayer``.
+
+        A layer type may be given as the class or as its fully qualified name
+        (``f"{cls.__module__}.{cls.__qualname__}"``), e.g. ``register("transformers.pytorch_utils.Conv1D")``:
+        the class's package is then never imported by pergrad, and the rule applies to modules whose
+        type has exactly that name.
+        """
         if not layer_types:
             raise TypeError("register() needs at least one layer type, e.g. register(MyLayer)")
         for layer_type in layer_types:
-            if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
-                raise TypeError(f"register() takes nn.Module subclasses, got {layer_type!r}")
-            if layer_type in self._rules and not overwrite:
+            if isinstance(layer_type, str):
+                if not _QUALIFIED.fullmatch(layer_type):
+                    raise TypeError(
+                        "register() takes nn.Module subclasses or fully qualified class names such as "
+                        f"'transformers.pytorch_utils.Conv1D', got {layer_type!r}"
+                    )
+            elif not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
+                raise TypeError(f"register() takes nn.Module subclasses or qualified class names, got {layer_type!r}")
+            stored = self._stored(layer_type)
+            if stored is not None and not overwrite:
+                label = layer_type if isinstance(layer_type, str) else layer_type.__qualname__
                 raise ValueError(
-                    f"a rule for {layer_type.__qualname__} is already registered "
-                    f"({self._rules[layer_type].fn.__qualname__}); pass overwrite=True to replace it"
+                    f"a rule for {label} is already registered ({stored[1].fn.__qualname__}); "
+                    "pass overwrite=True to replace it"
                 )
 
         def decorator(fn: Rule) -> Rule:
             for layer_type in layer_types:
-                self._rules[layer_type] = RuleSpec(fn, batch_dim_fixed, all_inputs, subtree=subtree)
+                self._set(layer_type, RuleSpec(fn, batch_dim_fixed, all_inputs, subtree=subtree))
             return fn
 
         return decorator
 
-    def register_fused(self, layer_types: tuple[type[nn.Module], ...], fused: FusedRule) -> None:
+    def _stored(self, key: LayerKey) -> tuple[LayerKey, RuleSpec] | None:
+        """The key under which a rule for ``key`` is stored (the class itself, or its qualified name)
+        and that rule; None if there is none."""
+        if isinstance(key, str):
+            if key in self._named:
+                return key, self._named[key]
+            return next(((t, spec) for t, spec in self._rules.items() if qualified_name(t) == key), None)
+        if key in self._rules:
+            return key, self._rules[key]
+        name = qualified_name(key)
+        return (name, self._named[name]) if name in self._named else None
+
+    def _set(self, key: LayerKey, spec: RuleSpec) -> None:
+        """Store ``spec`` for ``key``, dropping what the other form of the same key held (so it wins)."""
+        if isinstance(key, str):
+            for t in [t for t in self._rules if qualified_name(t) == key]:
+                del self._rules[t]
+            self._named[key] = spec
+        else:
+            self._named.pop(qualified_name(key), None)
+            self._rules[key] = spec
+
+    def register_fused(self, layer_types: tuple[LayerKey, ...], fused: FusedRule) -> None:
         """Attach fused computations to the rules already registered for ``layer_types``."""
         for layer_type in layer_types:
-            self._rules[layer_type] = replace(self._rules[layer_type], fused=fused)
+            stored = self._stored(layer_type)
+            if stored is None:
+                raise KeyError(
+                    f"no rule is registered for {layer_type!r}; register the rule before its fused functions"
+                )
+            key, spec = stored
+            self._set(key, replace(spec, fused=fused))
 
     def lookup(self, layer: nn.Module) -> RuleSpec | None:
-        """The rule registered for exactly ``type(layer)``, or None."""
-        return self._rules.get(type(layer))
+        """The rule registered for exactly ``type(layer)`` (as a class, else by its qualified name), or None."""
+        layer_type = type(layer)
+        spec = self._rules.get(layer_type)
+        if spec is None and self._named:
+            spec = self._named.get(qualified_name(layer_type))
+        return spec
 
     def supported_types(self) -> list[type[nn.Module]]:
-        return sorted(self._rules, key=lambda t: t.__qualname__)
+        """The classes with a rule: those registered as classes, and those registered by name whose
+        module is imported (a model holding such a layer has imported it). Names whose module is not
+        imported are listed by ``supported_names``."""
+        types = set(self._rules)
+        types.update(t for t in map(_resolve, self._named) if t is not None)
+        return sorted(types, key=lambda t: (t.__qualname__, t.__module__))
+
+    def supported_names(self) -> list[str]:
+        """The fully qualified name of every class with a rule, however it was registered."""
+        return sorted({*map(qualified_name, self._rules), *self._named})
 
     def copy(self) -> RuleRegistry:
         """An independent registry with the same rules (for tests and private extensions)."""
-        return RuleRegistry(self._rules)
+        rules: list[tuple[LayerKey, RuleSpec]] = [*self._rules.items(), *self._named.items()]
+        return RuleRegistry(dict(rules))
 
     def __contains__(self, layer_type: object) -> bool:
-        return layer_type in self._rules
+        """``nn.Linear in registry`` or ``"transformers.pytorch_utils.Conv1D" in registry``."""
+        if isinstance(layer_type, str) or (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
+            return self._stored(layer_type) is not None
+        return False
 
 
 default_registry = RuleRegistry()
 
 
 def register_rule(
-    *layer_types: type[nn.Module],
+    *layer_types: LayerKey,
     overwrite: bool = False,
     batch_dim_fixed: bool = False,
     all_inputs: bool = False,
@@ -146,9 +244,12 @@ def register_rule(
 ) -> Callable[[Rule], Rule]:
     """Register a per-sample rule for ``layer_types`` (in ``default_registry`` unless given).
 
-    Example, reusing the built-in Linear rule for a subclass whose forward is unchanged::
+    A layer type is a class, or its fully qualified name as a string (the package is not imported).
+    Example, reusing the built-in Linear rule for a subclass whose forward is unchanged, and for a
+    class of another package given by name::
 
         pergrad.register_rule(MyLinear)(pergrad.rules.linear)
+        pergrad.register_rule("my_package.layers.MyLinear")(pergrad.rules.linear)
     """
     target = default_registry if registry is None else registry
     return target.register(*layer_types, overwrite=overwrite, batch_dim_fixed=batch_dim_fixed, all_inputs=all_inputs)

@@ -1,9 +1,11 @@
 """Per-sample gradient rules, one file per layer family. Importing this package registers them
-in ``pergrad.registry.default_registry``."""
+in ``pergrad.registry.default_registry`` (``hf``: HuggingFace ``transformers`` layers, by name,
+without importing ``transformers``)."""
 
 from .conv import conv, conv_transpose
 from .embedding import embedding, embedding_bag
 from .fallback import fallback
+from .hf import conv1d, gemma3n_rms_norm, gemma_rms_norm, llama_rms_norm, olmo2_rms_norm, t5_layer_norm
 from .linear import linear
 from .norm import batch_norm_eval, group_norm, instance_norm, layer_norm, rms_norm
 from .recurrent import recurrent
@@ -11,14 +13,20 @@ from .recurrent import recurrent
 __all__ = [
     "batch_norm_eval",
     "conv",
+    "conv1d",
     "conv_transpose",
     "embedding",
     "embedding_bag",
     "fallback",
+    "gemma3n_rms_norm",
+    "gemma_rms_norm",
     "group_norm",
     "instance_norm",
     "layer_norm",
     "linear",
+    "llama_rms_norm",
+    "olmo2_rms_norm",
     "recurrent",
     "rms_norm",
+    "t5_layer_norm",
 ]

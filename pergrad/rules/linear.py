@@ -1,4 +1,8 @@
-"""Per-sample gradients of ``nn.Linear``: ``y = a W^T + b``."""
+"""Per-sample gradients of ``nn.Linear``: ``y = a W^T + b``.
+
+The helpers below also serve layers that store the same weight transposed (``y = a W + b``, W of
+shape ``[in, out]``, as ``transformers``' ``Conv1D``): ``transposed=True`` gives their layout.
+"""
 
 from __future__ import annotations
 
@@ -19,15 +23,29 @@ def linear(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     assert isinstance(layer, nn.Linear)
     out: dict[str, Tensor] = {}
     if layer.weight.requires_grad:
-        result = new_buffer((a.shape[0], d.shape[-1], a.shape[-1]), d)
-        if a.dim() == 2:
-            # one position per sample: an outer product, written once, nothing summed
-            out["weight"] = torch.mul(d.unsqueeze(2), a.unsqueeze(1), out=result)  # [n, o, i]
-        else:
-            out["weight"] = torch.bmm(rows(d).transpose(1, 2), rows(a), out=result)  # nso,nsi->noi
+        out["weight"] = outer_sums(d, a)  # [n, o, i]
     if layer.bias is not None and layer.bias.requires_grad:
-        out["bias"] = d.clone() if d.dim() == 2 else rows(d).sum(1)
+        out["bias"] = position_sums(d)
     return out
+
+
+def outer_sums(left: Tensor, right: Tensor) -> Tensor:
+    """``sum_s left_is right_is^T`` per sample, into a new buffer.
+
+    Index conventions: n sample, s shared positions, l and r features. left: [n, *s, l],
+    right: [n, *s, r] -> [n, l, r]. ``outer_sums(d, a)`` is a Linear's weight gradient,
+    ``outer_sums(a, d)`` the one of a weight stored transposed.
+    """
+    result = new_buffer((left.shape[0], left.shape[-1], right.shape[-1]), left)
+    if left.dim() == 2:
+        # one position per sample: an outer product, written once, nothing summed
+        return torch.mul(left.unsqueeze(2), right.unsqueeze(1), out=result)
+    return torch.bmm(rows(left).transpose(1, 2), rows(right), out=result)  # nsl,nsr->nlr
+
+
+def position_sums(d: Tensor) -> Tensor:
+    """``sum_s d_is``: a bias's per-sample gradient. d: [n, *s, o] -> [n, o] (a copy for [n, o])."""
+    return d.clone() if d.dim() == 2 else rows(d).sum(1)
 
 
 # -- fused: quantities of g_i = sum_s d_is a_is^T without building g_i -------------------------------
@@ -53,7 +71,7 @@ def outer_sq_norms(a: Tensor, d: Tensor) -> Tensor:
     return torch.bmm(d.transpose(1, 2), a).square().sum((1, 2))
 
 
-def _trainable(layer: nn.Module, name: str) -> bool:
+def trainable(layer: nn.Module, name: str) -> bool:
     p = getattr(layer, name, None)
     return isinstance(p, nn.Parameter) and p.requires_grad
 
@@ -61,48 +79,57 @@ def _trainable(layer: nn.Module, name: str) -> bool:
 def linear_sq_norms(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``||g_i(W)||^2`` (outer-product or Gram form, by shape) and ``||g_i(b)||^2 = ||sum_s d_is||^2``."""
     out = {}
-    if _trainable(layer, "weight"):
+    if trainable(layer, "weight"):
         out["weight"] = outer_sq_norms(rows(a), rows(d))
-    if _trainable(layer, "bias"):
+    if trainable(layer, "bias"):
         out["bias"] = _sq_norms(d if d.dim() == 2 else rows(d).sum(1))
     return out
 
 
-def linear_summed(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
-    """``sum_i g_i(W) = D^T A`` over every sample and position: one matmul, no per-sample tensor."""
+def linear_summed(layer: nn.Module, a: Tensor, d: Tensor, *, transposed: bool = False) -> dict[str, Tensor]:
+    """``sum_i g_i(W) = D^T A`` over every sample and position: one matmul, no per-sample tensor
+    (``A^T D`` for a weight stored transposed)."""
     out = {}
     d2, a2 = d.reshape(-1, d.shape[-1]), a.reshape(-1, a.shape[-1])
-    if _trainable(layer, "weight"):
-        out["weight"] = d2.T @ a2
-    if _trainable(layer, "bias"):
+    if trainable(layer, "weight"):
+        out["weight"] = a2.T @ d2 if transposed else d2.T @ a2
+    if trainable(layer, "bias"):
         out["bias"] = d2.sum(0)
     return out
 
 
-def linear_dots(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``<g_i(W), G> = sum_s d_is^T G a_is`` and ``<g_i(b), h> = (sum_s d_is) . h``."""
+def linear_dots(
+    layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor], *, transposed: bool = False
+) -> dict[str, Tensor]:
+    """``<g_i(W), G> = sum_s d_is^T G a_is`` and ``<g_i(b), h> = (sum_s d_is) . h`` (``G`` stored
+    ``[in, out]`` with ``transposed=True``: ``sum_s a_is^T G d_is``)."""
     out = {}
-    if _trainable(layer, "weight"):
-        out["weight"] = (rows(a) @ other["weight"].T * rows(d)).sum((1, 2))
-    if _trainable(layer, "bias"):
+    if trainable(layer, "weight"):
+        g_t = other["weight"] if transposed else other["weight"].T  # [i, o] either way
+        out["weight"] = (rows(a) @ g_t * rows(d)).sum((1, 2))
+    if trainable(layer, "bias"):
         out["bias"] = rows(d).sum(1) @ other["bias"]
     return out
 
 
-def linear_moments(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]) -> Moments | None:
+def linear_moments(
+    layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor], *, transposed: bool = False
+) -> Moments | None:
     """Norms, sums of squares and inner products of a Linear on ``[B, D]`` with ``a^2`` and ``d^2``
     computed once: ``||g_i(W)||^2 = |a_i^2| |d_i^2|``, ``sum_i g_i(W)^2 = (d^2)^T (a^2)``,
-    ``<g_i(W), G> = d_i . (G a_i)``; the bias's from ``d`` alone. None for more positions."""
+    ``<g_i(W), G> = d_i . (G a_i)``; the bias's from ``d`` alone. None for more positions. With
+    ``transposed=True`` (weight stored ``[in, out]``): ``(a^2)^T (d^2)`` and ``d_i . (G^T a_i)``."""
     if a.dim() != 2:
         return None
     norms, squares, dots = {}, {}, {}
     d2 = d.square()
-    if _trainable(layer, "weight"):
+    if trainable(layer, "weight"):
         a2 = a.square()
         norms["weight"] = a2.sum(1) * d2.sum(1)
-        squares["weight"] = d2.T @ a2
-        dots["weight"] = torch.linalg.vecdot(a @ other["weight"].T, d)
-    if _trainable(layer, "bias"):
+        squares["weight"] = a2.T @ d2 if transposed else d2.T @ a2
+        g_t = other["weight"] if transposed else other["weight"].T  # [i, o] either way
+        dots["weight"] = torch.linalg.vecdot(a @ g_t, d)
+    if trainable(layer, "bias"):
         norms["bias"], squares["bias"], dots["bias"] = d2.sum(1), d2.sum(0), d @ other["bias"]
     return norms, squares, dots
 
