@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from .detach import Detached, Detacher
 from .errors import BatchSizeError, HookStateError, TransformError
 from .hooks import Kept
-from .layout import allocating_from, fresh_buffer
+from .layout import allocating_from, fresh_buffer, may_hold_true
 from .sources import Call, Fused, Materialized, run_rule
 from .statistics import Statistics, compute_statistics
 from .transforms import Scaling, Transform, check_output
@@ -135,7 +135,7 @@ class Engine:
         self.closed = False
         self.last_sq_norms: dict[nn.Parameter, Tensor] = {}
         self.last_statistics: Statistics | None = None
-        self.last_dropped: dict[str, Tensor] = {}
+        self.last_dropped: dict[str, Tensor] = {}  # target label -> [B] mask of the samples left out
         self._current: _Backward | None = None
         self._grad_sample_generation: dict[nn.Parameter, int] = {}
         self._pool: dict[_Key, list[Tensor]] = {}
@@ -528,12 +528,13 @@ class Engine:
             drop = None
             if norms is not None:
                 # a sample whose gradient holds NaN or Inf has no finite clipped/normalised value:
-                # it contributes nothing, and is reported by dropped_samples()
+                # it contributes nothing (on the device: no branch on its values), and is reported
+                # by dropped_samples()
                 bad = ~torch.isfinite(norms)
-                if bad.any():
-                    drop, factors = bad, factors.masked_fill(bad, 0)
-                    self.last_dropped[target.label] = bad.nonzero().flatten()
-            if not torch.isfinite(factors).all():
+                factors = factors.masked_fill(bad, 0)
+                self.last_dropped[target.label] = bad
+                drop = bad if may_hold_true(bad) else None
+            if not transform.finite_factors and not bool(torch.isfinite(factors).all()):  # a host sync
                 raise TransformError(f"the transform registered for {target.label} produced non-finite scale factors")
             weights = factors / batch_size if self.reduction == "mean" else factors
             for param, reduced in source.summed(params, weights, drop).items():

@@ -70,6 +70,19 @@ def allocating_from(alloc: Allocator) -> Iterator[None]:
         _allocator.reset(token)
 
 
+READ_FREELY = {"cpu"}  # devices whose tensors the host reads without waiting for queued work
+
+
+def may_hold_true(mask: Tensor) -> bool:
+    """Whether the boolean ``mask`` may hold a True, for a branch that saves a copy when it does not.
+
+    On the CPU the mask is read (ops run when called: nothing to wait for). On an accelerator,
+    reading it would make the host wait for every queued kernel (a host sync), so the answer is
+    yes there, and the caller takes the path that is exact whatever the mask holds.
+    """
+    return mask.device.type not in READ_FREELY or bool(mask.any())
+
+
 def batch_to_front(t: Tensor, batch_first: bool) -> Tensor:
     """``t`` with its batch dimension on dim 0 (a view; dim 1 holds the batch when not batch_first)."""
     return t if batch_first else t.movedim(1, 0)

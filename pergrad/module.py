@@ -350,7 +350,7 @@ class PerSampleModule:
         Such a sample contributes nothing to that target's ``.grad``; the other samples are reduced
         as usual (with ``reduction="mean"`` still divided by the full batch size B).
         """
-        return dict(self._engine.last_dropped)
+        return {label: bad.nonzero().flatten() for label, bad in self._engine.last_dropped.items() if bad.any()}
 
     # -- transforms ------------------------------------------------------------------------------
 

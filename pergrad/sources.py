@@ -35,6 +35,8 @@ def _weighted(d: Tensor, weights: Tensor, drop: Tensor | None = None) -> Tensor:
 
 
 def _zero_rows(t: Tensor, drop: Tensor) -> Tensor:
+    """``t`` with the rows (samples) in the mask ``drop`` set to 0: a copy, dropped after use (not
+    pooled: one parameter's or layer call's at a time is alive)."""
     return t.masked_fill(drop.view(-1, *([1] * (t.dim() - 1))), 0)
 
 
@@ -62,12 +64,13 @@ class Materialized:
         return {p: torch.linalg.vector_norm(self.grads[p].flatten(1), dim=1).square() for p in params}
 
     def summed(self, params: Params, weights: Tensor, drop: Tensor | None = None) -> dict[nn.Parameter, Tensor]:
-        if drop is not None:  # leave the dropped samples out (0 * NaN would be NaN)
-            keep = (~drop).nonzero().flatten()
-            return {
-                p: torch.tensordot(weights[keep].to(self.grads[p].dtype), self.grads[p][keep], dims=1) for p in params
-            }
-        return {p: torch.tensordot(weights.to(self.grads[p].dtype), self.grads[p], dims=1) for p in params}
+        out = {}
+        for p in params:
+            g = self.grads[p]
+            if drop is not None:  # leave the dropped samples out (0 * NaN would be NaN); no data-dependent shape
+                g = _zero_rows(g, drop)
+            out[p] = torch.tensordot(weights.to(g.dtype), g, dims=1)
+        return out
 
     def dots(self, others: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
         return {p: self.grads[p].flatten(1) @ g.flatten() for p, g in others.items()}
@@ -212,8 +215,10 @@ class Fused:
                 per_call = Materialized(grads).summed(grads, weights, drop)
             else:
                 a, d, w = call.a, call.d, weights * call.scale
-                if drop is not None and isinstance(a, Tensor) and a.is_floating_point():
-                    a, d = _zero_rows(a, drop), _zero_rows(d, drop)  # either may hold the NaN
+                if drop is not None:  # either may hold the NaN (d alone where a holds ids)
+                    d = _zero_rows(d, drop)
+                    if isinstance(a, Tensor) and a.is_floating_point():
+                        a = _zero_rows(a, drop)
                 bias = getattr(module, "bias", None)
                 no_bias = not (isinstance(bias, Tensor) and bias.requires_grad)  # sum_i w_i d_i needs weighted d
                 if fused.bilinear and no_bias and a.numel() < d.numel():  # weight the smaller of the two

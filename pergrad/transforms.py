@@ -56,6 +56,9 @@ class Scaling(Transform):
     """
 
     needs_norms = True
+    # True where ``factors`` is finite wherever the norms are: pergrad then leaves its check of the
+    # factors out (reading them on the host would wait for the device: a sync per step)
+    finite_factors = False
 
     def factors(self, norms: Tensor | None, batch_size: int, like: Tensor) -> Tensor:
         """``c_i`` for each sample, shape [B]; ``norms`` is ``||g_i||`` over the target."""
@@ -69,6 +72,8 @@ class Scaling(Transform):
 
 class ClipNorm(Scaling):
     """``T(g_i) = g_i * min(1, C / ||g_i||)``; a zero gradient stays zero."""
+
+    finite_factors = True  # in (0, 1] for every norm >= 0, inf included
 
     def __init__(self, max_norm: float) -> None:
         if not max_norm > 0:
@@ -87,6 +92,10 @@ class Normalize(Scaling):
         if not eps >= 0:
             raise TransformError(f"normalize needs eps >= 0, got {eps!r}")
         self.eps = float(eps)
+
+    @property
+    def finite_factors(self) -> bool:  # type: ignore[override]
+        return self.eps > 0  # with eps = 0 a zero gradient has no unit direction: 1 / 0
 
     def factors(self, norms: Tensor | None, batch_size: int, like: Tensor) -> Tensor:
         assert norms is not None

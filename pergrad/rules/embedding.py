@@ -77,16 +77,26 @@ def embedding_dots(layer: nn.Module, idx: Tensor, d: Tensor, other: dict[str, Te
 
 def embedding_sum_squares(layer: nn.Module, idx: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``sum_i g_i^2``: each sample's rows are built only for the tokens it holds (one row per distinct
-    (sample, token) pair, ``unique`` + ``index_add``), squared, then added into their rows."""
+    (sample, token) pair), squared, then added into their rows.
+
+    The pairs are found by sorting the ``n * t`` keys ``sample * vocab + token``: a key that differs
+    from the one before starts a pair. There are at most ``n * t`` pairs, so the rows are that many
+    (those past the last pair stay 0 and add 0 to row 0): no shape depends on the values, so on an
+    accelerator the host does not wait for them (``unique`` would).
+    """
     assert isinstance(layer, nn.Embedding)
     if not layer.weight.requires_grad:
         return {}
     idx, d = _tokens(layer, idx, d)
-    vocab = layer.num_embeddings
+    vocab, dim = layer.num_embeddings, d.shape[2]
     keys = (idx + torch.arange(idx.shape[0], device=idx.device).unsqueeze(1) * vocab).reshape(-1)
-    pairs, slot = torch.unique(keys, return_inverse=True)
-    rows = d.new_zeros(pairs.shape[0], d.shape[2]).index_add_(0, slot, d.reshape(-1, d.shape[2]))
-    out = d.new_zeros(layer.weight.shape).index_add_(0, pairs % vocab, rows.square())
+    keys, order = torch.sort(keys)
+    starts = torch.ones_like(keys, dtype=torch.bool)
+    starts[1:] = keys[1:] != keys[:-1]
+    slot = starts.cumsum(0) - 1  # the pair of each (sorted) token
+    rows = d.new_zeros(keys.shape[0], dim).index_add_(0, slot, d.reshape(-1, dim)[order])
+    row_of_pair = torch.zeros_like(keys).scatter_(0, slot, keys % vocab)
+    out = d.new_zeros(layer.weight.shape).index_add_(0, row_of_pair, rows.square())
     return {"weight": out}
 
 
