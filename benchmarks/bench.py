@@ -30,11 +30,12 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+OVERHEAD = ["pergrad_hooks"]  # pergrad's hooks and end-of-backward bookkeeping with no rule to run
 MATERIALISE = ["torch_func", "pergrad", "opacus_hooks", "opacus_ew", "backpack"]
 NORMS = ["pergrad_norms", "opacus_ghost_norms", "backpack_l2"]
 CLIP = ["pergrad_clip", "opacus_ghost_clip"]
 STATS = ["pergrad_stats"]
-METHODS = ["plain", *MATERIALISE, *NORMS, *CLIP, *STATS]
+METHODS = ["plain", *OVERHEAD, *MATERIALISE, *NORMS, *CLIP, *STATS]
 PEERS = {
     "opacus": ("opacus_hooks", "opacus_ew", "opacus_ghost_norms", "opacus_ghost_clip"),
     "backpack": ("backpack", "backpack_l2"),
@@ -149,6 +150,9 @@ def setup(
 
         kind = method.removeprefix("pergrad").lstrip("_") or "materialise"
         box = {}
+        # "hooks": every hook runs and each backward's bookkeeping is done (the layers' kept inputs
+        # and output gradients collected, the end-of-backward pass over them), but nothing asks for
+        # a per-sample quantity, so no rule runs and .grad stays autograd's: pergrad's fixed cost
         psm = PerSampleModule(
             model, keep_grad_sample=kind == "materialise", track_norms=kind == "norms", track_statistics=kind == "stats"
         )
@@ -164,6 +168,8 @@ def setup(
                 box["read"] = psm.statistics().trace_variance
 
         def result() -> tuple[str, dict[str, Any]]:
+            if kind == "hooks":
+                return "mean_grad", {n: params[n].grad for n in names}
             if kind == "materialise":
                 return "grad_sample", {n: params[n].grad_sample for n in names}
             if kind == "norms":
@@ -290,28 +296,68 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def device_name(device: str, threads: int) -> str:
+    """What the table ran on: the CPU with the threads it used, or the accelerator's name."""
+    import torch
+
+    if device == "cpu":
+        return f"cpu ({platform.machine()}, {os.cpu_count()} cores, {threads} threads)"
+    return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     model, x, y = build(args.workload, args.quick, args.batch, args.width)
+    model, x, y = model.to(device), x.to(device), y.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     reference = copy.deepcopy(model)  # the check runs torch.func on a model without any library's hooks
-    baseline = rss_mib()
+
+    def wait() -> None:  # a step's time includes the device work it queued
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    wait()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device) / 2**20
+    else:
+        baseline = rss_mib()
+    syncs = None
     try:
         step, result = setup(args.method, model, x, y)
         for _ in range(args.warmup):
             step()
+        wait()
         times = []
         for _ in range(args.steps):
             start = time.perf_counter()
             step()
+            wait()
             times.append(time.perf_counter() - start)
+        if cuda:  # one more step, counting the host syncs CUDA reports (item, nonzero, blocking copies)
+            import warnings
+
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = sum("synchroniz" in str(w.message) for w in caught)
+            wait()
     except ImportError as err:
         return {"skipped": f"not installed ({err.name})"}
     except Exception as err:  # a peer that crashes on this workload is a result, not a harness failure
         return {"error": f"{type(err).__name__}: {str(err)[:160]}"}
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     kind, got = result()
     ok, worst, note = check(kind, dict(got), reference, x, y)
     return {
@@ -325,6 +371,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "max_rel_err": worst,
         "note": note,
         "torch": torch.__version__,
+        "device": device_name(args.device, args.threads),
+        "host_syncs_per_step": syncs,  # counted on CUDA only
     }
 
 
@@ -334,6 +382,7 @@ def run_child(
     cmd = [
         args.python, str(Path(__file__).resolve()), "--child", "--workload", workload, "--method", method,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+        "--device", args.device,
     ]  # fmt: skip
     if args.quick:
         cmd.append("--quick")
@@ -418,7 +467,7 @@ def table(results: dict[str, dict[str, dict[str, Any]]], methods: list[str]) -> 
 
 
 def _group(method: str) -> str:
-    for group in (MATERIALISE, NORMS, CLIP, STATS):
+    for group in (OVERHEAD, MATERIALISE, NORMS, CLIP, STATS):
         if method in group:
             return str(group)
     return ""
@@ -433,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="run every method this many times, interleaved")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N to run the same table on a GPU")
     parser.add_argument("--scaling", action="store_true", help="pergrad vs plain over batch size and width (mlp)")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the children")
     parser.add_argument("--timeout", type=float, default=900)
@@ -450,16 +500,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
         first = next(iter(saved["results"].values()))
-        print(f"{saved['command']}\n{saved['machine']}\n")
+        print(f"{saved['command']}\n{saved['machine']}\ndevice: {saved.get('device', 'cpu')}\n")
         print(table(saved["results"], list(first)))
         if "scaling" in saved:
             print_scaling(saved["scaling"])
         return 0
+    problem = device_problem(args.device)
+    if problem:
+        parser.error(problem)
     if args.quick:
         args.steps, args.warmup, args.rounds = min(args.steps, 3), min(args.warmup, 1), 1
     methods = args.methods or [m for m in METHODS if not (args.quick and m.split("_")[0] in PEERS)]
     order = ["plain", *[m for m in methods if m != "plain"]]
     results: dict[str, dict[str, dict[str, Any]]] = {}
+    device = device_name(args.device, args.threads)
+    print(f"device: {device}", flush=True)
     for w in args.workloads:
         rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in order}
         for k in range(args.rounds):  # every method once per round: a slow spell hits one round of each
@@ -469,10 +524,13 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_child(args, w, m)
                 rounds[m].append(r)
                 status = r.get("skipped") or r.get("error") or f"{r['median_ms']:.1f} ms, correct={r['correct']}"
+                if r.get("host_syncs_per_step") is not None:
+                    status += f", host syncs per step: {r['host_syncs_per_step']}"
                 print(f"{w:6s} {m:20s} round {k + 1}: {status}", flush=True)
         results[w] = {m: merge_rounds(rs, rounds["plain"]) for m, rs in rounds.items()}
     report: dict[str, Any] = {
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, {args.threads} threads, python {platform.python_version()}",
+        "device": device,
         "command": " ".join(["python", "benchmarks/bench.py", *(argv if argv is not None else sys.argv[1:])]),
         "results": results,
     }
@@ -484,6 +542,30 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(report, indent=2))
     print(f"\nsaved {args.out}")
     return 0
+
+
+def device_problem(device: str) -> str | None:
+    """Why the table cannot run on ``device`` (None if it can)."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as err:
+        return f"--device {device!r}: {err}"
+    if kind == "cpu":
+        return None
+    if kind != "cuda":
+        return f"--device {device!r}: the benchmark runs on cpu or cuda"
+    if not torch.cuda.is_available():
+        return (
+            f"--device {device!r}: no CUDA device is available here (torch {torch.__version__}, "
+            + (f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build")
+            + "); run without --device for the CPU table"
+        )
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        return f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s)"
+    return None
 
 
 def scaling(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -97,6 +97,28 @@ class Detacher:
             if counts.get(p) == 1
         }
 
+    def may_detach(self, layer: HookedLayer) -> bool:
+        """Whether a call of ``layer`` may run detached with the wrapper configured as it is now
+        (``for_call`` decides per call); its detaching hooks are installed only then. Registering a
+        transform installs them again."""
+        engine, module = self.engine, layer.module
+        if not engine.detach_transformed or engine.world is not None:
+            return False
+        weight = getattr(module, "weight", None)
+        if not (isinstance(weight, nn.Parameter) and weight in self.single):
+            return False
+        conv = isinstance(module, nn.modules.conv._ConvNd)
+        return (
+            engine.track_statistics
+            or engine.keep_grad_sample
+            or weight in engine.transformed
+            or (engine.track_norms and conv)
+        )
+
+    def reset(self) -> None:
+        """Forget the running forward's decisions (the hooks are being installed again)."""
+        self._generation, self._decided, self.current = -1, {}, set()
+
     def _ok(self, p: Any) -> bool:
         return isinstance(p, nn.Parameter) and p.requires_grad and p in self.single and not has_tensor_hooks(p)
 

@@ -47,6 +47,11 @@ def _no_autocast(device_type: str) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
+def _no_grad() -> contextlib.AbstractContextManager[Any]:
+    """``torch.no_grad()`` where grad mode is on (in a backward it is off unless ``create_graph``)."""
+    return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+
+
 def _shape(a: object) -> object:
     return tuple(a.shape) if isinstance(a, Tensor) else "several inputs"
 
@@ -170,6 +175,9 @@ class Engine:
     def on_output_grad(self, kept: Kept, d: Tensor) -> None:
         if self.closed:
             return
+        if not (self.keep_grad_sample or self.keep_activation_grads or torch.is_grad_enabled()):
+            self._on_output_grad(kept, d)  # records (a, d) only: nothing to compute or to keep off the graph
+            return
         # rules compute in the parameters' dtype, and build no graph
         with _no_autocast(d.device.type), torch.no_grad():
             self._on_output_grad(kept, d)
@@ -249,10 +257,10 @@ class Engine:
             state.batch_grads[param] = grad
         if self.running_mean:
             state.prior[param] = self._samples_in_grad(param)
-        writes = param in self.transformed or param in self.detacher.current
-        if writes and param._post_accumulate_grad_hooks:
+        transformed = param in self.transformed
+        if param._post_accumulate_grad_hooks and (transformed or param in self.detacher.current):
             self._defer_post_accumulate_hooks(param)
-        if param in self.transformed:  # .grad is written at the end of the backward
+        if transformed:  # .grad is written at the end of the backward
             if param in self.detacher.current and bool(grad.any()):  # (a rare path: a sync is fine)
                 raise HookStateError(
                     self._unattributable(
@@ -291,9 +299,10 @@ class Engine:
     def _finish(self, state: _Backward) -> None:
         if self._current is state:
             self._current = None
-        device = next(iter(state.reached), torch.empty(0)).device.type
+        first = next(iter(state.reached), None)
+        device = "cpu" if first is None else first.device.type
         try:
-            with _no_autocast(device), torch.no_grad(), allocating_from(self._lend):
+            with _no_autocast(device), _no_grad(), allocating_from(self._lend):
                 self._finish_backward(state)
         finally:
             state.calls.clear()  # the kept inputs and output gradients, before the buffers go back
@@ -348,7 +357,8 @@ class Engine:
             names = {p: self.param_names[p] for p in reached}
             self.last_statistics, sq_norms = compute_statistics(source, names, state.batch_size, means)
         else:
-            wanted = [p for p in reached if self.track_norms or p in self._needs_norms]
+            needs = self._needs_norms
+            wanted = reached if self.track_norms else [p for p in reached if p in needs] if needs else []
             sq_norms = source.sq_norms(wanted) if wanted else {}
         for target in self.targets:
             self._reduce_target(target, source, state, sq_norms)

@@ -14,6 +14,7 @@ output (``output.grad_fn``), not by a full module backward hook:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,10 +57,14 @@ class HookedLayer:
             return [(self.param, p)] if isinstance(p, nn.Parameter) and p.requires_grad else []
         if self.spec.subtree:
             return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        own = {id(p): (n, p) for n, p in reversed(self.module._parameters.items()) if p is not None}
+        params = self.module._parameters
+        found = [(n, p) for n, p in params.items() if p is not None and p.requires_grad]
+        if len(found) < 2 or (len(found) == 2 and found[0][1] is not found[1][1]):
+            return found  # one parameter, or a weight and a bias
+        own = {id(p): (n, p) for n, p in reversed(params.items()) if p is not None}
         return [(n, p) for n, p in reversed(own.values()) if p.requires_grad]  # first name of each, in order
 
-    @property
+    @functools.cached_property
     def label(self) -> str:
         """How messages name it."""
         where = "the root module" if self.name == "" else f"layer {self.name!r}"
@@ -70,10 +75,12 @@ class HookedLayer:
     @property
     def dtype(self) -> torch.dtype | None:
         """The dtype of the layer's parameters: per-sample gradients are computed in it."""
-        return next((p.dtype for _, p in self.trainable()), None)
+        if self.param or self.spec.subtree:
+            return next((p.dtype for _, p in self.trainable()), None)
+        return next((p.dtype for p in self.module._parameters.values() if p is not None and p.requires_grad), None)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False, slots=True)
 class Kept:
     """What one call of a hooked layer left for the backward."""
 
@@ -180,10 +187,12 @@ class LayerHooks:
         on_input_grad: Callable[[int, Tensor], None] | None = None,
         to_detach: ToDetach | None = None,
         on_model_call: Callable[[], None] | None = None,
+        may_detach: Callable[[HookedLayer], bool] | None = None,
     ) -> None:
         self._model = model
         self._batch_first = batch_first
         self._to_detach = to_detach
+        self._may_detach = may_detach  # which layers get the detaching hooks (all, when None)
         self._detached: dict[str, Detached] = {}  # layer name -> parameters detached for the running call
         self._on_output_grad = on_output_grad
         self._on_input_grad = on_input_grad
@@ -204,7 +213,8 @@ class LayerHooks:
             if layer.spec.raw:
                 raw.setdefault(layer.module, []).append(layer)
                 continue
-            if self._to_detach is not None and not layer.spec.all_inputs and not layer.spec.subtree:
+            detachable = not layer.spec.all_inputs and not layer.spec.subtree
+            if self._to_detach is not None and detachable and (self._may_detach is None or self._may_detach(layer)):
                 # before the keeper: the output it keeps is the one with the probe added
                 pre, post = ModuleHook(self, self._detacher(layer)), ModuleHook(self, self._reattacher(layer))
                 self._handles.append(layer.module.register_forward_pre_hook(pre))
@@ -298,54 +308,61 @@ class LayerHooks:
         return reattach
 
     def _keeper(self, layer: HookedLayer) -> Callable[..., Tensor | None]:
+        # fixed for the layer: looked up once here, not at every call (this runs at every forward)
+        name, all_inputs = layer.name, layer.spec.all_inputs
+        batch_first = self._batch_first or layer.spec.batch_dim_fixed
+        batch_dim = 0 if batch_first else 1
+        on_output_grad, detached_calls = self._on_output_grad, self._detached
+        grad_enabled, transforming = torch.is_grad_enabled, torch._C._are_functorch_transforms_active
+
         def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Tensor | None:
-            detached = self._detached.pop(layer.name, None)
+            detached = detached_calls.pop(name, None) if detached_calls else None
             packed_batch = None
-            if layer.spec.all_inputs and isinstance(output, tuple | list):
+            if all_inputs and isinstance(output, tuple | list):
                 if output and isinstance(output[0], PackedSequence):  # a recurrent layer on packed input
                     packed_batch, output = int(output[0].batch_sizes[0]), output[0].data
                 else:
                     output = next((o for o in output if isinstance(o, Tensor)), None)  # its first tensor output
-            if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.grad_fn is not None):
+            if not (grad_enabled() and isinstance(output, Tensor)):
+                return None
+            node = output.grad_fn
+            if node is None:
                 return None  # nothing will flow back through this call: keep nothing
-            if torch._C._are_functorch_transforms_active():
+            if transforming():
                 return None  # torch.func is differentiating the model itself (vmap/grad): not ours to track
-            batch_first = self._batch_first or layer.spec.batch_dim_fixed
-            batch_dim = 0 if batch_first else 1
-            a = LayerCall(args, kwargs, batch_dim) if layer.spec.all_inputs else _first_input(args, kwargs)
-            batched = output if layer.spec.all_inputs else a
+            a = LayerCall(args, kwargs, batch_dim) if all_inputs else (args[0] if args else _first_input(args, kwargs))
+            batched = output if all_inputs else a
             if not isinstance(batched, Tensor):
-                raise TypeError(
-                    f"pergrad: layer {layer.name!r} ({type(module).__name__}) was called without a tensor input"
-                )
-            group = None
-            if self.batch is not None and not layer.spec.all_inputs:
+                raise TypeError(f"pergrad: layer {name!r} ({type(module).__name__}) was called without a tensor input")
+            if self.batch is not None and not all_inputs:
                 group = classify(a, output, batch_dim, self.batch, layer.label)
-            if group is not None:
-                assert isinstance(a, Tensor)
-                return self._keep_shared(layer, a, output, batch_dim, group, detached)
-            if packed_batch is None and (batched.dim() <= batch_dim or output.dim() <= batch_dim):
+                if group is not None:
+                    assert isinstance(a, Tensor)
+                    return self._keep_shared(layer, a, output, batch_dim, group, detached)
+            produced = _producer(output)
+            if produced is not output:
+                node = produced.grad_fn
+                assert node is not None
+            shape = output.shape
+            if packed_batch is None and (batched.dim() <= batch_dim or len(shape) <= batch_dim):
                 raise BatchSizeError(
-                    f"layer {layer.name!r} ({type(module).__name__}) got input of shape {tuple(batched.shape)}, which has "
+                    f"layer {name!r} ({type(module).__name__}) got input of shape {tuple(batched.shape)}, which has "
                     f"no batch dim {batch_dim}; pergrad needs batched inputs"
                     + ("" if batch_first else " (batch_first=False puts the batch on dim 1)")
                 )
-            kept_input = a if isinstance(a, LayerCall) else batch_to_front(a, batch_first)
-            key = self._key(layer.name)
+            kept_input = a if isinstance(a, LayerCall) or batch_first else batch_to_front(a, False)
             batch_size = batched.shape[batch_dim] if packed_batch is None else packed_batch
             kept = Kept(
-                layer, kept_input, self.generation, batch_size, key, packed=packed_batch is not None, detached=detached
+                layer, kept_input, self.generation, batch_size, self._key(name), packed_batch is not None, detached
             )
-            produced = _producer(output)
-            node, index, shape = produced.grad_fn, produced.output_nr, output.shape
-            assert node is not None
-            on_output_grad = self._on_output_grad
+            index, turn = produced.output_nr, not (kept.packed or batch_first)
 
             def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
                 d = grad_outputs[index]
                 if d is not None and not pulling():
-                    d = d.reshape(shape)
-                    on_output_grad(kept, d if kept.packed else batch_to_front(d, batch_first))
+                    if d.shape != shape:  # the producer is the output's base (see _producer)
+                        d = d.reshape(shape)
+                    on_output_grad(kept, batch_to_front(d, False) if turn else d)
 
             node.register_prehook(catch)
             return None

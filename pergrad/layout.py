@@ -6,9 +6,8 @@ import ctypes
 import functools
 import math
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
+from contextvars import ContextVar, Token
 
 import torch
 from torch import Tensor
@@ -61,13 +60,20 @@ def new_buffer(shape: tuple[int, ...], like: Tensor) -> Tensor:
     return fresh_buffer(shape, like) if alloc is None else alloc(shape, like)
 
 
-@contextmanager
-def allocating_from(alloc: Allocator) -> Iterator[None]:
-    token = _allocator.set(alloc)
-    try:
-        yield
-    finally:
-        _allocator.reset(token)
+class allocating_from:
+    """``new_buffer`` takes its buffers from ``alloc`` inside the block (a class, not a generator:
+    it is entered at every backward)."""
+
+    def __init__(self, alloc: Allocator) -> None:
+        self._alloc = alloc
+        self._token: Token[Allocator | None] | None = None
+
+    def __enter__(self) -> None:
+        self._token = _allocator.set(self._alloc)
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._token is not None
+        _allocator.reset(self._token)
 
 
 READ_FREELY = {"cpu"}  # devices whose tensors the host reads without waiting for queued work

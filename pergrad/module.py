@@ -64,7 +64,11 @@ def _layout(modules: list[nn.Module]) -> tuple[object, ...]:
     """What the wrapper was built for: every module's children and parameters (by identity) and
     whether each parameter requires grad. Cheap enough to compare at every forward."""
     return tuple(
-        (*map(id, m._modules.values()), *((id(p), p.requires_grad) for p in m._parameters.values() if p is not None))
+        (
+            tuple(map(id, m._modules.values())),
+            tuple(map(id, m._parameters.values())),
+            tuple([p is not None and p.requires_grad for p in m._parameters.values()]),
+        )
         for m in modules
     )
 
@@ -207,9 +211,12 @@ class PerSampleModule:
         self._accumulate_handles: list[RemovableHandle] = []
         self._bind()  # raises for unsupported layers before any hook is installed
         on_input = self._engine.on_input_grad if keep_activation_grads else None
-        to_detach = self._engine.detacher.for_call if detach_transformed else None
-        self._hooks = LayerHooks(model, batch_first, self._engine.on_output_grad, on_input, to_detach, self._sync)
-        self._hooks.install(self._layers)
+        detacher = self._engine.detacher
+        to_detach = detacher.for_call if detach_transformed else None
+        self._hooks = LayerHooks(
+            model, batch_first, self._engine.on_output_grad, on_input, to_detach, self._sync, detacher.may_detach
+        )
+        self._install_hooks()
         self._install_accumulate_hooks()
 
     # -- following the model: its parameters, as they are at each forward ------------------------
@@ -227,6 +234,11 @@ class PerSampleModule:
         for target, transform in self._targets:
             label, params, _, _ = self._resolve(target)
             engine.add_target(Target(label, params, transform))
+
+    def _install_hooks(self) -> None:
+        """The layers' forward hooks, for the layers and transforms as they are now."""
+        self._engine.detacher.reset()
+        self._hooks.install(self._layers)
 
     def _install_accumulate_hooks(self) -> None:
         for handle in self._accumulate_handles:
@@ -251,7 +263,7 @@ class PerSampleModule:
             return  # torch.func.functional_call swapped plain tensors in for this call only
         before = set(self._engine.param_names)
         self._bind()
-        self._hooks.install(self._layers)
+        self._install_hooks()
         self._install_accumulate_hooks()
         for param in before - set(self._engine.param_names):
             self._engine.recycle(param)  # no grad_sample left on parameters the model no longer holds
@@ -296,7 +308,8 @@ class PerSampleModule:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``model.zero_grad`` and drop every ``grad_sample``."""
         self.module.zero_grad(set_to_none)
-        self._clear_grad_sample()
+        if self._engine.keep_grad_sample:  # otherwise pergrad sets none
+            self._clear_grad_sample()
 
     # -- what the last backward measured ---------------------------------------------------------
 
@@ -385,6 +398,7 @@ class PerSampleModule:
             raise TransformError(f"the transform for {label} must be callable, got {type(fn).__name__}")
         self._targets.append((ref, transform))
         self._engine.add_target(Target(label, params, transform))
+        self._install_hooks()  # the weights it covers may now run detached
 
     def _resolve(
         self, target: nn.Module | nn.Parameter | str

@@ -46,12 +46,17 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .errors import BatchSizeError, SharedInputError
 
-_local = threading.local()
+
+class _Local(threading.local):
+    pulling = False  # a default for every thread (a missing attribute would raise, slowly, at every hook)
+
+
+_local = _Local()
 
 
 def pulling() -> bool:
     """Whether a per-sample pull-back runs now (the hooks it passes through must stay quiet)."""
-    return getattr(_local, "pulling", False)
+    return _local.pulling
 
 
 @dataclass
@@ -99,7 +104,10 @@ def batch_of_call(
     args: tuple[Any, ...], kwargs: dict[str, Any], dim: int, buffers: Callable[[], frozenset[int]]
 ) -> BatchInfo | None:
     """The batch size of a model call: the batch dim of its first tensor argument with that dim."""
-    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    if not kwargs and all(isinstance(a, Tensor) for a in args):  # the common call, without pytree's walk
+        tensors = args
+    else:
+        tensors = tuple(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor))
     first = next((t for t in tensors if t.dim() > dim), None)
     if first is None:
         return None
@@ -114,10 +122,10 @@ def classify(a: Any, output: Tensor, dim: int, batch: BatchInfo, where: str) -> 
         return None if group.state == "batched" else group
     if not isinstance(a, Tensor):
         return None
-    size = batch.size
-    has_batch = output.dim() > dim and output.shape[dim] == size and a.dim() > dim and a.shape[dim] == size
+    size, a_shape, out_shape = batch.size, a.shape, output.shape
+    has_batch = len(out_shape) > dim and out_shape[dim] == size and len(a_shape) > dim and a_shape[dim] == size
     if a.grad_fn is not None:
-        if not has_batch and not (size == 1 and output.dim() > dim and output.shape[dim] == 1):
+        if not has_batch and not (size == 1 and len(out_shape) > dim and out_shape[dim] == 1):
             raise BatchSizeError(
                 f"{where} got input of shape {tuple(a.shape)} computed from the batch, but the model was called with "
                 f"a batch of {size} samples on dim {dim}: keep the batch on its own dim (a reshape that folds it into "

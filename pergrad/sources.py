@@ -97,7 +97,7 @@ class Moments:
     means: dict[nn.Parameter, Tensor]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class Call:
     """One call of a hooked layer in this backward: its input and output gradient. Each sample's
     own output gradient is ``scale * d`` (``scale = B`` for a mean loss); the fused quantities put

@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,7 +26,27 @@ def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> Non
     report = json.loads(out.read_text())
     assert set(report["results"]) == {"mlp", "cnn", "seq", "resnet"}
     for workload, methods in report["results"].items():
-        assert {"plain", "torch_func", "pergrad", "pergrad_norms", "pergrad_clip", "pergrad_stats"} <= set(methods)
+        assert {
+            "plain",
+            "pergrad_hooks",
+            "torch_func",
+            "pergrad",
+            "pergrad_norms",
+            "pergrad_clip",
+            "pergrad_stats",
+        } <= set(methods)
         for method, result in methods.items():
             assert result.get("correct") is True, (workload, method, result)
     assert "| pergrad |" in proc.stdout
+    assert proc.stdout.startswith("device: cpu (") and report["device"].startswith("cpu (")
+
+
+def test_the_benchmark_refuses_a_device_it_does_not_have() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--device", "cuda"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "--device 'cuda': no CUDA device is available here" in proc.stderr
