@@ -76,7 +76,7 @@ class allocating_from:
         _allocator.reset(self._token)
 
 
-READ_FREELY = {"cpu"}  # devices whose tensors the host reads without waiting for queued work
+READ_FREELY = frozenset({"cpu"})  # devices whose tensors the host reads without waiting for queued work
 
 
 def may_hold_true(mask: Tensor) -> bool:

@@ -149,3 +149,33 @@ def test_statistics_after_the_first_step_take_means_from_built_gradients(keep: b
             check_statistics(psm.statistics(), ref)
             for name, p in model.named_parameters():
                 assert_close(p.grad, ref[name].mean(0), f".grad of {name}")
+
+
+def test_a_transform_registered_after_some_steps_detaches_its_weights_from_then_on() -> None:
+    """With nothing to compute, no layer gets the detaching hooks; registering a transform installs
+    them for the weights it covers, and the steps stay exact."""
+    torch.manual_seed(3)
+    model = conv_net(True)
+    x, y = torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+    ref = reference_grad_sample(model, x, y, loss=lambda out, t: F.cross_entropy(out, t, reduction="sum"))
+    by_autograd: list[torch.Tensor] = []
+    nodes = [get_gradient_edge(p).node for p in model.parameters() if p.dim() > 1]
+    for node in nodes:
+        node.register_prehook(lambda g: by_autograd.append(g))
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
+        hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+        for step in range(5):
+            if step == 2:
+                psm.register_transform("4", transforms.clip_norm(0.5))  # the Linear on [B, 4, 36]
+                assert sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks + 1
+            by_autograd.clear()
+            psm.zero_grad()
+            F.cross_entropy(psm(x), y).backward()
+            expected = {k: g.mean(0) for k, g in ref.items()}
+            if step >= 2:
+                expected.update(
+                    {f"4.{k}": v for k, v in clipped_mean({k: ref[f"4.{k}"] for k in ("weight", "bias")}, 0.5).items()}
+                )
+            for name, p in model.named_parameters():
+                assert_close(p.grad, expected[name], f"step {step}: .grad of {name}")
+            assert len(by_autograd) == (4 if step < 2 else 3)  # from then on, the Linear's weight is pergrad's

@@ -221,7 +221,7 @@ def _expected(
 def test_no_host_syncs_after_the_first_backward(workload: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # On the CPU, pergrad reads a dropped-sample mask to skip a copy when no sample is dropped (a
     # read that waits for nothing there); take the accelerator's path, which never reads it.
-    monkeypatch.setattr(layout, "READ_FREELY", set())
+    monkeypatch.setattr(layout, "READ_FREELY", frozenset())
     build, inputs = MODELS[workload]
     options, target, make = MODES[mode]
     torch.manual_seed(0)
