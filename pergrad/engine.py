@@ -22,7 +22,6 @@ is smaller (``d``, or the rule's results; see ``sources.run_rule``).
 from __future__ import annotations
 
 import contextlib
-import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,12 +31,11 @@ from torch import Tensor, nn
 from .detach import Detached, Detacher
 from .errors import BatchSizeError, HookStateError, TransformError
 from .hooks import Kept
-from .layout import allocating_from, fresh_buffer
+from .layout import allocating_from
+from .pool import BufferPool
 from .sources import Call, Fused, Materialized, run_rule
 from .statistics import Statistics, compute_statistics
 from .transforms import Scaling, Transform, check_output
-
-_Key = tuple[tuple[int, ...], torch.dtype, torch.device]  # a buffer's shape, dtype and device
 
 
 def _no_autocast(device_type: str) -> contextlib.AbstractContextManager[Any]:
@@ -138,10 +136,7 @@ class Engine:
         self.last_dropped: dict[str, Tensor] = {}
         self._current: _Backward | None = None
         self._grad_sample_generation: dict[nn.Parameter, int] = {}
-        self._pool: dict[_Key, list[Tensor]] = {}
-        self._lent: list[Tensor] = []
-        self._taken: dict[_Key, int] = {}  # buffers handed out in the running backward, by shape
-        self._wanted: dict[_Key, int] = {}  # the most of them one backward took
+        self.pool = BufferPool()  # memory of per-sample tensors, reused across backward passes
         self.detacher = Detacher(self)
         self._deferred: dict[nn.Parameter, dict[Any, Any]] = {}  # post-accumulate-grad hooks held back
 
@@ -179,8 +174,7 @@ class Engine:
         layer = kept.layer
         if state.generation is None:
             state.generation, state.batch_size, state.first_layer = kept.generation, kept.batch_size, layer.name
-            if self.keep_grad_sample:
-                self._recycle_stale(kept.generation)
+            self._recycle_stale(kept.generation)
         elif kept.generation != state.generation:
             raise HookStateError(
                 f"one backward pass reached layer {layer.name!r} through two different forward calls of the model; "
@@ -216,7 +210,7 @@ class Engine:
         if kept.batch_size == 0:  # an empty batch: no rule needs to run
             per_sample = {n: d.new_zeros((0, *p.shape)) for n, p in layer.trainable()}
         else:
-            with allocating_from(self._take):
+            with allocating_from(self.pool.take):
                 per_sample = run_rule(layer, kept.a, d, scale)
         for name, g in per_sample.items():
             param = layer.module.get_parameter(name)
@@ -293,11 +287,11 @@ class Engine:
             self._current = None
         device = next(iter(state.reached), torch.empty(0)).device.type
         try:
-            with _no_autocast(device), torch.no_grad(), allocating_from(self._lend):
+            with _no_autocast(device), torch.no_grad(), allocating_from(self.pool.take):
                 self._finish_backward(state)
         finally:
             state.calls.clear()  # the kept inputs and output gradients, before the buffers go back
-            self._take_back()
+            self.pool.settle()
             deferred = self.restore_deferred_hooks()
         self._run_post_accumulate_hooks(state, deferred)
 
@@ -442,59 +436,23 @@ class Engine:
         if isinstance(target.transform, Scaling) and target.transform.needs_norms:
             self._needs_norms.update(target.params.values())
 
-    # -- grad_sample buffers: the previous step's memory, reused when nobody else holds it ----------
+    # -- grad_sample: the last forward's, its memory reused by the next (pool.py) ------------------
 
     def _recycle_stale(self, generation: int) -> None:
-        """A backward of a new forward replaces every ``grad_sample``: release the old ones now, so
+        """A backward of a new forward replaces every ``grad_sample``: drop the old ones now, so
         the rules can write into their memory instead of allocating as much again."""
         for param, gen in list(self._grad_sample_generation.items()):
             if gen != generation:
                 self.recycle(param)
+        self.pool.begin()
 
     def recycle(self, param: nn.Parameter) -> None:
-        """Drop ``param.grad_sample``; keep its buffer for reuse if no one else refers to it."""
+        """Drop ``param.grad_sample`` (the pool takes its memory back once no one else refers to it)."""
         self._grad_sample_generation.pop(param, None)
-        old = param.__dict__.pop("grad_sample", None)
-        if old is None:
-            return
-        # references: `old`, getrefcount's argument; storage: `old`, the temporary storage object
-        if sys.getrefcount(old) == 2 and torch._C._storage_Use_Count(old.untyped_storage()._cdata) == 2:
-            self._keep_for_reuse(old)
-
-    def _keep_for_reuse(self, buffer: Tensor) -> None:
-        """Pool ``buffer`` if a backward asks for that many buffers of its shape (the others go)."""
-        key = (tuple(buffer.shape), buffer.dtype, buffer.device)
-        free = self._pool.setdefault(key, [])
-        if len(free) < self._wanted.get(key, 0):
-            free.append(buffer)
-
-    def _take(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
-        key = (tuple(shape), like.dtype, like.device)
-        self._taken[key] = self._taken.get(key, 0) + 1
-        free = self._pool.get(key)
-        return free.pop() if free else fresh_buffer(shape, like)
-
-    def _lend(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
-        """A buffer for a per-sample tensor built at the end of the backward and dropped there
-        (``keep_grad_sample=False``); ``_take_back`` returns it to the pool afterwards."""
-        buffer = self._take(shape, like)
-        self._lent.append(buffer)
-        return buffer
-
-    def _take_back(self) -> None:
-        """Return the lent buffers nothing refers to any more to the pool: the next backward writes
-        into memory the process holds instead of faulting in fresh pages (several times slower)."""
-        for key, count in self._taken.items():  # the most buffers of a shape one backward asked for
-            self._wanted[key] = max(self._wanted.get(key, 0), count)
-        self._taken.clear()
-        while self._lent:
-            buffer = self._lent.pop()
-            # references: `buffer`, getrefcount's argument; storage: `buffer`, the temporary object
-            if sys.getrefcount(buffer) == 2 and torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) == 2:
-                self._keep_for_reuse(buffer)
+        param.__dict__.pop("grad_sample", None)
 
     def clear_pool(self) -> None:
-        self._pool.clear()
+        self.pool.clear()
 
     def _store_grad_sample(self, grads: dict[nn.Parameter, Tensor], generation: int | None) -> None:
         for param, g in grads.items():
