@@ -291,7 +291,7 @@ class Engine:
                 self._finish_backward(state)
         finally:
             state.calls.clear()  # the kept inputs and output gradients, before the buffers go back
-            self.pool.settle()
+            self.pool.end()
             deferred = self.restore_deferred_hooks()
         self._run_post_accumulate_hooks(state, deferred)
 
@@ -450,9 +450,6 @@ class Engine:
         """Drop ``param.grad_sample`` (the pool takes its memory back once no one else refers to it)."""
         self._grad_sample_generation.pop(param, None)
         param.__dict__.pop("grad_sample", None)
-
-    def clear_pool(self) -> None:
-        self.pool.clear()
 
     def _store_grad_sample(self, grads: dict[nn.Parameter, Tensor], generation: int | None) -> None:
         for param, g in grads.items():

@@ -15,6 +15,7 @@ from torch import Tensor
 
 Allocator = Callable[[tuple[int, ...], Tensor], Tensor]
 _allocator: ContextVar[Allocator | None] = ContextVar("pergrad_allocator", default=None)
+_made: ContextVar[list[Tensor] | None] = ContextVar("pergrad_made", default=None)
 
 
 _HUGE_PAGE = 2 << 20
@@ -58,7 +59,11 @@ def new_buffer(shape: tuple[int, ...], like: Tensor) -> Tensor:
     times faster than into fresh pages, which the kernel must fault in and zero first.
     """
     alloc = _allocator.get()
-    return fresh_buffer(shape, like) if alloc is None else alloc(shape, like)
+    out = fresh_buffer(shape, like) if alloc is None else alloc(shape, like)
+    made = _made.get()
+    if made is not None:
+        made.append(out)
+    return out
 
 
 @contextmanager
@@ -68,6 +73,17 @@ def allocating_from(alloc: Allocator) -> Iterator[None]:
         yield
     finally:
         _allocator.reset(token)
+
+
+@contextmanager
+def recording_buffers() -> Iterator[list[Tensor]]:
+    """The buffers ``new_buffer`` hands out inside the block, in a list: memory no one else holds."""
+    made: list[Tensor] = []
+    token = _made.set(made)
+    try:
+        yield made
+    finally:
+        _made.reset(token)
 
 
 def batch_to_front(t: Tensor, batch_first: bool) -> Tensor:

@@ -440,7 +440,7 @@ class PerSampleModule:
         self._accumulate_handles.clear()
         self._accumulators.clear()
         self._clear_grad_sample()
-        self._engine.clear_pool()
+        self._engine.pool.clear()
 
     def __enter__(self) -> PerSampleModule:
         return self

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .hooks import HookedLayer
-from .layout import new_buffer
+from .layout import new_buffer, recording_buffers
 from .registry import FusedRule
 
 Params = Iterable[nn.Parameter]
@@ -114,7 +114,11 @@ def run_rule(layer: HookedLayer, a: Any, d: Tensor, scale: float = 1.0) -> dict[
     built_size = d.shape[0] * sum(p.numel() for _, p in layer.trainable())
     if d.numel() <= built_size:
         return layer.spec.fn(layer.module, a, torch.mul(d, scale, out=new_buffer(tuple(d.shape), d)))
-    return {name: g * scale for name, g in layer.spec.fn(layer.module, a, d).items()}
+    with recording_buffers() as made:
+        built = layer.spec.fn(layer.module, a, d)
+    # scaled in place where the rule wrote into a buffer of its own (no second copy of its size)
+    own = {id(t) for t in made}
+    return {name: g.mul_(scale) if id(g) in own else g * scale for name, g in built.items()}
 
 
 class Fused:
