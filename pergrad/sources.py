@@ -108,7 +108,8 @@ class Call:
 
 def run_rule(layer: HookedLayer, a: Any, d: Tensor, scale: float = 1.0) -> dict[str, Tensor]:
     """The layer's rule for output gradients ``scale * d``. Rules are linear in ``d``, so the scale
-    goes on whichever is smaller: ``d``, or the per-sample gradients the rule returns."""
+    goes on whichever is smaller: ``d``, or the per-sample gradients the rule returns (in place
+    where it wrote them into a ``new_buffer``)."""
     if scale == 1.0:
         return layer.spec.fn(layer.module, a, d)
     built_size = d.shape[0] * sum(p.numel() for _, p in layer.trainable())
@@ -116,8 +117,9 @@ def run_rule(layer: HookedLayer, a: Any, d: Tensor, scale: float = 1.0) -> dict[
         return layer.spec.fn(layer.module, a, torch.mul(d, scale, out=new_buffer(tuple(d.shape), d)))
     with recording_buffers() as made:
         built = layer.spec.fn(layer.module, a, d)
-    # scaled in place where the rule wrote into a buffer of its own (no second copy of its size)
-    own = {id(t) for t in made}
+    # scaled in place where the rule returned a buffer of its own once (no second copy of its size)
+    returned = [id(g) for g in built.values()]
+    own = {id(t) for t in made if returned.count(id(t)) == 1}
     return {name: g.mul_(scale) if id(g) in own else g * scale for name, g in built.items()}
 
 

@@ -27,3 +27,25 @@ def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> Non
         for method, result in methods.items():
             assert result.get("correct") is True, (workload, method, result)
     assert "| pergrad |" in proc.stdout
+
+
+def test_quick_memory_benchmark_runs_and_stays_within_one_step(tmp_path: Path) -> None:
+    """benchmarks/memory.py end to end on tiny shapes: after every one of its steps of changing
+    batch sizes and lengths, pergrad holds no more than one step of the largest shape seen."""
+    out = tmp_path / "memory.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--quick", "--rows", "poisson_mlp", "lengths_seq",
+         "--no-plain", "--speed", "mlp_fused", "--threads", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = report["memory"]["current"]
+    assert set(rows) == {"poisson_mlp", "lengths_seq"}
+    for row in ("poisson_mlp", "lengths_seq"):
+        result = rows[row]
+        assert result["pergrad"] == str(ROOT / "pergrad" / "__init__.py")
+        assert len({tuple(s) for s in result["shapes"]}) > 3, "the shapes change between steps"
+        assert 0 < max(result["held_mib"]) <= result["one_step_mib"], (row, result["held_mib"])
+    assert report["speed"]["rows"]["mlp_fused"]["current_ms"] > 0
+    assert "| poisson_mlp | 12 |" in proc.stdout
