@@ -350,6 +350,7 @@ class Engine:
         else:
             wanted = [p for p in reached if self.track_norms or p in self._needs_norms]
             sq_norms = source.sq_norms(wanted) if wanted else {}
+        self.last_sq_norms = sq_norms  # those a norm-based transform needs; every parameter's with track_norms
         for target in self.targets:
             self._reduce_target(target, source, state, sq_norms)
         if owned:
@@ -362,8 +363,6 @@ class Engine:
                 totals = source.summed(owned, next(iter(owned)).new_full((state.batch_size,), weight))
             for param, reduced in totals.items():
                 self._add_grad(param, reduced, state)
-        if self.track_norms:
-            self.last_sq_norms = sq_norms
         if self.running_mean:
             for p, n in state.prior.items():
                 if p.grad is not None:

@@ -33,3 +33,10 @@ class TargetError(PergradError, ValueError):
 
 class HookStateError(PergradError, RuntimeError):
     """A backward pass reached parameters in a way pergrad cannot attribute to samples."""
+
+
+class NormNotComputedError(PergradError, KeyError):
+    """``per_sample_norms()[name]`` for a parameter whose norm the last backward did not compute."""
+
+    def __str__(self) -> str:  # the message as it is (KeyError would quote it)
+        return str(self.args[0]) if self.args else ""
