@@ -14,6 +14,7 @@ from torch.utils.hooks import RemovableHandle
 from .engine import Distributed, Engine, Target
 from .errors import NormNotComputedError, PergradError, TargetError, TransformError, UnsupportedLayerError
 from .hooks import HookedLayer, LayerHooks, owners
+from .loss_scale import loss_scale_reader
 from .registry import RuleRegistry, RuleSpec, default_registry, type_names
 from .rules.fallback import fallback as fallback_rule
 from .sources import Materialized
@@ -137,6 +138,17 @@ class PerSampleModule:
             gradient that pergrad replaces anyway: one matmul or convolution backward less per
             layer. ``torch.autograd.grad`` with respect to such a weight then raises (it is not in
             the graph); pass False if you need that.
+        grad_scaler: the ``torch.amp.GradScaler`` whose ``scaler.scale(loss)`` the backward passes
+            run on (mixed precision). Its scale is read, as a tensor, at each backward; the
+            transforms see the per-sample gradients of the samples' own (unscaled) losses, so a
+            clipping bound means the same with and without it, and ``.grad`` gets ``S`` times the
+            reduction (the scaler's units: ``scaler.unscale_`` and ``scaler.step`` work unchanged).
+            ``grad_sample``, ``per_sample_norms()``, ``statistics()`` and ``activation_grads()``
+            are unscaled. A NaN or Inf (an overflow) reaches ``.grad`` instead of being left out of
+            a norm-based transform, so the scaler skips the step and lowers its scale. Also
+            accepted: the loss scale itself (a number, or a one-element tensor read at each
+            backward) or a callable returning it (or None for an unscaled backward). A disabled
+            scaler, or one before its first ``scale()``, means an unscaled backward.
     """
 
     def __init__(
@@ -155,6 +167,7 @@ class PerSampleModule:
         fallback: bool = False,
         rules: RuleRegistry | None = None,
         detach_transformed: bool = True,
+        grad_scaler: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleModule wraps an nn.Module, got {type(model).__name__}")
@@ -186,6 +199,7 @@ class PerSampleModule:
             keep_activation_grads=keep_activation_grads,
             verify_backwards=1 if verify else 0,
             detach_transformed=detach_transformed,
+            loss_scale=loss_scale_reader(grad_scaler),
             world=Distributed(model.process_group) if isinstance(model, DistributedDataParallel) else None,
         )
         if self._engine.world is not None and accumulate == "samples":
@@ -301,7 +315,8 @@ class PerSampleModule:
 
     def per_sample_norms(self) -> dict[str, Tensor]:
         """``{qualified param name: Tensor[B]}``: ``||g_i||`` of each parameter in the last backward,
-        before any transform (the norms clipping compared with its bound). The norm of a module's or the model's gradient is ``sqrt(sum of squares)``
+        before any transform (the norms clipping compared with its bound; unscaled under
+        ``grad_scaler``). The norm of a module's or the model's gradient is ``sqrt(sum of squares)``
         of these. Which parameters it holds:
 
         - ``track_norms=True`` (or ``track_statistics=True``): every parameter the backward reached;
