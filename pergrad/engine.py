@@ -227,7 +227,7 @@ class Engine:
                 d.div_(on_device(state.loss_scale, d))  # our own copy
         elif state.loss_scale is not None:
             d = d / on_device(state.loss_scale, d)
-        if self.keep_activation_grads:
+        if self.keep_activation_grads and not layer.spec.raw:
             state.activation_grads[kept.key] = d * scale
         if kept.detached is not None:
             state.detached.append(kept.detached)
@@ -269,7 +269,7 @@ class Engine:
         state.reached[param] = None
         state.accumulated[param] = None
         if self.track_statistics or self.verify_backwards > 0:
-            state.batch_grads[param] = grad
+            state.batch_grads[param] = self._unscaled(grad, state)  # the units of the per-sample gradients
         if self.running_mean:
             state.prior[param] = self._samples_in_grad(param)
         writes = param in self.transformed or param in self.detacher.current
@@ -367,7 +367,7 @@ class Engine:
             # autograd's batch gradient is sum_i g_i / B ("mean") or sum_i g_i ("sum")
             scale = 1.0 if self.loss_reduction == "mean" else 1.0 / state.batch_size
             # a copy: .grad may alias the batch gradient; detached weights have none (computed then)
-            means = {p: (state.batch_grads[p] * scale) for p in reached if p in state.batch_grads}
+            means = {p: state.batch_grads[p] * scale for p in reached if p in state.batch_grads}
             names = {p: self.param_names[p] for p in reached}
             self.last_statistics, sq_norms = compute_statistics(source, names, state.batch_size, means)
         else:

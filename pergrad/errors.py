@@ -40,3 +40,8 @@ class NormNotComputedError(PergradError, KeyError):
 
     def __str__(self) -> str:  # the message as it is (KeyError would quote it)
         return str(self.args[0]) if self.args else ""
+
+
+class SharedInputError(PergradError, RuntimeError):
+    """A tensor shared by the batch (a layer output computed without the batch, a raw parameter)
+    meets the batch in a way pergrad cannot split per sample."""
