@@ -402,3 +402,93 @@ def test_a_user_transform_that_mixes_a_nan_into_finite_parameters(keep: bool, sc
             scaler.update()
             assert scaler.get_scale() == 2.0**15
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+# -- whole loops: an overflow step, scale changes, shared inputs, raw parameters, fallback --------
+
+
+def clipped_mean(ref: dict[str, torch.Tensor], bound: float) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``(1/B) sum_i min(1, C/||g_i||) g_i`` for every parameter, and ``||g_i||`` over all of them."""
+    norms = flat_norms(ref)
+    factor = (bound / norms).clamp(max=1)
+    return {k: (g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for k, g in ref.items()}, norms
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_loop_with_an_overflow_step_and_scale_changes_equals_the_reference(keep: bool) -> None:
+    """Ten SGD-with-momentum steps, batch sizes 1 to 6, 16 positions on some steps (detached
+    weights), root clip_norm(0.5): the scaler grows its scale every two steps, one step overflows
+    (sample 1's target is Inf: the scaler must see it, skip the step and halve its scale) and the
+    scale is once set by hand. After each step the weights equal those of the same loop driven by
+    per-sample autograd gradients (float64), which skips the overflow step."""
+    model, reference = small_model(), small_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(5)
+    sizes, overflow_step, manual_step = [3, 6, 1, 4, 5, 2, 6, 1, 3, 4], 4, 7
+    scales = []
+    with PerSampleModule(model, keep_grad_sample=keep, grad_scaler=scaler) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.5))
+        for step, b in enumerate(sizes):
+            shape = (b, 16) if step % 3 == 1 else (b,)
+            x = torch.randn(*shape, 4, generator=gen, dtype=torch.float64)
+            y = torch.randn(*shape, 3, generator=gen, dtype=torch.float64)
+            if step == overflow_step:
+                y[1] = float("inf")
+            if step == manual_step:
+                scaler.update(new_scale=2.0**3)
+            optimizer.zero_grad()
+            run(psm, x, y, scaler)
+            scale = scaler.get_scale()
+            scales.append(scale)
+            assert psm.dropped_samples() == {}
+            before = [p.detach().clone() for p in model.parameters()]
+            if step == overflow_step:
+                for name, p in model.named_parameters():
+                    assert not torch.isfinite(p.grad).all(), name
+            else:
+                ref = reference_grad_sample(reference, x, y, lambda out, t: (out - t).pow(2).sum())
+                want, norms = clipped_mean(ref, 0.5)
+                for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+                    assert_close(q.grad / scale, want[name], f"{name} step {step}")
+                    assert_close(psm.per_sample_norms()[name], ref[name].flatten(1).norm(dim=1), name)
+                    if keep:
+                        assert_close(q.grad_sample, ref[name], f"grad_sample of {name} step {step}")
+                    p.grad = want[name]
+                ref_optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
+            if step == overflow_step:
+                assert scaler.get_scale() == scale / 2
+                assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+            for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+                assert_close(q, p, f"{name} after step {step}")
+    assert scales == [2.0**10, 2.0**10, 2.0**11, 2.0**11, 2.0**12, 2.0**11, 2.0**11, 2.0**3, 2.0**3, 2.0**4]
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("which", ["shared positions", "raw parameters", "fallback"])
+def test_shared_inputs_raw_parameters_and_fallback_under_a_scaler(keep: bool, which: str) -> None:
+    """Position embeddings of ``arange(T)`` (no batch dim), ViT-style raw parameters, and the
+    torch.func fallback: their per-sample gradients arrive by other paths than a layer's output;
+    under a changing scale they equal per-sample autograd's, clipped at the root."""
+    from tests.test_shared import STEPS, NanoGPT, RawParameters, floats, ids, squared, token_loss
+
+    torch.manual_seed(6)
+    model = (NanoGPT() if which == "shared positions" else RawParameters()).double()
+    batch = ids(9) if which == "shared positions" else floats(4, 3)
+    loss = token_loss if which == "shared positions" else squared
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**9)
+    gen = torch.Generator().manual_seed(0)
+    with PerSampleModule(model, keep_grad_sample=keep, grad_scaler=scaler, fallback=which == "fallback") as psm:
+        psm.register_transform(model, transforms.clip_norm(0.5))
+        for step, (b, t) in enumerate(STEPS):
+            x, y = batch(b, t, gen)
+            want, _ = clipped_mean(reference_grad_sample(model, x, y, loss=loss), 0.5)
+            psm.zero_grad()
+            scaler.scale(loss(psm(x), y) / b).backward()
+            assert scaler.get_scale() == 2.0 ** (9 + step)
+            for name, p in model.named_parameters():
+                assert_close(p.grad / 2.0 ** (9 + step), want[name], f"{name} step {step}")
+            scaler.update(new_scale=2.0 ** (10 + step))
