@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TypeAlias
 
 import torch
 from torch import Tensor
 
 LossScale = Callable[[], "Tensor | None"]
+# what PerSampleModule(grad_scaler=...) takes
+GradScalerLike: TypeAlias = torch.amp.GradScaler | float | Tensor | Callable[[], float | Tensor | None] | None
 
 _WHAT = (
     "grad_scaler must be a torch.amp.GradScaler, the loss scale itself (a positive number or a one-element "
@@ -43,7 +45,7 @@ def _as_scale(value: object, what: str) -> Tensor | None:
     raise TypeError(f"{_WHAT}; {what} gave {type(value).__name__}")
 
 
-def loss_scale_reader(grad_scaler: Any) -> LossScale | None:
+def loss_scale_reader(grad_scaler: GradScalerLike) -> LossScale | None:
     """A function returning the loss scale of the backward running now (None: the loss is not scaled).
 
     - a ``torch.amp.GradScaler`` (``torch.cuda.amp.GradScaler`` too): its scale tensor; None while

@@ -14,7 +14,7 @@ from torch.utils.hooks import RemovableHandle
 from .engine import Distributed, Engine, Target
 from .errors import NormNotComputedError, PergradError, TargetError, TransformError, UnsupportedLayerError
 from .hooks import HookedLayer, LayerHooks, owners
-from .loss_scale import loss_scale_reader
+from .loss_scale import GradScalerLike, loss_scale_reader
 from .registry import RuleRegistry, RuleSpec, default_registry, type_names
 from .rules.fallback import fallback as fallback_rule
 from .rules.raw import RAW
@@ -179,7 +179,7 @@ class PerSampleModule:
         fallback: bool = False,
         rules: RuleRegistry | None = None,
         detach_transformed: bool = True,
-        grad_scaler: Any = None,
+        grad_scaler: GradScalerLike = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleModule wraps an nn.Module, got {type(model).__name__}")
