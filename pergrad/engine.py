@@ -17,11 +17,17 @@ Per-sample gradients are those of each sample's OWN loss ``f_i``, where the loss
 ``(1/B) sum_i f_i`` (``loss_reduction="mean"``) or ``sum_i f_i`` (``"sum"``): for ``"mean"`` each
 sample's output gradient is B times the one autograd delivers, and that factor goes on whichever
 is smaller (``d``, or the rule's results; see ``sources.run_rule``).
+
+Under loss scaling (``grad_scaler=``, see ``loss_scale``) autograd delivers ``S`` times every
+gradient: each output gradient is divided by ``S`` as it arrives (so per-sample gradients, norms,
+statistics and activation gradients are those of the samples' own losses, and the transforms see
+them), and what pergrad writes into ``.grad`` is multiplied by ``S`` (the scaler's units).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,6 +38,7 @@ from .detach import Detached, Detacher
 from .errors import BatchSizeError, HookStateError, TransformError
 from .hooks import Kept
 from .layout import allocating_from
+from .loss_scale import LossScale, on_device
 from .pool import BufferPool
 from .sources import Call, Fused, Materialized, run_rule
 from .statistics import Statistics, compute_statistics
@@ -47,6 +54,13 @@ def _no_autocast(device_type: str) -> contextlib.AbstractContextManager[Any]:
 
 def _shape(a: object) -> object:
     return tuple(a.shape) if isinstance(a, Tensor) else "several inputs"
+
+
+def _all_finite(grads: Iterable[Tensor]) -> Tensor:
+    """Whether every value of ``grads`` is finite, as a tensor on their device (one read of each, no
+    temporary of their size: the inf-norm propagates NaN and Inf)."""
+    found = [torch.isfinite(torch.linalg.vector_norm(g, float("inf"))) for g in grads if g.numel()]
+    return torch.stack(found).all() if found else torch.tensor(True)
 
 
 class Distributed:
@@ -94,6 +108,7 @@ class _Backward:
     probed: bool = False  # a probe anchor's AccumulateGrad ran
     written: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad written by pergrad, in order
     accumulated: dict[nn.Parameter, None] = field(default_factory=dict)  # AccumulateGrad ran (autograd's part)
+    loss_scale: Tensor | None = None  # the scale the loss was multiplied by (grad_scaler=); None: unscaled
 
 
 class Engine:
@@ -113,8 +128,10 @@ class Engine:
         world: Distributed | None = None,
         verify_backwards: int = 1,
         detach_transformed: bool = False,
+        loss_scale: LossScale | None = None,
     ) -> None:
         self.world = world
+        self.loss_scale = loss_scale
         self.detach_transformed = detach_transformed
         self.verify_backwards = verify_backwards
         self.param_names = param_names
@@ -154,7 +171,7 @@ class Engine:
         if self._current is None or self._current.task_id != task:
             # A new backward pass. A previous one that failed midway left its state here: drop it.
             self.restore_deferred_hooks()
-            state = _Backward(task)
+            state = _Backward(task, loss_scale=None if self.loss_scale is None else self.loss_scale())
             self._current = state
             # Run after every callback queued during this backward (DDP's gradient all-reduce among
             # them): a callback queued from a callback goes to the end of the queue.
@@ -200,6 +217,10 @@ class Engine:
             d = d.to(dtype)
             if isinstance(kept.a, Tensor) and kept.a.is_floating_point() and kept.a.dtype != dtype:
                 kept = replace(kept, a=kept.a.to(dtype))
+            if state.loss_scale is not None:  # unscale after the cast: no underflow in float16
+                d.div_(on_device(state.loss_scale, d))  # our own copy
+        elif state.loss_scale is not None:
+            d = d / on_device(state.loss_scale, d)
         if self.keep_activation_grads and not layer.spec.raw:
             state.activation_grads[kept.key] = d * scale
         if kept.detached is not None:
@@ -230,6 +251,8 @@ class Engine:
         if state.generation not in (None, generation):
             return  # the mixed-forward error is raised by the layers' hook
         scale = d.shape[0] if self.loss_reduction == "mean" else 1
+        if state.loss_scale is not None:
+            d = d / on_device(state.loss_scale, d)
         state.activation_grads["input"] = d * scale
 
     def on_accumulate(self, param: nn.Parameter, grad: Tensor) -> Tensor | None:
@@ -240,7 +263,7 @@ class Engine:
         state.reached[param] = None
         state.accumulated[param] = None
         if self.track_statistics or self.verify_backwards > 0:
-            state.batch_grads[param] = grad
+            state.batch_grads[param] = self._unscaled(grad, state)  # the units of the per-sample gradients
         if self.running_mean:
             state.prior[param] = self._samples_in_grad(param)
         writes = param in self.transformed or param in self.detacher.current
@@ -344,6 +367,7 @@ class Engine:
         else:
             wanted = [p for p in reached if self.track_norms or p in self._needs_norms]
             sq_norms = source.sq_norms(wanted) if wanted else {}
+        self.last_sq_norms = sq_norms  # those a norm-based transform needs; every parameter's with track_norms
         for target in self.targets:
             self._reduce_target(target, source, state, sq_norms)
         if owned:
@@ -351,13 +375,12 @@ class Engine:
             stats = self.last_statistics if self.track_statistics else None
             if stats is not None:  # the means are there already
                 size = 1.0 if self.reduction == "mean" else float(state.batch_size)
-                totals = {p: stats.params[self.param_names[p]].mean * size for p in owned}
+                totals = {p: self._scaled(stats.params[self.param_names[p]].mean * size, state) for p in owned}
             else:
-                totals = source.summed(owned, next(iter(owned)).new_full((state.batch_size,), weight))
+                weights = self._scaled(next(iter(owned)).new_full((state.batch_size,), weight), state)
+                totals = source.summed(owned, weights)
             for param, reduced in totals.items():
                 self._add_grad(param, reduced, state)
-        if self.track_norms:
-            self.last_sq_norms = sq_norms
         if self.running_mean:
             for p, n in state.prior.items():
                 if p.grad is not None:
@@ -403,7 +426,8 @@ class Engine:
         weight = 1.0 / state.batch_size if self.loss_reduction == "mean" else 1.0
         totals = source.summed(params, first.new_full((state.batch_size,), weight))
         for p in params:
-            autograd, ours = state.batch_grads[p], totals[p].to(state.batch_grads[p].dtype)
+            autograd = state.batch_grads[p]  # in the units of the per-sample gradients
+            ours = totals[p].to(autograd.dtype)
             if not torch.isfinite(autograd).all():
                 continue  # non-finite values: nothing to compare; a poisoned sample is handled elsewhere
             # round-off of two summation orders, relative to the larger side, plus a floor for sums
@@ -478,19 +502,26 @@ class Engine:
         if isinstance(transform, Scaling):
             # T(g_i) = c_i g_i: sum_i c_i g_i without building g_i where the source allows it.
             # A parameter of the target that this backward did not reach has g_i = 0: it adds 0.
+            # The norms are those of the samples' own losses (unscaled): a bound means the same under a scaler.
             norms = torch.stack([sq_norms[p] for p in params]).sum(0).sqrt() if transform.needs_norms else None
             factors = transform.factors(norms, batch_size, params[0].detach())
-            drop = None
+            drop = overflow = None
             if norms is not None:
                 # a sample whose gradient holds NaN or Inf has no finite clipped/normalised value:
-                # it contributes nothing, and is reported by dropped_samples()
+                # it contributes nothing, and is reported by dropped_samples(). Under loss scaling it
+                # is an overflow, which must reach .grad so that the scaler skips the step and lowers
+                # its scale: the sample's factor is NaN
                 bad = ~torch.isfinite(norms)
-                if bad.any():
+                if state.loss_scale is not None:
+                    overflow, factors = bad, factors.masked_fill(bad, 0)
+                elif bad.any():
                     drop, factors = bad, factors.masked_fill(bad, 0)
                     self.last_dropped[target.label] = bad.nonzero().flatten()
             if not torch.isfinite(factors).all():
                 raise TransformError(f"the transform registered for {target.label} produced non-finite scale factors")
-            weights = factors / batch_size if self.reduction == "mean" else factors
+            if overflow is not None:
+                factors = factors.masked_fill(overflow, torch.nan)
+            weights = self._scaled(factors / batch_size if self.reduction == "mean" else factors, state)
             for param, reduced in source.summed(params, weights, drop).items():
                 self._add_grad(param, reduced, state)
             return
@@ -502,13 +533,30 @@ class Engine:
         }
         result = transform.apply(batch)
         check_output(target.label, batch, result)
+        inputs_finite = _all_finite(batch.values()) if state.loss_scale is not None else None
         for key, param in target.params.items():
             reduced = result[key].sum(0) if self.reduction == "sum" else result[key].mean(0)
-            if not torch.isfinite(reduced).all() and torch.isfinite(batch[key]).all():
+            if not torch.isfinite(reduced).all() and (
+                _all_finite(batch.values()) if inputs_finite is None else inputs_finite
+            ):
                 raise TransformError(
                     f"the transform registered for {target.label} produced non-finite values for {key!r}"
                 )
+            if inputs_finite is not None:
+                # T(g_i) in the scaler's units; an overflow in the target's g_i reaches .grad as NaN
+                # whatever T made of it (a clamp would hide it from the scaler)
+                reduced = torch.where(inputs_finite, self._scaled(reduced, state), torch.nan)
             self._add_grad(param, reduced, state)
+
+    @staticmethod
+    def _scaled(t: Tensor, state: _Backward) -> Tensor:
+        """``t`` (in the samples' own units) in the units of ``.grad``: times the loss scale."""
+        return t if state.loss_scale is None else t * on_device(state.loss_scale, t)
+
+    @staticmethod
+    def _unscaled(t: Tensor, state: _Backward) -> Tensor:
+        """A gradient autograd delivered (times the loss scale) in the samples' own units."""
+        return t if state.loss_scale is None else t / on_device(state.loss_scale, t)
 
     def _add_grad(self, param: nn.Parameter, reduced: Tensor, state: _Backward) -> None:
         """Add this batch's reduction to ``.grad`` (with ``accumulate="samples"``, fold it into the

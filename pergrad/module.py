@@ -12,8 +12,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from .engine import Distributed, Engine, Target
-from .errors import PergradError, TargetError, TransformError, UnsupportedLayerError
+from .errors import NormNotComputedError, PergradError, TargetError, TransformError, UnsupportedLayerError
 from .hooks import HookedLayer, LayerHooks, owners
+from .loss_scale import GradScalerLike, loss_scale_reader
 from .registry import RuleRegistry, RuleSpec, default_registry, type_names
 from .rules.fallback import fallback as fallback_rule
 from .rules.raw import RAW
@@ -126,7 +127,8 @@ class PerSampleModule:
             ``B x #params`` is built where a fused path exists: scaling transforms (``clip_norm``,
             ``normalize``, ``scale``) and norms come from each layer's input and output gradient.
         track_norms: compute every parameter's per-sample gradient norms in each backward
-            (``per_sample_norms()``); needed only with ``keep_grad_sample=False``.
+            (``per_sample_norms()``); needed only with ``keep_grad_sample=False``, where without it
+            only the norms that norm-based transforms use are computed (and kept).
         track_statistics: compute ``statistics()`` in each backward; needed only with
             ``keep_grad_sample=False``.
         accumulate: how ``.grad`` combines several backward passes before it is cleared:
@@ -148,6 +150,17 @@ class PerSampleModule:
             gradient that pergrad replaces anyway: one matmul or convolution backward less per
             layer. ``torch.autograd.grad`` with respect to such a weight then raises (it is not in
             the graph); pass False if you need that.
+        grad_scaler: the ``torch.amp.GradScaler`` whose ``scaler.scale(loss)`` the backward passes
+            run on (mixed precision). Its scale is read, as a tensor, at each backward; the
+            transforms see the per-sample gradients of the samples' own (unscaled) losses, so a
+            clipping bound means the same with and without it, and ``.grad`` gets ``S`` times the
+            reduction (the scaler's units: ``scaler.unscale_`` and ``scaler.step`` work unchanged).
+            ``grad_sample``, ``per_sample_norms()``, ``statistics()`` and ``activation_grads()``
+            are unscaled. A NaN or Inf (an overflow) reaches ``.grad`` instead of being left out of
+            a norm-based transform, so the scaler skips the step and lowers its scale. Also
+            accepted: the loss scale itself (a number, or a one-element tensor read at each
+            backward) or a callable returning it (or None for an unscaled backward). A disabled
+            scaler, or one before its first ``scale()``, means an unscaled backward.
     """
 
     def __init__(
@@ -166,6 +179,7 @@ class PerSampleModule:
         fallback: bool = False,
         rules: RuleRegistry | None = None,
         detach_transformed: bool = True,
+        grad_scaler: GradScalerLike = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleModule wraps an nn.Module, got {type(model).__name__}")
@@ -197,6 +211,7 @@ class PerSampleModule:
             keep_activation_grads=keep_activation_grads,
             verify_backwards=1 if verify else 0,
             detach_transformed=detach_transformed,
+            loss_scale=loss_scale_reader(grad_scaler),
             world=Distributed(model.process_group) if isinstance(model, DistributedDataParallel) else None,
         )
         if self._engine.world is not None and accumulate == "samples":
@@ -311,14 +326,39 @@ class PerSampleModule:
         return Materialized(grads), names, next(iter(grads.values())).shape[0]
 
     def per_sample_norms(self) -> dict[str, Tensor]:
-        """``{qualified param name: Tensor[B]}``: ``||g_i||`` of each parameter, before any transform.
+        """``{qualified param name: Tensor[B]}``: ``||g_i||`` of each parameter in the last backward,
+        before any transform (the norms clipping compared with its bound; unscaled under
+        ``grad_scaler``). The norm of a module's or the model's gradient is ``sqrt(sum of squares)``
+        of these. Which parameters it holds:
 
-        The norm of a module's or the model's gradient is ``sqrt(sum of squares)`` of these.
+        - ``track_norms=True`` (or ``track_statistics=True``): every parameter the backward reached;
+        - ``keep_grad_sample=True``: every parameter with a ``grad_sample`` (read off it);
+        - otherwise: those the backward computed anyway, the parameters a norm-based transform
+          (``clip_norm``, ``normalize``) covers and the backward reached.
+
+        Looking up another parameter raises ``NormNotComputedError`` (a ``KeyError``) saying why.
         """
-        if self._engine.track_norms:
-            return {self._engine.param_names[p]: sq.sqrt() for p, sq in self._engine.last_sq_norms.items()}
-        source, names, _ = self._materialized()
-        return {names[p]: sq.sqrt() for p, sq in source.sq_norms(names).items()}
+        engine = self._engine
+        trainable = sorted(engine.param_names.values())
+        if engine.track_norms or (not engine.keep_grad_sample and engine.last_sq_norms):
+            found = {engine.param_names[p]: sq.sqrt() for p, sq in engine.last_sq_norms.items()}
+        elif engine.keep_grad_sample:
+            source, names, _ = self._materialized()
+            found = {names[p]: sq.sqrt() for p, sq in source.sq_norms(names).items()}
+        else:
+            raise PergradError(
+                "no per-sample norms: with keep_grad_sample=False, per_sample_norms() answers after a backward that "
+                "computed norms: for the parameters a norm-based transform (clip_norm, normalize) covers, or for every "
+                "parameter with PerSampleModule(..., track_norms=True)"
+            )
+        why = (
+            "the parameter received no gradient in the last backward"
+            if engine.track_norms or engine.keep_grad_sample
+            else "with keep_grad_sample=False and track_norms=False the backward computes only the norms that its "
+            "norm-based transforms (clip_norm, normalize) use, those of the parameters they cover; pass "
+            "track_norms=True to PerSampleModule for every parameter's"
+        )
+        return PerSampleNorms(found, trainable, why)
 
     def statistics(self) -> Statistics:
         """Statistics of the last backward's per-sample gradients (formulas: ``pergrad.statistics``)."""
@@ -453,3 +493,19 @@ class PerSampleModule:
             f"PerSampleModule({type(self.module).__name__}, loss_reduction={self.loss_reduction!r}, "
             f"reduction={self.reduction!r}, layers={len(self._layers)}, transforms={len(self._engine.targets)})"
         )
+
+
+class PerSampleNorms(dict[str, Tensor]):
+    """What ``per_sample_norms()`` returns: a dict whose missing keys say why they are missing."""
+
+    def __init__(self, norms: dict[str, Tensor], trainable: list[str], why: str) -> None:
+        super().__init__(norms)
+        self.trainable, self.why = trainable, why
+
+    def __missing__(self, key: str) -> Tensor:
+        if key not in self.trainable:
+            raise NormNotComputedError(
+                f"{key!r} is not a trainable parameter of the wrapped model; qualified names look like "
+                f"{self.trainable[:3]}"
+            )
+        raise NormNotComputedError(f"no per-sample norm of parameter {key!r} from the last backward: {self.why}")
