@@ -162,14 +162,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         loss((psm or model)(x), y).backward()
 
     if constant:
-        x, y = batches()
-        times = []
-        for i in range(3 + args.timed):
-            t0 = time.perf_counter()
-            step(x, y)
-            if i >= 3:
-                times.append(time.perf_counter() - t0)
-        return {"median_ms": statistics.median(times) * 1e3, "pergrad": pergrad.__file__}
+        return timed(args, build, keep, (psm, loss), batches(), pergrad.__file__)
     held, rss, shapes = [], [], []
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -204,11 +197,59 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def load_baseline(directory: str) -> Any:
+    """The ``pergrad`` package of another checkout, imported as ``pergrad_baseline`` (it imports
+    itself only relatively), so both run in one process on the same machine state."""
+    import importlib.util
+
+    init = Path(directory) / "pergrad" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        "pergrad_baseline", init, submodule_search_locations=[str(init.parent)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["pergrad_baseline"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def timed(
+    args: argparse.Namespace, build: Any, keep: bool, current: tuple[Any, Any], batch: tuple[Any, Any], where: str
+) -> dict[str, Any]:
+    """Step times for one constant batch; with ``--baseline``, a second copy of the model wrapped by
+    the baseline's pergrad steps in turn with this one (ABBA order), so both see the same load."""
+    import torch
+
+    runs = {"current": current}
+    if args.baseline:
+        base = load_baseline(args.baseline)
+        other, _, other_loss = build(args.quick, True)
+        wrapped = base.PerSampleModule(other, keep_grad_sample=keep)
+        wrapped.register_transform(other, base.transforms.clip_norm(1.0))
+        runs["baseline"] = (wrapped, other_loss)
+    x, y = batch
+    times: dict[str, list[float]] = {code: [] for code in runs}
+    for i in range(3 + args.timed):
+        for code in list(runs) if i % 2 == 0 else list(reversed(runs)):
+            psm, loss = runs[code]
+            psm.zero_grad()
+            start = time.perf_counter()
+            loss(psm(x), y).backward()
+            if i >= 3:
+                times[code].append(time.perf_counter() - start)
+    out: dict[str, Any] = {f"{code}_ms": statistics.median(t) * 1e3 for code, t in times.items()}
+    if args.baseline:
+        out["ratio"] = statistics.median(c / b for c, b in zip(times["current"], times["baseline"]))
+    return out | {"pergrad": where, "torch_threads": torch.get_num_threads()}
+
+
 def run_child(args: argparse.Namespace, row: str, pergrad_dir: str, steps: int) -> dict[str, Any]:
     cmd = [
         args.python, str(Path(__file__).resolve()), "--child", "--row", row, "--pergrad", pergrad_dir,
         "--steps", str(steps), "--timed", str(args.timed), "--threads", str(args.threads),
     ]  # fmt: skip
+    if args.baseline and steps == 0:  # a speed row times both codes in one process
+        cmd += ["--baseline", str(Path(args.baseline).resolve())]
     if args.quick:
         cmd.append("--quick")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -271,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 12 steps, one speed round")
     parser.add_argument("--steps", type=int, default=None, help="steps of every memory row (200; quick 12)")
-    parser.add_argument("--rows", nargs="+", default=MEMORY_ROWS, help=f"memory rows, of {MEMORY_ROWS}")
+    parser.add_argument("--rows", nargs="*", default=MEMORY_ROWS, help=f"memory rows, of {MEMORY_ROWS}")
     parser.add_argument("--no-plain", action="store_true", help="skip the plain loops")
     parser.add_argument("--speed", nargs="*", default=SPEED_ROWS, help=f"speed rows, of {SPEED_ROWS}")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved speed rounds (5; quick 1)")
@@ -314,20 +355,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{code}: {row} ({steps} steps)", file=sys.stderr, flush=True)
             results["memory"][code][row] = run_child(args, row, where, steps)
     if args.speed:
-        runs: dict[str, dict[str, list[float]]] = {row: {code: [] for code in codes} for row in args.speed}
+        runs: dict[str, list[dict[str, Any]]] = {row: [] for row in args.speed}
         for i in range(args.rounds):
             for row in args.speed:
-                for code, where in codes.items():
-                    print(f"speed round {i + 1}: {row} ({code})", file=sys.stderr, flush=True)
-                    r = run_child(args, row, where, 0)
-                    runs[row][code].append(r.get("median_ms", float("nan")))
+                print(f"speed round {i + 1}: {row}", file=sys.stderr, flush=True)
+                runs[row].append(run_child(args, row, str(ROOT), 0))
         speed: dict[str, Any] = {"baseline": args.baseline, "rounds": args.rounds, "rows": {}}
-        for row, by_code in runs.items():
-            entry = {"current_ms": statistics.median(by_code["current"]), "runs": by_code}
-            if args.baseline:
-                entry["baseline_ms"] = statistics.median(by_code["baseline"])
-                entry["ratio"] = statistics.median(c / b for c, b in zip(by_code["current"], by_code["baseline"]))
-            speed["rows"][row] = entry
+        for row, rounds in runs.items():
+            ok = [r for r in rounds if "error" not in r] or [{"current_ms": float("nan")}]
+            entry = {
+                key: statistics.median(r[key] for r in ok) for key in ok[0] if key.endswith("_ms") or key == "ratio"
+            }
+            speed["rows"][row] = entry | {"rounds": rounds}
         results["speed"] = speed
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
