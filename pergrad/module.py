@@ -16,6 +16,7 @@ from .errors import PergradError, TargetError, TransformError, UnsupportedLayerE
 from .hooks import HookedLayer, LayerHooks, owners
 from .registry import RuleRegistry, RuleSpec, default_registry, type_names
 from .rules.fallback import fallback as fallback_rule
+from .rules.fallback import output_dims as fallback_output_dims
 from .sources import Materialized
 from .statistics import Statistics, compute_statistics
 from .transforms import Transform, UserTransform
@@ -43,7 +44,7 @@ def _check_layer_options(name: str, module: nn.Module) -> None:
             )
 
 
-FALLBACK = RuleSpec(fallback_rule, all_inputs=True, subtree=True)
+FALLBACK = RuleSpec(fallback_rule, all_inputs=True, subtree=True, output_dims=fallback_output_dims)
 
 
 def _inside(name: str, parent: str) -> bool:
@@ -210,6 +211,7 @@ class PerSampleModule:
         self._layout = _layout(self._modules)
         engine = self._engine
         engine.param_names = {p: name for name, p in model.named_parameters() if p.requires_grad}
+        engine.layers = self._layers
         engine.detacher.candidates(self._layers, model)
         engine.clear_targets()
         for target, transform in self._targets:
