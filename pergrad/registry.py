@@ -124,6 +124,7 @@ class RuleSpec:
     fused: FusedRule | None = None
     subtree: bool = False  # the rule covers the parameters of the layer's submodules too
     output_dims: OutputDims | None = None
+    raw: bool = False  # one raw parameter of a module, tracked where it meets the batch (``pergrad.shared``)
 
 
 @dataclass(frozen=True)
