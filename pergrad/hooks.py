@@ -438,11 +438,11 @@ class LayerHooks:
                     f"no batch dim {batch_dim}; pergrad needs batched inputs"
                     + ("" if batch_first else " (batch_first=False puts the batch on dim 1)")
                 )
+            batch_size = batched.shape[batch_dim] if packed_batch is None else packed_batch
             if isinstance(a, LayerCall) and layer.spec.output_dims is not None:
-                a = replace(a, output_dims=_output_dims(layer, returned, batch_dim))
+                a = replace(a, output_dims=_output_dims(layer, returned, batch_dim), batch_size=batch_size)
             kept_input = a if isinstance(a, LayerCall) else batch_to_front(a, batch_first)
             key = self._key(layer.name)
-            batch_size = batched.shape[batch_dim] if packed_batch is None else packed_batch
             kept = Kept(
                 layer, kept_input, self.generation, batch_size, key, packed=packed_batch is not None, detached=detached
             )

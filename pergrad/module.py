@@ -336,6 +336,10 @@ class PerSampleModule:
 
         - ``"<layer>"``: ``d f_i / d output`` of each hooked layer (``"<layer>:k"`` for its k-th extra
           call in one forward), scaled like ``grad_sample`` (each sample's OWN loss ``f_i``);
+        - ``"<layer>[k]"``: ``d f_i / d`` the k-th tensor (k >= 1) the layer returned, for layers whose
+          rule takes every output (``h_n`` and ``c_n`` of ``nn.RNN``/``nn.GRU``/``nn.LSTM``, the
+          attention weights of ``nn.MultiheadAttention``); with ``fallback=True``, laid out as the
+          module returned it (the fallback finds its batch dim in the backward);
         - ``"input"``: ``d f_i / d x`` for the model's first input, when it requires grad.
 
         Needs ``keep_activation_grads=True``. Saliency maps are ``activation_grads()["input"].abs()``;

@@ -111,11 +111,12 @@ class RuleSpec:
     (layers whose input is not batched, such as ``nn.EmbeddingBag`` with offsets).
     ``output_dims`` (with ``all_inputs``): the rule takes the gradients of every tensor the layer
     returns (``output_tensors``: ``out, (h_n, c_n)`` of an LSTM), not only of the first one. ``d`` is
-    then a tuple with one entry per tensor, None where no gradient reached it this backward, each
-    with the batch on dim 0. ``output_dims(layer, output, batch_dim)`` says where the batch is in each
-    tensor as the layer returns it (``batch_dim``: the wrapper's), None where it has none (a
-    PackedSequence's data, whose gradient is handed over as it is; a tensor shared by the batch).
-    The rule finds them in ``LayerCall.output_dims``.
+    then a tuple with one entry per tensor, None where no gradient reached it this backward.
+    ``output_dims(layer, output, batch_dim)`` says where the batch is in each tensor as the layer
+    returns it (``batch_dim``: the wrapper's); its gradient then comes with the batch on dim 0. None
+    hands the gradient over as returned (a PackedSequence's data; an output whose batch the rule
+    finds itself, as the fallback does). The rule finds them in ``LayerCall.output_dims``, and the
+    batch size in ``LayerCall.batch_size``.
     """
 
     fn: Rule
@@ -135,6 +136,7 @@ class LayerCall:
     kwargs: dict[str, Any]
     batch_dim: int = 0  # where the batch is in the batched arguments (1 with batch_first=False)
     output_dims: tuple[int | None, ...] = ()  # the batch dim of each output tensor (rules with output_dims)
+    batch_size: int | None = None  # B (rules with output_dims)
 
 
 class RuleRegistry:

@@ -341,5 +341,66 @@ def test_an_output_shared_by_the_batch_may_not_enter_the_loss() -> None:
         assert_close(model.w.grad_sample, 2 * x * (x * model.w.detach() - target))
         y, aux = psm(x)
         loss = (y - target).pow(2).sum().div(4) + aux
-        with pytest.raises(BatchMixingError, match=r"output 1 of a WithBatchMean .* has no batch dim but received"):
+        with pytest.raises(
+            BatchMixingError,
+            match=r"output 1 of a WithBatchMean has shape \(\) for the batch of 4 samples but \(\) for one sample "
+            r"run alone: no dim holds one slice per sample, yet it received a gradient",
+        ):
             loss.backward()
+
+
+class Elman(nn.Module):
+    """A two-layer Elman RNN written out in Python (batch-first input, no rule: the fallback), returning
+    the output sequence ``[B, T, H]`` and the final states ``[2, B, H]``: batch on dim 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.u1 = nn.Parameter(torch.randn(3, 4) / 2), nn.Parameter(torch.randn(3, 3) / 2)
+        self.w2, self.u2 = nn.Parameter(torch.randn(3, 3) / 2), nn.Parameter(torch.randn(3, 3) / 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h1 = h2 = x.new_zeros(x.shape[0], 3)
+        outputs = []
+        for t in range(x.shape[1]):
+            h1 = torch.tanh(x[:, t] @ self.w1.T + h1 @ self.u1.T)
+            h2 = torch.tanh(h1 @ self.w2.T + h2 @ self.u2.T)
+            outputs.append(h2)
+        return torch.stack(outputs, 1), torch.stack([h1, h2])
+
+
+class ReadsFinalStates(nn.Module):
+    def __init__(self, both: bool) -> None:
+        super().__init__()
+        self.rnn, self.both = Elman(), both
+        self.head = nn.Linear(9 if both else 6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, h_n = self.rnn(x)
+        features = h_n.permute(1, 0, 2).flatten(1)
+        return self.head(torch.cat([features, out.mean(1)], 1) if self.both else features)
+
+
+@pytest.mark.parametrize("both", [False, True])
+def test_fallback_finds_the_batch_of_each_output_from_one_sample_alone(both: bool) -> None:
+    """The final states have the batch on dim 1 with batch-first inputs: found from their shape for one
+    sample alone, also with a batch of 2 (the number of layers, where dim 0 has the batch size too).
+    Root clipping over steps with batch sizes 2, 3, 1, materialised and fused."""
+    torch.manual_seed(7)
+    model = ReadsFinalStates(both).double()
+    for keep in (True, False):
+        with PerSampleModule(model, fallback=True, keep_grad_sample=keep, track_norms=True) as psm:
+            psm.register_transform(model, transforms.clip_norm(0.3))
+            for step, batch in enumerate((2, 3, 1)):
+                x = torch.randn(batch, 4, 4, dtype=torch.float64)
+                target = torch.randn(batch, 2, dtype=torch.float64)
+                ref = reference_grad_sample(model, x, target)
+                norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
+                factor = (0.3 / norms).clamp(max=1)
+                model.zero_grad()
+                run_pergrad(psm, x, target)
+                for name, p in model.named_parameters():
+                    g = ref[name]
+                    if keep:
+                        assert_close(p.grad_sample, g, f"step {step} {name}")
+                    assert_close(psm.per_sample_norms()[name], g.flatten(1).norm(dim=1), f"step {step} {name}")
+                    assert_close(p.grad, (g * factor.view(-1, *([1] * p.dim()))).mean(0), f"step {step} {name}")

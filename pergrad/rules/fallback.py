@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
-from ..errors import BatchMixingError, UnsupportedLayerError
+from ..errors import BatchMixingError, PergradError, UnsupportedLayerError
 from ..registry import LayerCall, OutputGrads, default_registry, output_tensors
 
 
@@ -31,11 +31,26 @@ def _found_dim(x: Any, batch_dim: int, batch: int) -> int | None:
 
 
 def output_dims(layer: nn.Module, output: Any, batch_dim: int) -> tuple[int | None, ...]:
-    """The batch dim of each tensor a module returns, found as for its inputs (``_found_dim``); the
-    batch size is that of its first tensor on the wrapper's batch dim."""
-    tensors = output_tensors(output)
-    batch = tensors[0].shape[batch_dim]
-    return tuple(_found_dim(t, batch_dim, batch) for t in tensors)
+    """The first tensor a module returns has the batch on the wrapper's batch dim (the batch size is
+    its size there); the others are handed over as returned (None), and ``fallback`` finds where
+    each holds the batch from its shape for one sample alone (``h_n``-like states ``[layers, B, H]``
+    of a module whose inputs are batch-first, a statistic of the whole batch without one)."""
+    return (batch_dim, *(None for _ in output_tensors(output)[1:]))
+
+
+def _sample_dim(shape: tuple[int, ...], alone: tuple[int, ...], batch: int, preferred: tuple[int, ...]) -> int | None:
+    """The dim of an output of shape ``shape`` (for the batch) that holds one slice per sample: the
+    one whose size is ``batch`` there and 1 in the output's shape ``alone`` for one sample run alone,
+    every other dim equal. Unique for ``batch > 1``; for a batch of one, the first of ``preferred``
+    that fits (all give the same slice)."""
+    if len(shape) != len(alone):
+        return None
+    fits = [
+        j
+        for j in range(len(shape))
+        if shape[j] == batch and alone[j] == 1 and shape[:j] + shape[j + 1 :] == alone[:j] + alone[j + 1 :]
+    ]
+    return min(fits, key=lambda j: (preferred.index(j) if j in preferred else len(preferred), j), default=None)
 
 
 def fallback(
@@ -53,29 +68,30 @@ def fallback(
     Arguments that are tensors with the batch size on the batch dim (or, failing that, on dim 0)
     are split per sample; every other argument (masks without a batch dim, flags) is shared by all
     samples. Where a shared tensor happens to have the batch size on that dim, it is split too:
-    the first-backward check reports the mismatch if it changes the gradient. The outputs' batch
-    dims are found the same way when the call is kept (``output_dims``, in ``call.output_dims``);
-    an output without one that receives a gradient (a statistic of the whole batch) is an error.
-    A bare tensor ``d`` is the gradient of the first tensor output alone (a rule registered without
+    the first-backward check reports the mismatch if it changes the gradient.
+
+    ``d_k,i`` is the slice of output k's gradient on the dim where the output of the whole batch has
+    size B and the output of sample i run alone (inside the ``vmap``) has size 1, every other dim
+    equal (``_sample_dim``): exact wherever the batch is (``[layers, B, H]`` states with batch-first
+    inputs), and an error for an output without such a dim that receives a gradient (a statistic of
+    the whole batch). ``call.output_dims`` says where the engine put each batch (dim 0) or that it
+    handed the gradient over as returned (None); a dim given there must be the one found. A bare
+    tensor ``d`` is the gradient of the first tensor output alone (a rule registered without
     ``output_dims``).
     """
     own = {n: p.detach() for n, p in layer.named_parameters() if p.requires_grad}
     if not own:
         return {}
     grads, out_dims = ((d,), (call.batch_dim,)) if isinstance(d, Tensor) else (d, call.output_dims)
-    present: list[tuple[int, int]] = []  # (output k, its batch dim) for the outputs with a gradient
-    for k, (g, out_dim) in enumerate(zip(grads, out_dims, strict=True)):
-        if g is not None and out_dim is None:
-            raise BatchMixingError(
-                f"output {k} of a {type(layer).__name__} (a tensor of shape {tuple(g.shape)}) has no batch "
-                "dim but received a gradient: it does not belong to one sample (a statistic of the whole batch, "
-                "such as an auxiliary loss averaged over it), so per-sample gradients through it are undefined. "
-                "Compute such a term per sample, or keep it out of the loss"
-            )
-        if g is not None and out_dim is not None:
-            present.append((k, out_dim))
-    ds = tuple(g for g in grads if g is not None)
-    batch, dim = ds[0].shape[0], call.batch_dim
+    arrived = [(k, g, out_dims[k]) for k, g in enumerate(grads) if g is not None]
+    present = [k for k, _, _ in arrived]
+    # each gradient as the module returned it; its batch dim is found per sample inside vmap
+    full = tuple(_returned(g, out_dim) for _, g, out_dim in arrived)
+    given = tuple(out_dim for _, _, out_dim in arrived)
+    batch = next((g.shape[0] for _, g, out_dim in arrived if out_dim is not None), call.batch_size)
+    if batch is None:
+        raise TypeError("fallback: LayerCall.batch_size is needed when no output has a batch dim")
+    dim = call.batch_dim
 
     def batch_dim_of(x: Any) -> int | None:
         return _found_dim(x, dim, batch)
@@ -90,7 +106,7 @@ def fallback(
     kwarg_dims = {k: dim_of(k, v) for k, v in call.kwargs.items()}
 
     def one(
-        params: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any], d_i: tuple[Tensor, ...]
+        params: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any], sample: Tensor
     ) -> dict[str, Tensor]:
         def unsqueeze(x: Any, in_dim: int | None) -> Any:
             return x.unsqueeze(in_dim) if in_dim is not None else x
@@ -100,24 +116,47 @@ def fallback(
 
         def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
             outputs = output_tensors(functional_call(layer, p, args, kwargs))
-            return tuple(outputs[k] for k, _ in present)
+            return tuple(outputs[k] for k in present)
 
         pulled = vjp(forward, params)
         outs, pull = pulled[0], pulled[1]
-        cotangents = tuple(
-            g.unsqueeze(out_dim).reshape(o.shape) for (_, out_dim), g, o in zip(present, d_i, outs, strict=True)
-        )
-        return pull(cotangents)[0]
+        cotangents = []
+        for k, g, o, promised in zip(present, full, outs, given, strict=True):
+            shape, alone = tuple(g.shape), tuple(o.shape)
+            found = _sample_dim(shape, alone, batch, (dim, 0) if promised is None else (promised,))
+            if found is None or (promised is not None and found != promised):
+                raise BatchMixingError(
+                    f"output {k} of a {type(layer).__name__} has shape {shape} for the batch of {batch} samples but "
+                    f"{alone} for one sample run alone: "
+                    + (
+                        f"its batch is not on dim {promised}, where its rule's output_dims put it"
+                        if found is not None
+                        else "no dim holds one slice per sample, yet it received a gradient. It does not belong to "
+                        "one sample (a statistic of the whole batch, such as an auxiliary loss averaged over it), so "
+                        "per-sample gradients through it are undefined. Compute such a term per sample, or keep it "
+                        "out of the loss"
+                    )
+                )
+            cotangents.append(g.index_select(found, sample.unsqueeze(0)))
+        return pull(tuple(cotangents))[0]
 
+    index = torch.arange(batch, device=full[0].device)
     try:
         with torch.enable_grad():
-            return vmap(one, in_dims=(None, arg_dims, kwarg_dims, 0))(own, call.args, call.kwargs, ds)
+            return vmap(one, in_dims=(None, arg_dims, kwarg_dims, 0))(own, call.args, call.kwargs, index)
+    except PergradError:
+        raise
     except Exception as err:  # torch.func cannot run every forward (nn.LSTM, data-dependent control flow)
         raise UnsupportedLayerError(
             f"the torch.func fallback could not compute per-sample gradients of a {type(layer).__name__} "
             f"({type(err).__name__}: {str(err)[:200]}). Register a rule for it with "
             f"@pergrad.register_rule({type(layer).__name__})."
         ) from err
+
+
+def _returned(g: Tensor, batch_dim: int | None) -> Tensor:
+    """An output's gradient in the layout the module returned it (the engine moved a known batch dim to 0)."""
+    return g if batch_dim is None else g.movedim(0, batch_dim)
 
 
 # nn.MultiheadAttention uses out_proj's weight without calling out_proj, and its own projection
