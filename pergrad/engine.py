@@ -447,12 +447,19 @@ class Engine:
     def _unreached(self, param: nn.Parameter) -> str:
         """What pergrad saw when a parameter got a gradient that none of its layers' outputs passed on."""
         holders = [layer for layer in self.layers if any(p is param for _, p in layer.trainable())]
-        caught = {True: "any tensor returned by", False: "the first tensor returned by"}
-        where = " or ".join(
-            f"{caught[layer.spec.output_dims is not None] if layer.spec.all_inputs else 'the output of'} layer "
-            f"{layer.name!r} ({type(layer.module).__name__})"
-            for layer in holders
-        )
+
+        def caught(layer: HookedLayer) -> str:
+            if layer.spec.raw:
+                return f"the uses of {layer.label} in its forward"
+            if layer.spec.output_dims is not None:
+                return f"any tensor returned by {layer.label}"
+            return (
+                f"the first tensor returned by {layer.label}"
+                if layer.spec.all_inputs
+                else f"the output of {layer.label}"
+            )
+
+        where = " or ".join(caught(layer) for layer in holders)
         return (
             f"parameter {self.param_names[param]!r} received a gradient in this backward pass, but pergrad caught "
             f"no gradient on {where or 'the output of a hooked layer holding it'} in a forward of the wrapped "
