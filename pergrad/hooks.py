@@ -178,6 +178,16 @@ def _output_dims(layer: HookedLayer, returned: Any, batch_dim: int) -> tuple[int
     return dims
 
 
+def _first_tensor(output: Any, nested: bool) -> Tensor | None:
+    """The first tensor a layer returned: the first item of a tuple or list that is one, or, for a rule
+    that takes every output (``nested``), the first of ``output_tensors`` (dicts and nesting walked)."""
+    if nested:
+        tensors = output_tensors(output)
+    else:
+        tensors = tuple(o for o in output if isinstance(o, Tensor)) if isinstance(output, tuple | list) else ()
+    return tensors[0] if tensors else None
+
+
 Edge = tuple[Any, int]  # an autograd node and the index of one of its outputs
 
 
@@ -409,12 +419,20 @@ class LayerHooks:
             detached = self._detached.pop(layer.name, None)
             returned = output
             packed_batch = None
-            if layer.spec.all_inputs and isinstance(output, tuple | list):
-                if output and isinstance(output[0], PackedSequence):  # a recurrent layer on packed input
-                    packed_batch, output = int(output[0].batch_sizes[0]), output[0].data
-                else:
-                    output = next((o for o in output if isinstance(o, Tensor)), None)  # its first tensor output
-            if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.grad_fn is not None):
+            every = layer.spec.output_dims is not None  # the rule takes every output tensor's gradient
+            if (
+                layer.spec.all_inputs
+                and isinstance(output, tuple | list)
+                and output
+                and isinstance(output[0], PackedSequence)
+            ):
+                packed_batch, output = int(output[0].batch_sizes[0]), output[0].data  # a recurrent layer, packed input
+            elif layer.spec.all_inputs and not isinstance(output, Tensor):
+                output = _first_tensor(output, every)
+            differentiable = output_tensors(returned) if every else (output,) if isinstance(output, Tensor) else ()
+            if not (torch.is_grad_enabled() and isinstance(output, Tensor)):
+                return None
+            if not any(t.grad_fn is not None for t in differentiable):
                 return None  # nothing will flow back through this call: keep nothing
             if torch._C._are_functorch_transforms_active():
                 return None  # torch.func is differentiating the model itself (vmap/grad): not ours to track

@@ -404,3 +404,38 @@ def test_fallback_finds_the_batch_of_each_output_from_one_sample_alone(both: boo
                         assert_close(p.grad_sample, g, f"step {step} {name}")
                     assert_close(psm.per_sample_norms()[name], g.flatten(1).norm(dim=1), f"step {step} {name}")
                     assert_close(p.grad, (g * factor.view(-1, *([1] * p.dim()))).mean(0), f"step {step} {name}")
+
+
+class Named(nn.Module):
+    """Returns a dict whose first tensor has no gradient (a detached copy of the input), then a
+    per-sample state and states of both weights stacked in front of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"skip": x.detach(), "y": torch.tanh(x * self.w1), "both": torch.stack([x * self.w1, x * self.w2])}
+
+
+class ReadsNamed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.named, self.head = nn.Linear(2, 3), Named(), nn.Linear(9, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.named(self.inp(x))
+        return self.head(torch.cat([out["y"], out["both"].permute(1, 0, 2).flatten(1)], 1))
+
+
+def test_fallback_takes_a_dict_whose_first_tensor_has_no_gradient() -> None:
+    torch.manual_seed(8)
+    model = ReadsNamed().double()
+    with PerSampleModule(model, fallback=True, loss_reduction="sum") as psm:
+        for step, batch in enumerate((4, 2)):
+            x, target = torch.randn(batch, 2, dtype=torch.float64), torch.randn(batch, 2, dtype=torch.float64)
+            ref = reference_grad_sample(model, x, target)
+            model.zero_grad()
+            run_pergrad(psm, x, target, loss_reduction="sum")
+            for name, p in model.named_parameters():
+                assert_close(p.grad_sample, ref[name], f"step {step} {name}")
