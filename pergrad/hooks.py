@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
+from . import lm_loss
 from .detach import Detached
 from .errors import BatchMixingError, BatchSizeError, SharedInputError
 from .layout import batch_to_front
@@ -311,6 +312,8 @@ class LayerHooks:
         self._buffer_storages: frozenset[int] | None = None
         self._swapped: dict[nn.Module, list[tuple[str, Tensor]]] = {}  # raw parameters swapped for a call
         self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation), with_kwargs=True)
+        self._token_loss_warning = lm_loss.warner()
+        self._root_out = model.register_forward_hook(ModuleHook(self, self._model_returned), with_kwargs=True)
         self._handles: list[RemovableHandle] = []
 
     def install(self, layers: list[HookedLayer]) -> None:
@@ -565,6 +568,12 @@ class LayerHooks:
         for name, p in self._swapped.pop(module, []):
             module._parameters[name] = p  # type: ignore[assignment]
 
+    def _model_returned(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        labels = lm_loss.token_labels(kwargs) if self.batch is not None else None
+        if labels is not None:
+            lm_loss.watch(labels, output, self._token_loss_warning)
+
     def remove(self) -> None:
         self.uninstall()
         self._root.remove()
+        self._root_out.remove()
