@@ -14,6 +14,7 @@ from .errors import (
     PergradError,
     SharedInputError,
     TargetError,
+    TokenLossWarning,
     TransformError,
     UnsupportedLayerError,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "RuleRegistry",
     "SharedInputError",
     "TargetError",
+    "TokenLossWarning",
     "TransformError",
     "UnsupportedLayerError",
     "default_registry",

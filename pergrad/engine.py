@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from .detach import Detached, Detacher
 from .errors import BatchSizeError, HookStateError, TransformError
-from .hooks import Kept
+from .hooks import HookedLayer, Kept
 from .layout import allocating_from
 from .loss_scale import LossScale, on_device
 from .pool import BufferPool
@@ -99,6 +99,7 @@ class _Backward:
     first_layer: str = ""
     grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # keep_grad_sample=True
     calls: list[Call] = field(default_factory=list)  # keep_grad_sample=False
+    outputs: dict[int, tuple[Kept, list[Tensor | None]]] = field(default_factory=dict)  # id(kept): each output's d
     reached: dict[nn.Parameter, None] = field(default_factory=dict)  # ordered set
     batch_grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # autograd's, before accumulation
     overwrite: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad holds autograd's sum only
@@ -135,6 +136,7 @@ class Engine:
         self.detach_transformed = detach_transformed
         self.verify_backwards = verify_backwards
         self.param_names = param_names
+        self.layers: list[HookedLayer] = []  # the hooked layers (for messages)
         self.keep_activation_grads = keep_activation_grads
         self.last_activation_grads: dict[str, Tensor] = {}
         self.running_mean = accumulate == "samples" and reduction == "mean"
@@ -179,14 +181,16 @@ class Engine:
             engine.queue_callback(lambda: engine.queue_callback(lambda: self._finish(state)))
         return self._current
 
-    def on_output_grad(self, kept: Kept, d: Tensor) -> None:
+    def on_output_grad(self, kept: Kept, d: Tensor, part: int | None = None) -> None:
+        """The gradient ``d`` of a layer call's output (of its output tensor number ``part``, for a rule
+        that takes every output: see ``RuleSpec.output_dims``), batch on dim 0."""
         if self.closed:
             return
         # rules compute in the parameters' dtype, and build no graph
         with _no_autocast(d.device.type), torch.no_grad():
-            self._on_output_grad(kept, d)
+            self._on_output_grad(kept, d, part)
 
-    def _on_output_grad(self, kept: Kept, d: Tensor) -> None:
+    def _on_output_grad(self, kept: Kept, d: Tensor, part: int | None = None) -> None:
         state = self._backward_state()
         layer = kept.layer
         if state.generation is None:
@@ -205,7 +209,8 @@ class Engine:
                 "in the same forward. Every hooked layer must see the batch on the same dim "
                 "(check reshapes that fold the batch into other dims, and batch_first)."
             )
-        if d.shape[0] != kept.batch_size and not kept.packed:
+        batched = not kept.packed if part is None else kept.a.output_dims[part] is not None
+        if batched and d.shape[0] != kept.batch_size:
             raise BatchSizeError(
                 f"layer {layer.name!r}: output gradient of shape {tuple(d.shape)} does not match the "
                 f"batch of {kept.batch_size} samples of its input"
@@ -222,14 +227,34 @@ class Engine:
         elif state.loss_scale is not None:
             d = d / on_device(state.loss_scale, d)
         if self.keep_activation_grads and not layer.spec.raw:
-            state.activation_grads[kept.key] = d * scale
+            state.activation_grads[kept.key if not part else f"{kept.key}[{part}]"] = d * scale
         if kept.detached is not None:
             state.detached.append(kept.detached)
+        if part is not None:
+            # the rule runs once per call with every output's gradient, at the end of the backward:
+            # they may arrive at different nodes (``_flush_outputs``)
+            _, grads = state.outputs.setdefault(id(kept), (kept, [None] * len(kept.a.output_dims)))
+            previous = grads[part]
+            grads[part] = d if previous is None else previous + d
+            return
+        self._use(state, kept, d, scale)
+
+    def _flush_outputs(self, state: _Backward) -> None:
+        """Run the rules that take every output's gradient, once per call (see ``RuleSpec.output_dims``)."""
+        for kept, grads in state.outputs.values():
+            scale = float(kept.batch_size) if self.loss_reduction == "mean" else 1.0
+            self._use(state, kept, tuple(grads), scale)
+        state.outputs.clear()
+
+    def _use(self, state: _Backward, kept: Kept, d: Any, scale: float) -> None:
+        """Turn one call's output gradient into per-sample gradients (or keep it for the end)."""
+        layer = kept.layer
         if not self.keep_grad_sample:
             state.calls.append(Call(layer, kept.a, d, scale))
             return
         if kept.batch_size == 0:  # an empty batch: no rule needs to run
-            per_sample = {n: d.new_zeros((0, *p.shape)) for n, p in layer.trainable()}
+            like = d if isinstance(d, Tensor) else next(g for g in d if g is not None)
+            per_sample = {n: like.new_zeros((0, *p.shape)) for n, p in layer.trainable()}
         else:
             with allocating_from(self.pool.take):
                 per_sample = run_rule(layer, kept.a, d, scale)
@@ -325,6 +350,7 @@ class Engine:
             self.last_activation_grads = state.activation_grads
         if state.batch_size is None and not state.reached:
             return
+        self._flush_outputs(state)
         owned: dict[nn.Parameter, None] = {}  # detached, no transform: .grad is the plain reduction
         for detached in state.detached:  # reached in the backward passes that reach their anchor
             if state.probed if detached.probe else detached.anchor in state.reached:
@@ -334,11 +360,7 @@ class Engine:
         known = state.grads if isinstance(source, Materialized) else source.uses
         missing = [p for p in state.reached if p not in known]
         if missing:
-            raise HookStateError(
-                f"parameter {self.param_names[missing[0]]!r} received a gradient in this backward pass, but none of "
-                "its layers' outputs did through a forward that pergrad saw. Was the loss computed from a forward "
-                "run before wrapping, or does a module use this parameter outside its own forward?"
-            )
+            raise HookStateError(self._unreached(missing[0]))
         assert state.batch_size is not None
         reached = list(state.reached)
         self.last_dropped = {}
@@ -439,6 +461,32 @@ class Engine:
                     self._unattributable(p, f"max difference {float((autograd - ours).abs().max()):.3g}")
                     + " Or pass verify=False to PerSampleModule if dropping that part is intended."
                 )
+
+    def _unreached(self, param: nn.Parameter) -> str:
+        """What pergrad saw when a parameter got a gradient that none of its layers' outputs passed on."""
+        holders = [layer for layer in self.layers if any(p is param for _, p in layer.trainable())]
+
+        def caught(layer: HookedLayer) -> str:
+            if layer.spec.raw:
+                return f"the uses of {layer.label} in its forward"
+            if layer.spec.output_dims is not None:
+                return f"any tensor returned by {layer.label}"
+            return (
+                f"the first tensor returned by {layer.label}"
+                if layer.spec.all_inputs
+                else f"the output of {layer.label}"
+            )
+
+        where = " or ".join(caught(layer) for layer in holders)
+        return (
+            f"parameter {self.param_names[param]!r} received a gradient in this backward pass, but pergrad caught "
+            f"no gradient on {where or 'the output of a hooked layer holding it'} in a forward of the wrapped "
+            "model: the gradient reached the parameter another way, which pergrad cannot split into samples. "
+            "Such a way is a loss computed from a forward run before wrapping (or through another wrapper), a "
+            "module using the parameter outside the layer's own forward (e.g. F.linear(x, self.emb.weight)), or "
+            "an output of the layer that its rule does not take (a rule registered without output_dims takes "
+            "the first tensor the layer returns)."
+        )
 
     def _unattributable(self, param: nn.Parameter, seen: str) -> str:
         return (

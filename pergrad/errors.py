@@ -45,3 +45,8 @@ class NormNotComputedError(PergradError, KeyError):
 class SharedInputError(PergradError, RuntimeError):
     """A tensor shared by the batch (a layer output computed without the batch, a raw parameter)
     meets the batch in a way pergrad cannot split per sample."""
+
+
+class TokenLossWarning(UserWarning):
+    """The loss of a backward is a mean over the batch's tokens, not a sum of per-sample losses
+    (a HuggingFace ``labels=`` loss with padding): per-sample gradients are not the samples' own."""

@@ -17,6 +17,7 @@ from .hooks import HookedLayer, LayerHooks, owners
 from .loss_scale import GradScalerLike, loss_scale_reader
 from .registry import RuleRegistry, RuleSpec, default_registry, type_names
 from .rules.fallback import fallback as fallback_rule
+from .rules.fallback import output_dims as fallback_output_dims
 from .rules.raw import RAW
 from .sources import Materialized
 from .statistics import Statistics, compute_statistics
@@ -45,7 +46,7 @@ def _check_layer_options(name: str, module: nn.Module) -> None:
             )
 
 
-FALLBACK = RuleSpec(fallback_rule, all_inputs=True, subtree=True)
+FALLBACK = RuleSpec(fallback_rule, all_inputs=True, subtree=True, output_dims=fallback_output_dims)
 
 
 def _plain_module(module: nn.Module, registry: RuleRegistry) -> bool:
@@ -237,6 +238,7 @@ class PerSampleModule:
         self._layout = _layout(self._modules)
         engine = self._engine
         engine.param_names = {p: name for name, p in model.named_parameters() if p.requires_grad}
+        engine.layers = self._layers
         engine.detacher.candidates(self._layers, model)
         engine.clear_targets()
         for target, transform in self._targets:
@@ -374,6 +376,10 @@ class PerSampleModule:
 
         - ``"<layer>"``: ``d f_i / d output`` of each hooked layer (``"<layer>:k"`` for its k-th extra
           call in one forward), scaled like ``grad_sample`` (each sample's OWN loss ``f_i``);
+        - ``"<layer>[k]"``: ``d f_i / d`` the k-th tensor (k >= 1) the layer returned, for layers whose
+          rule takes every output (``h_n`` and ``c_n`` of ``nn.RNN``/``nn.GRU``/``nn.LSTM``, the
+          attention weights of ``nn.MultiheadAttention``); with ``fallback=True``, laid out as the
+          module returned it (the fallback finds its batch dim in the backward);
         - ``"input"``: ``d f_i / d x`` for the model's first input, when it requires grad.
 
         Needs ``keep_activation_grads=True``. Saliency maps are ``activation_grads()["input"].abs()``;
