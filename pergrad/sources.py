@@ -166,13 +166,14 @@ class Fused:
     def _run(self, call: Call) -> dict[str, Tensor]:
         """The call's rule. A result no larger than the call's kept ``a`` and ``d`` is kept for the
         other quantities of this backward (norm layers, convolutions: norms and weighted sums read
-        the same ``g_i``); larger ones are built again rather than held, so that at most one
-        layer's large ``g_i`` are alive at a time."""
+        the same ``g_i``), and so is that of a layer without a fused rule, whose weighted sum has no
+        other source (building it twice would cost more than materialising). Other large ones are
+        not held: their weighted sums are batch gradients of weighted ``d``."""
         found = self._builds.get(call)
         if found is None:
             found = run_rule(call.layer, call.a, call.d, call.scale)
             kept = _numel(call.d) + (call.a.numel() if isinstance(call.a, Tensor) else 0)
-            if sum(g.numel() for g in found.values()) <= kept:
+            if call.layer.spec.fused is None or sum(g.numel() for g in found.values()) <= kept:
                 self._builds[call] = found
         return found
 
