@@ -24,8 +24,9 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
 from .detach import Detached
-from .errors import BatchMixingError, BatchSizeError, SharedInputError
+from .errors import BatchMixingError, BatchSizeError, SharedInputError, module_label
 from .layout import batch_to_front
+from .parametrized import Capture, Computed, parametrizations_of
 from .registry import LayerCall, RuleSpec
 from .shared import (
     BatchInfo,
@@ -62,7 +63,7 @@ class HookedLayer:
     @property
     def label(self) -> str:
         """How messages name it."""
-        where = "the root module" if self.name == "" else f"layer {self.name!r}"
+        where = module_label(self.name)
         if self.param:
             return f"parameter {self.param!r} of {where} ({type(self.module).__name__})"
         return f"{where} ({type(self.module).__name__})"
@@ -136,7 +137,7 @@ def _refuse_batch_statistics(name: str) -> Callable[[nn.Module, tuple[Any, ...]]
         assert isinstance(module, nn.modules.batchnorm._BatchNorm)
         if torch.is_grad_enabled() and (module.training or module.running_mean is None):
             raise BatchMixingError(
-                f"layer {name!r} ({type(module).__name__}) normalises with the statistics of the whole batch "
+                f"{module_label(name)} ({type(module).__name__}) normalises with the statistics of the whole batch "
                 f"({'training mode' if module.training else 'track_running_stats=False'}), so each sample's output "
                 "depends on every other sample and per-sample gradients are undefined, for every layer before it too. "
                 "Put it in eval mode with running statistics (model.eval(), or module.eval()), or use nn.GroupNorm "
@@ -195,6 +196,7 @@ class LayerHooks:
         self._swapped: dict[nn.Module, list[tuple[str, Tensor]]] = {}  # raw parameters swapped for a call
         self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation), with_kwargs=True)
         self._handles: list[RemovableHandle] = []
+        self._captures: dict[str, Capture] = {}  # parametrized layers: what their parametrizations computed
 
     def install(self, layers: list[HookedLayer]) -> None:
         """Hook ``layers`` (and refuse batch statistics in every BatchNorm of the model)."""
@@ -209,6 +211,8 @@ class LayerHooks:
                 pre, post = ModuleHook(self, self._detacher(layer)), ModuleHook(self, self._reattacher(layer))
                 self._handles.append(layer.module.register_forward_pre_hook(pre))
                 self._handles.append(layer.module.register_forward_hook(post, always_call=True))
+            if layer.spec.parametrized:
+                self._capture(layer)
             hook = ModuleHook(self, self._keeper(layer))
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
         for module, own in raw.items():
@@ -219,10 +223,22 @@ class LayerHooks:
                 hook = ModuleHook(self, _refuse_batch_statistics(name))
                 self._handles.append(module.register_forward_pre_hook(hook))
 
+    def _capture(self, layer: HookedLayer) -> None:
+        """Keep what each parametrization of ``layer`` computes during a call (``pergrad.parametrized``)."""
+        capture = self._captures[layer.name] = Capture()
+        self._handles.append(layer.module.register_forward_pre_hook(ModuleHook(self, lambda m, args: capture.start())))
+        for name, plist in parametrizations_of(layer.module).items():
+
+            def record(m: nn.Module, args: tuple[Any, ...], out: Any, name: str = name) -> None:
+                capture.record(name, out)
+
+            self._handles.append(plist.register_forward_hook(ModuleHook(self, record)))
+
     def uninstall(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._captures.clear()
         self._detached.clear()
         for module in list(self._swapped):
             self._untracker(module, (), None)
@@ -312,25 +328,27 @@ class LayerHooks:
                 return None  # torch.func is differentiating the model itself (vmap/grad): not ours to track
             batch_first = self._batch_first or layer.spec.batch_dim_fixed
             batch_dim = 0 if batch_first else 1
+            capture = self._captures.get(layer.name)
+            computed = None if capture is None else capture.take(module, layer.label)
             a = LayerCall(args, kwargs, batch_dim) if layer.spec.all_inputs else _first_input(args, kwargs)
             batched = output if layer.spec.all_inputs else a
             if not isinstance(batched, Tensor):
-                raise TypeError(
-                    f"pergrad: layer {layer.name!r} ({type(module).__name__}) was called without a tensor input"
-                )
+                raise TypeError(f"pergrad: {layer.label} was called without a tensor input")
             group = None
             if self.batch is not None and not layer.spec.all_inputs:
                 group = classify(a, output, batch_dim, self.batch, layer.label)
             if group is not None:
                 assert isinstance(a, Tensor)
-                return self._keep_shared(layer, a, output, batch_dim, group, detached)
+                return self._keep_shared(layer, a, output, batch_dim, group, detached, computed)
             if packed_batch is None and (batched.dim() <= batch_dim or output.dim() <= batch_dim):
                 raise BatchSizeError(
-                    f"layer {layer.name!r} ({type(module).__name__}) got input of shape {tuple(batched.shape)}, which has "
+                    f"{layer.label} got input of shape {tuple(batched.shape)}, which has "
                     f"no batch dim {batch_dim}; pergrad needs batched inputs"
                     + ("" if batch_first else " (batch_first=False puts the batch on dim 1)")
                 )
-            kept_input = a if isinstance(a, LayerCall) else batch_to_front(a, batch_first)
+            kept_input: Any = a if isinstance(a, LayerCall) else batch_to_front(a, batch_first)
+            if computed is not None:
+                kept_input = Computed(kept_input, computed)
             key = self._key(layer.name)
             batch_size = batched.shape[batch_dim] if packed_batch is None else packed_batch
             kept = Kept(
@@ -359,7 +377,14 @@ class LayerHooks:
         return name if call == 0 else f"{name}:{call}"
 
     def _keep_shared(
-        self, layer: HookedLayer, a: Tensor, output: Tensor, dim: int, group: Group, detached: Detached | None
+        self,
+        layer: HookedLayer,
+        a: Tensor,
+        output: Tensor,
+        dim: int,
+        group: Group,
+        detached: Detached | None,
+        computed: dict[str, Tensor] | None,
     ) -> Tensor:
         """A call whose output is (or may be) shared by the batch (see ``pergrad.shared``): the model
         goes on with a tracked alias of the output, whose meetings with the batch deliver each
@@ -369,7 +394,11 @@ class LayerHooks:
         size = group.batch
         key = self._key(layer.name)
         a_shared, per_sample = per_sample_input(plain, output, dim, size)
-        shared = Kept(layer, a_shared, self.generation, size, key, detached=detached)
+
+        def kept_input(x: Tensor) -> Any:
+            return x if computed is None else Computed(x, computed)
+
+        shared = Kept(layer, kept_input(a_shared), self.generation, size, key, detached=detached)
         on_output_grad = self._on_output_grad
         origin = Origin(output, lambda g: on_output_grad(shared, per_sample(g)), group, layer.label)
         before = a.origins if isinstance(a, Shared) else ()
@@ -378,7 +407,9 @@ class LayerHooks:
         # the batched reading of the same call, for a group that turns out batched after all
         batched = None
         if group.state == "maybe":
-            batched = Kept(layer, batch_to_front(plain, dim == 0), self.generation, size, key, detached=detached)
+            batched = Kept(
+                layer, kept_input(batch_to_front(plain, dim == 0)), self.generation, size, key, detached=detached
+            )
         produced = _producer(output)
         node, index, shape = produced.grad_fn, produced.output_nr, output.shape
         assert node is not None

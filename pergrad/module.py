@@ -9,12 +9,14 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
 from .engine import Distributed, Engine, Target
-from .errors import PergradError, TargetError, TransformError, UnsupportedLayerError
+from .errors import PergradError, TargetError, TransformError, UnsupportedLayerError, module_label
 from .hooks import HookedLayer, LayerHooks, owners
-from .registry import RuleRegistry, RuleSpec, default_registry, type_names
+from .parametrized import base_type, parametrized_inside, parametrized_spec
+from .registry import RuleRegistry, RuleSpec, default_registry, registration, rule_path, type_names
 from .rules.fallback import fallback as fallback_rule
 from .rules.raw import RAW
 from .sources import Materialized
@@ -33,13 +35,13 @@ def _check_layer_options(name: str, module: nn.Module) -> None:
     if isinstance(module, nn.Embedding):
         if module.scale_grad_by_freq:
             raise UnsupportedLayerError(
-                f"layer {name!r} (nn.Embedding) has scale_grad_by_freq=True: autograd then divides each row's "
+                f"{module_label(name)} (nn.Embedding) has scale_grad_by_freq=True: autograd then divides each row's "
                 "gradient by the row's frequency in the whole batch, which is not the gradient of any one "
                 "sample's loss. Construct it with scale_grad_by_freq=False."
             )
         if module.sparse:
             raise UnsupportedLayerError(
-                f"layer {name!r} (nn.Embedding) has sparse=True: pergrad writes dense per-sample gradients and a "
+                f"{module_label(name)} (nn.Embedding) has sparse=True: pergrad writes dense per-sample gradients and a "
                 "dense .grad. Construct it with sparse=False (and use a dense optimizer)."
             )
 
@@ -69,11 +71,71 @@ def _layout(modules: list[nn.Module]) -> tuple[object, ...]:
     )
 
 
+def _advice(cls: type[nn.Module], registry: RuleRegistry) -> str:
+    """What to do about a module of type ``cls`` without a rule. For a subclass of a class with a
+    rule: register that rule for it if the subclass keeps the parent's ``forward``; if it overrides
+    ``forward`` (timm's ``BatchNormAct2d``, a ``LayerNorm2d`` that permutes channels), the parent's
+    rule computes the wrong thing, so the advice is the fallback or a rule of its own."""
+    mro = cls.__mro__
+    found = next(((i, t, s) for i, t in enumerate(mro[1:], 1) if (s := registry.lookup_type(t)) is not None), None)
+    fallback = "pass fallback=True to compute it with torch.func (exact, slower)"
+    own_rule = f"write a rule for it with @pergrad.register_rule({cls.__name__})"
+    if found is None:
+        return f"{own_rule} (a function (layer, a, d) -> {{name: per-sample gradients}}), or {fallback}."
+    index, parent, spec = found
+    overriding = next((t for t in mro[:index] if "forward" in vars(t)), None)
+    if overriding is not None:
+        return (
+            f"it subclasses {parent.__qualname__}, but {overriding.__qualname__} overrides forward, so the "
+            f"{parent.__qualname__} rule does not compute its gradients: {fallback}, or {own_rule}."
+        )
+    return (
+        f"it subclasses {parent.__qualname__} and keeps its forward; rules apply to their exact type only (a subclass "
+        f"may change what forward computes). If nothing else it overrides changes the computation, register the "
+        f"parent's rule: {registration(cls, spec)}. Or {fallback}."
+    )
+
+
+def _parametrized_rule(
+    name: str, module: nn.Module, trainable: list[str], registry: RuleRegistry, fallback: bool
+) -> RuleSpec:
+    """The rule of a layer parametrized with ``torch.nn.utils.parametrize``: its class's rule before
+    parametrization (or the fallback), pulled back to the original tensors (``pergrad.parametrized``)."""
+    base = base_type(module)
+    spec = registry.lookup_type(base)
+    if spec is None and fallback:
+        spec = FALLBACK
+    if spec is None:
+        raise UnsupportedLayerError(
+            f"{module_label(name)} ({base.__module__}.{base.__qualname__}, parametrized) has trainable parameters "
+            f"{trainable} but {base.__qualname__} has no per-sample rule: {_advice(base, registry)} Parametrized "
+            f"layers are supported where their class before parametrization has a rule; supported types: "
+            f"{type_names(registry.supported_types())}."
+        )
+    inner = parametrized_inside(module) if spec.subtree else None
+    if inner is not None:
+        raise UnsupportedLayerError(
+            f"{module_label(name)} ({base.__qualname__}, parametrized) is computed as one unit by "
+            f"{rule_path(spec.fn)}, but its submodule {inner!r} is parametrized too: pergrad pulls per-sample "
+            "gradients back through the parametrizations of one module at a time. Parametrize the submodule's "
+            "parent alone, or the submodule alone."
+        )
+    return parametrized_spec(spec)
+
+
 def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[HookedLayer]:
     layers: list[HookedLayer] = []
     for name, module in model.named_modules():
         if any(layer.spec.subtree and _inside(name, layer.name) for layer in layers):
             continue  # inside a module whose rule covers its whole subtree
+        if parametrize.is_parametrized(module):
+            trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+            if trainable:
+                _check_layer_options(name, module)
+                layers.append(
+                    HookedLayer(name, module, _parametrized_rule(name, module, trainable, registry, fallback))
+                )
+            continue
         trainable = _own_trainable(module)
         if not trainable:
             continue
@@ -84,19 +146,10 @@ def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[
             layers.extend(HookedLayer(name, module, RAW, param=p) for p in trainable)
             continue
         if spec is None:
-            parent = next((t for t in registry.supported_types() if isinstance(module, t)), None)
-            why = (
-                f"it subclasses {parent.__qualname__}, whose rule is only used for that exact type because a "
-                f"subclass may change forward. If its forward is unchanged, register the parent's rule: "
-                f"pergrad.register_rule({type(module).__name__})(<the {parent.__qualname__} rule>)."
-                if parent is not None
-                else f"register a rule for it with @pergrad.register_rule({type(module).__name__})."
-            )
-            why += " Or pass fallback=True to compute it with torch.func (exact, slower)."
             raise UnsupportedLayerError(
-                f"layer {name!r} ({type(module).__module__}.{type(module).__qualname__}) has trainable parameters "
-                f"{trainable} but no per-sample rule: {why} Supported types: {type_names(registry.supported_types())}. "
-                "Or freeze its parameters with requires_grad_(False)."
+                f"{module_label(name)} ({type(module).__module__}.{type(module).__qualname__}) has trainable parameters "
+                f"{trainable} but no per-sample rule: {_advice(type(module), registry)} Supported types: "
+                f"{type_names(registry.supported_types())}. Or freeze its parameters with requires_grad_(False)."
             )
         _check_layer_options(name, module)
         layers.append(HookedLayer(name, module, spec))

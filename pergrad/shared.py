@@ -35,7 +35,8 @@ with a shared weight, indexing) raises an error that names the op and the fix.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,17 @@ _local = threading.local()
 def pulling() -> bool:
     """Whether a per-sample pull-back runs now (the hooks it passes through must stay quiet)."""
     return getattr(_local, "pulling", False)
+
+
+@contextmanager
+def pulling_back() -> Iterator[None]:
+    """Run a per-sample pull-back (``pulling()`` is True inside)."""
+    before = pulling()
+    _local.pulling = True
+    try:
+        yield
+    finally:
+        _local.pulling = before
 
 
 @dataclass
@@ -329,15 +341,10 @@ def _pull_back(x: Tensor, origins: list[Origin], grads: Tensor) -> None:
     if len(origins) == 1 and origins[0].tensor is x:
         found: tuple[Tensor | None, ...] = (grads,)
     else:
-        _local.pulling = True
-        try:
-            with DisableTorchFunctionSubclass():
-                found = torch.autograd.grad(
-                    [x], [o.tensor for o in origins], [grads], retain_graph=True, allow_unused=True,
-                    is_grads_batched=True,
-                )  # fmt: skip
-        finally:
-            _local.pulling = False
+        with pulling_back(), DisableTorchFunctionSubclass():
+            found = torch.autograd.grad(
+                [x], [o.tensor for o in origins], [grads], retain_graph=True, allow_unused=True, is_grads_batched=True
+            )
     for origin, g in zip(origins, found, strict=True):
         if g is not None:
             origin.delivered += 1
