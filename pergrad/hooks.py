@@ -49,6 +49,9 @@ class HookedLayer:
     module: nn.Module
     spec: RuleSpec
     param: str = ""  # for a raw parameter (``spec.raw``): its name in the module
+    # for a raw parameter held in a ParameterDict or ParameterList (never called itself): the module
+    # whose forward reads it (peft's LoRA on an embedding reads lora_embedding_A/B this way)
+    host: nn.Module | None = None
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters the rule computes per-sample gradients for, named as the rule names them."""
@@ -193,7 +196,8 @@ class LayerHooks:
         self.generation = 0
         self.batch: BatchInfo | None = None  # the batch of the running call of the model
         self._buffer_storages: frozenset[int] | None = None
-        self._swapped: dict[nn.Module, list[tuple[str, Tensor]]] = {}  # raw parameters swapped for a call
+        # raw parameters swapped for a call, by the module whose call it is: (holder, name, parameter)
+        self._swapped: dict[nn.Module, list[tuple[nn.Module, str, Tensor]]] = {}
         self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation), with_kwargs=True)
         self._handles: list[RemovableHandle] = []
         self._captures: dict[str, Capture] = {}  # parametrized layers: what their parametrizations computed
@@ -204,7 +208,7 @@ class LayerHooks:
         raw: dict[nn.Module, list[HookedLayer]] = {}
         for layer in layers:
             if layer.spec.raw:
-                raw.setdefault(layer.module, []).append(layer)
+                raw.setdefault(layer.module if layer.host is None else layer.host, []).append(layer)
                 continue
             if self._to_detach is not None and not layer.spec.all_inputs and not layer.spec.subtree:
                 # before the keeper: the output it keeps is the one with the probe added
@@ -442,16 +446,17 @@ class LayerHooks:
             batch = self.batch
             if batch is None or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
                 return
-            saved: list[tuple[str, Tensor]] = []
+            saved: list[tuple[nn.Module, str, Tensor]] = []
             for layer in layers:
-                p = module._parameters.get(layer.param)
+                holder = layer.module  # the module itself, or a ParameterDict/ParameterList of it
+                p = holder._parameters.get(layer.param)
                 if not (isinstance(p, nn.Parameter) and p.requires_grad):
                     continue
                 kept = Kept(layer, layer.param, self.generation, batch.size, self._key(layer.name))
                 origin = Origin(p, self._deliver(kept), Group("shared", batch.size, batch.dim), layer.label)
                 origin.tensor = track(p, [origin])
-                module._parameters[layer.param] = origin.tensor  # type: ignore[assignment]
-                saved.append((layer.param, p))
+                holder._parameters[layer.param] = origin.tensor  # type: ignore[assignment]
+                saved.append((holder, layer.param, p))
             self._swapped[module] = saved
 
         return swap
@@ -462,8 +467,8 @@ class LayerHooks:
 
     def _untracker(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """Forward hook (also when the forward raised): the module's own parameters back in place."""
-        for name, p in self._swapped.pop(module, []):
-            module._parameters[name] = p  # type: ignore[assignment]
+        for holder, name, p in self._swapped.pop(module, []):
+            holder._parameters[name] = p  # type: ignore[assignment]
 
     def remove(self) -> None:
         self.uninstall()

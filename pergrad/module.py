@@ -123,6 +123,36 @@ def _parametrized_rule(
     return parametrized_spec(spec)
 
 
+_CONTAINERS = (nn.ParameterDict, nn.ParameterList)  # hold parameters; never called
+_UNCALLED = (*_CONTAINERS, nn.ModuleDict, nn.ModuleList)
+
+
+def _hold_container(
+    model: nn.Module, name: str, container: nn.Module, trainable: list[str], layers: list[HookedLayer], fallback: bool
+) -> None:
+    """Parameters in a ``ParameterDict``/``ParameterList`` are raw parameters of the nearest
+    enclosing module that is called (its *host*, e.g. peft's LoRA ``Embedding`` reading
+    ``lora_embedding_A[adapter]``): tracked from the host's call to where they meet the batch. With
+    ``fallback=True`` the host is computed with torch.func as one unit instead."""
+    host_name = name
+    while True:
+        if host_name == "":
+            raise UnsupportedLayerError(
+                f"{module_label(name)} ({type(container).__name__}) holds trainable parameters {trainable}, but no "
+                "module of the model that is called encloses it, so nothing uses them in a forward pergrad sees. "
+                "Wrap the module whose forward reads them."
+            )
+        host_name = host_name.rpartition(".")[0]
+        host = model.get_submodule(host_name)
+        if not isinstance(host, _UNCALLED):
+            break
+    if fallback:
+        layers[:] = [layer for layer in layers if layer.name != host_name and not _inside(layer.name, host_name)]
+        layers.append(HookedLayer(host_name, host, FALLBACK))
+        return
+    layers.extend(HookedLayer(name, container, RAW, param=p, host=host) for p in trainable)
+
+
 def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[HookedLayer]:
     layers: list[HookedLayer] = []
     for name, module in model.named_modules():
@@ -138,6 +168,9 @@ def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[
             continue
         trainable = _own_trainable(module)
         if not trainable:
+            continue
+        if isinstance(module, _CONTAINERS):
+            _hold_container(model, name, module, trainable, layers, fallback)
             continue
         spec = registry.lookup(module)
         if spec is None and fallback:

@@ -259,3 +259,37 @@ def test_weight_computed_twice_in_one_call_is_refused() -> None:
         pytest.raises(HookStateError, match=r"layer '0' \(ParametrizedReadsTwice\) computed its parametrized "),
     ):
         psm(torch.randn(B, 3, dtype=torch.float64))
+
+
+class Positions(nn.Module):
+    """Token and position embeddings, the position one weight-normed and called on ``arange(T)``
+    (an input shared by the batch), under a spectral-normed head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos, self.out = nn.Embedding(7, 4), nn.Embedding(6, 4), nn.Linear(4, 2)
+        parametrizations.weight_norm(self.pos)
+        parametrizations.spectral_norm(self.out)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.tok(ids) + self.pos(torch.arange(ids.shape[1])))).sum(1)
+
+
+@pytest.mark.parametrize("keep_grad_sample", [True, False], ids=["materialised", "fused"])
+def test_parametrized_layer_on_an_input_shared_by_the_batch(keep_grad_sample: bool) -> None:
+    torch.manual_seed(5)
+    model = Positions().double()
+    with PerSampleModule(model, keep_grad_sample=keep_grad_sample) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.3))
+        for step, length in enumerate((B, 3, B)):  # as many positions as samples on two steps
+            g = torch.Generator().manual_seed(step)
+            ids, target = torch.randint(0, 7, (B, length), generator=g), torch.randn(B, 2, dtype=torch.float64)
+            model.zero_grad()
+            (loss_of(psm(ids), target) / B).backward()
+            ref = loop_reference(model, ids, target)
+            expected = clipped_mean(ref, 0.3)
+            for name, p in model.named_parameters():
+                assert_close(p.grad, expected[name], f"step {step} {name}.grad")
+                if keep_grad_sample:
+                    assert_close(p.grad_sample, ref[name], f"step {step} {name}.grad_sample")
+            sgd(model)
