@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from .detach import Detached
 from .errors import BatchMixingError, BatchSizeError, SharedInputError, module_label
 from .layout import batch_to_front
-from .parametrized import Capture, Computed, parametrizations_of
+from .parametrized import Capture, Computed, parametrizations_of, sites
 from .registry import LayerCall, RuleSpec
 from .shared import (
     BatchInfo,
@@ -61,7 +61,11 @@ class HookedLayer:
         if self.spec.subtree:
             return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         own = {id(p): (n, p) for n, p in reversed(self.module._parameters.items()) if p is not None}
-        return [(n, p) for n, p in reversed(own.values()) if p.requires_grad]  # first name of each, in order
+        found = [(n, p) for n, p in reversed(own.values()) if p.requires_grad]  # first name of each, in order
+        if self.spec.parametrized:  # the original tensors its parametrized ones are computed from
+            plists = parametrizations_of(self.module)
+            found += [(f"parametrizations.{n}", p) for n, p in plists.named_parameters() if p.requires_grad]
+        return found
 
     @property
     def label(self) -> str:
@@ -210,7 +214,8 @@ class LayerHooks:
             if layer.spec.raw:
                 raw.setdefault(layer.module if layer.host is None else layer.host, []).append(layer)
                 continue
-            if self._to_detach is not None and not layer.spec.all_inputs and not layer.spec.subtree:
+            spec = layer.spec
+            if self._to_detach is not None and not (spec.all_inputs or spec.subtree or spec.parametrized):
                 # before the keeper: the output it keeps is the one with the probe added
                 pre, post = ModuleHook(self, self._detacher(layer)), ModuleHook(self, self._reattacher(layer))
                 self._handles.append(layer.module.register_forward_pre_hook(pre))
@@ -229,13 +234,14 @@ class LayerHooks:
 
     def _capture(self, layer: HookedLayer) -> None:
         """Keep what each parametrization of ``layer`` computes during a call (``pergrad.parametrized``)."""
-        capture = self._captures[layer.name] = Capture()
+        capture = self._captures[layer.name] = Capture(sites(layer.module, layer.spec.subtree))
         self._handles.append(layer.module.register_forward_pre_hook(ModuleHook(self, lambda m, args: capture.start())))
-        for name, plist in parametrizations_of(layer.module).items():
+        for site in capture.sites:
 
-            def record(m: nn.Module, args: tuple[Any, ...], out: Any, name: str = name) -> None:
-                capture.record(name, out)
+            def record(m: nn.Module, args: tuple[Any, ...], out: Any, key: str = site.key) -> None:
+                capture.record(key, out)
 
+            plist = parametrizations_of(site.owner)[site.tensor]
             self._handles.append(plist.register_forward_hook(ModuleHook(self, record)))
 
     def uninstall(self) -> None:
@@ -333,7 +339,7 @@ class LayerHooks:
             batch_first = self._batch_first or layer.spec.batch_dim_fixed
             batch_dim = 0 if batch_first else 1
             capture = self._captures.get(layer.name)
-            computed = None if capture is None else capture.take(module, layer.label)
+            computed = None if capture is None else capture.take(layer.label)
             a = LayerCall(args, kwargs, batch_dim) if layer.spec.all_inputs else _first_input(args, kwargs)
             batched = output if layer.spec.all_inputs else a
             if not isinstance(batched, Tensor):

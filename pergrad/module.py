@@ -15,8 +15,8 @@ from torch.utils.hooks import RemovableHandle
 from .engine import Distributed, Engine, Target
 from .errors import PergradError, TargetError, TransformError, UnsupportedLayerError, module_label
 from .hooks import HookedLayer, LayerHooks, owners
-from .parametrized import base_type, parametrized_inside, parametrized_spec
-from .registry import RuleRegistry, RuleSpec, default_registry, registration, rule_path, type_names
+from .parametrized import base_type, parametrizations_of, parametrized_spec, sites
+from .registry import RuleRegistry, RuleSpec, default_registry, registration, type_names
 from .rules.fallback import fallback as fallback_rule
 from .rules.raw import RAW
 from .sources import Materialized
@@ -96,31 +96,21 @@ def _advice(cls: type[nn.Module], registry: RuleRegistry) -> str:
     )
 
 
-def _parametrized_rule(
-    name: str, module: nn.Module, trainable: list[str], registry: RuleRegistry, fallback: bool
-) -> RuleSpec:
-    """The rule of a layer parametrized with ``torch.nn.utils.parametrize``: its class's rule before
-    parametrization (or the fallback), pulled back to the original tensors (``pergrad.parametrized``)."""
-    base = base_type(module)
-    spec = registry.lookup_type(base)
-    if spec is None and fallback:
-        spec = FALLBACK
-    if spec is None:
-        raise UnsupportedLayerError(
-            f"{module_label(name)} ({base.__module__}.{base.__qualname__}, parametrized) has trainable parameters "
-            f"{trainable} but {base.__qualname__} has no per-sample rule: {_advice(base, registry)} Parametrized "
-            f"layers are supported where their class before parametrization has a rule; supported types: "
-            f"{type_names(registry.supported_types())}."
-        )
-    inner = parametrized_inside(module) if spec.subtree else None
-    if inner is not None:
-        raise UnsupportedLayerError(
-            f"{module_label(name)} ({base.__qualname__}, parametrized) is computed as one unit by "
-            f"{rule_path(spec.fn)}, but its submodule {inner!r} is parametrized too: pergrad pulls per-sample "
-            "gradients back through the parametrizations of one module at a time. Parametrize the submodule's "
-            "parent alone, or the submodule alone."
-        )
-    return parametrized_spec(spec)
+def _through_parametrizations(name: str, module: nn.Module, spec: RuleSpec) -> RuleSpec:
+    """``spec``, or where the tensors it covers include parametrized ones (``torch.nn.utils.parametrize``,
+    of the module or, for a rule covering its subtree, of a submodule), ``spec`` on the computed
+    tensors pulled back to the original ones (``pergrad.parametrized``)."""
+    return parametrized_spec(spec) if sites(module, spec.subtree) else spec
+
+
+def _in_parametrizations(model: nn.Module, name: str) -> bool:
+    """Whether module ``name`` is part of a parametrized module's ``parametrizations`` (the
+    ParametrizationLists holding the original tensors, and the parametrizations themselves)."""
+    parts = name.split(".")
+    return any(
+        part == "parametrizations" and parametrize.is_parametrized(model.get_submodule(".".join(parts[:i])))
+        for i, part in enumerate(parts)
+    )
 
 
 _CONTAINERS = (nn.ParameterDict, nn.ParameterList)  # hold parameters; never called
@@ -148,7 +138,7 @@ def _hold_container(
             break
     if fallback:
         layers[:] = [layer for layer in layers if layer.name != host_name and not _inside(layer.name, host_name)]
-        layers.append(HookedLayer(host_name, host, FALLBACK))
+        layers.append(HookedLayer(host_name, host, _through_parametrizations(host_name, host, FALLBACK)))
         return
     layers.extend(HookedLayer(name, container, RAW, param=p, host=host) for p in trainable)
 
@@ -158,34 +148,34 @@ def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[
     for name, module in model.named_modules():
         if any(layer.spec.subtree and _inside(name, layer.name) for layer in layers):
             continue  # inside a module whose rule covers its whole subtree
-        if parametrize.is_parametrized(module):
-            trainable = [n for n, p in module.named_parameters() if p.requires_grad]
-            if trainable:
-                _check_layer_options(name, module)
-                layers.append(
-                    HookedLayer(name, module, _parametrized_rule(name, module, trainable, registry, fallback))
-                )
-            continue
+        if _in_parametrizations(model, name):
+            continue  # the original tensors of a parametrized module: its rule covers them
+        parametrized = parametrize.is_parametrized(module)
         trainable = _own_trainable(module)
+        if parametrized:  # its parametrized tensors are computed from these
+            plists = parametrizations_of(module).named_parameters()
+            trainable += [f"parametrizations.{n}" for n, p in plists if p.requires_grad]
         if not trainable:
             continue
         if isinstance(module, _CONTAINERS):
             _hold_container(model, name, module, trainable, layers, fallback)
             continue
-        spec = registry.lookup(module)
+        layer_type = base_type(module)
+        spec = registry.lookup_type(layer_type)
         if spec is None and fallback:
             spec = FALLBACK
-        if spec is None and _plain_module(module, registry):
+        if spec is None and not parametrized and _plain_module(module, registry):
             layers.extend(HookedLayer(name, module, RAW, param=p) for p in trainable)
             continue
         if spec is None:
+            kind = ", parametrized" if parametrized else ""
             raise UnsupportedLayerError(
-                f"{module_label(name)} ({type(module).__module__}.{type(module).__qualname__}) has trainable parameters "
-                f"{trainable} but no per-sample rule: {_advice(type(module), registry)} Supported types: "
+                f"{module_label(name)} ({layer_type.__module__}.{layer_type.__qualname__}{kind}) has trainable "
+                f"parameters {trainable} but no per-sample rule: {_advice(layer_type, registry)} Supported types: "
                 f"{type_names(registry.supported_types())}. Or freeze its parameters with requires_grad_(False)."
             )
         _check_layer_options(name, module)
-        layers.append(HookedLayer(name, module, spec))
+        layers.append(HookedLayer(name, module, _through_parametrizations(name, module, spec)))
     return layers
 
 

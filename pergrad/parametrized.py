@@ -12,6 +12,10 @@ transforms and reduces: by the chain rule, for each sample
 with ``g_i(W)`` from the rule of the layer's class before parametrization (``ParametrizedLinear``
 -> the ``nn.Linear`` rule) applied to a stand-in that holds the computed ``W`` as its ``weight``.
 
+A rule that covers a whole subtree (``fallback=True``, ``nn.MultiheadAttention``: torch.func runs
+the subtree's forward again) gets a stand-in of the subtree whose parametrized submodules hold
+their computed tensors too, so it does not run their parametrizations again either.
+
 ``J_P^T`` is applied by differentiating the forward's own computation of ``W``: a forward hook on
 the parametrization keeps the ``W`` the call used (with its autograd history), and one batched
 ``torch.autograd.grad(W, theta, g_W, is_grads_batched=True)`` pulls every sample back, during the
@@ -37,11 +41,21 @@ from .shared import pulling_back
 
 @dataclass(frozen=True)
 class Computed:
-    """What one call of a parametrized layer keeps: the input its base rule takes, and each
-    parametrized tensor as that call computed it (``{"weight": W}``)."""
+    """What one call of a parametrized layer keeps: the input its rule takes, and each parametrized
+    tensor as that call computed it, keyed relative to the layer (``"weight"``, ``"attn.out_proj.weight"``)."""
 
     input: Any
     tensors: dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class Site:
+    """A parametrized tensor that a layer's rule covers: ``key`` relative to the layer, held by
+    ``owner`` (the layer itself or a submodule) under ``tensor``."""
+
+    key: str
+    owner: nn.Module
+    tensor: str
 
 
 def parametrizations_of(module: nn.Module) -> nn.ModuleDict:
@@ -56,10 +70,24 @@ def base_type(module: nn.Module) -> type[nn.Module]:
     return parametrize.type_before_parametrizations(module)
 
 
+def in_parametrizations(path: str) -> bool:
+    """Whether the module at ``path`` (relative to a module) is part of a ``parametrizations`` dict."""
+    return "parametrizations" in path.split(".")
+
+
+def sites(module: nn.Module, subtree: bool) -> list[Site]:
+    """The parametrized tensors of ``module`` and, with ``subtree``, of its submodules."""
+    found: list[Site] = []
+    for path, m in module.named_modules() if subtree else [("", module)]:
+        if not in_parametrizations(path) and parametrize.is_parametrized(m):
+            found.extend(Site(f"{path}.{t}" if path else t, m, t) for t in parametrizations_of(m))
+    return found
+
+
 def parametrized_spec(base: RuleSpec) -> RuleSpec:
-    """The rule of a parametrized layer whose base class has the rule ``base``: ``base`` on a
-    stand-in holding the computed tensors, then pulled back to the originals (module docstring).
-    It covers every parameter of the layer's subtree (the originals live in ``parametrizations``)."""
+    """The rule of a layer with parametrized tensors (its own, or its submodules' where ``base``
+    covers a subtree): ``base`` on a stand-in of the layer that holds the computed tensors as plain
+    parameters, then pulled back to the original tensors (module docstring)."""
     base_fn = base.fn
 
     def parametrized(layer: nn.Module, a: Any, d: Tensor) -> dict[str, Tensor]:
@@ -67,25 +95,36 @@ def parametrized_spec(base: RuleSpec) -> RuleSpec:
         x = a.input
         if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != d.dtype:
             x = x.to(d.dtype)  # autocast: the rule computes in the parameters' dtype
-        computed = {name: w.detach().to(d.dtype) for name, w in a.tensors.items()}
+        computed = {key: w.detach().to(d.dtype) for key, w in a.tensors.items()}
         grads = base_fn(stand_in(layer, computed), x, d)
         return pull_back(layer, a.tensors, grads)
 
     parametrized.__qualname__ = f"parametrized({getattr(base_fn, '__qualname__', 'rule')})"
     return RuleSpec(
-        parametrized, base.batch_dim_fixed, base.all_inputs, fused=None, subtree=True, parametrized=True
-    )  # fmt: skip
+        parametrized, base.batch_dim_fixed, base.all_inputs, fused=None, subtree=base.subtree, parametrized=True
+    )
 
 
 def stand_in(module: nn.Module, tensors: dict[str, Tensor]) -> nn.Module:
-    """A shallow copy of ``module`` of its class before parametrization, holding ``tensors`` (the
-    computed ``weight``, ...) as plain parameters: what the base rule reads. It shares everything
-    else (hyperparameters, other parameters, submodules) and has no hooks."""
-    twin = base_type(module).__new__(base_type(module))
+    """A shallow copy of ``module`` in which each parametrized tensor in ``tensors`` (keyed relative
+    to ``module``: ``"weight"``, ``"attn.out_proj.weight"``) is a plain parameter holding its computed
+    value, in a copy of its module of the class before parametrization: what a rule reads, and what
+    torch.func can run without running a parametrization. Everything else (hyperparameters, other
+    parameters and submodules) is shared; the copies have no hooks."""
+    own = {key: t for key, t in tensors.items() if "." not in key}
+    inner: dict[str, dict[str, Tensor]] = {}
+    for key, t in tensors.items():
+        if "." in key:
+            child, _, rest = key.partition(".")
+            inner.setdefault(child, {})[rest] = t
+    cls = base_type(module) if own else type(module)
+    twin = cls.__new__(cls)
     state = dict(module.__dict__)
-    computed = {name: nn.Parameter(t, requires_grad=bool(originals(module, name))) for name, t in tensors.items()}
-    state["_parameters"] = {**module._parameters, **computed}
-    state["_modules"] = {k: m for k, m in module._modules.items() if k != "parametrizations"}
+    if own:
+        computed = {name: nn.Parameter(t, requires_grad=bool(originals(module, name))) for name, t in own.items()}
+        state["_parameters"] = {**module._parameters, **computed}
+    modules = {k: m for k, m in module._modules.items() if not (own and k == "parametrizations")}
+    state["_modules"] = {k: stand_in(m, inner[k]) if k in inner and m is not None else m for k, m in modules.items()}
     for key, value in state.items():
         if "hooks" in key and isinstance(value, dict):
             state[key] = OrderedDict()
@@ -93,11 +132,13 @@ def stand_in(module: nn.Module, tensors: dict[str, Tensor]) -> nn.Module:
     return twin
 
 
-def originals(module: nn.Module, name: str) -> list[tuple[str, nn.Parameter]]:
-    """The trainable tensors the parametrized tensor ``name`` is computed from, named relative to
-    ``module``: its originals and the parameters of its parametrization modules."""
-    prefix = f"parametrizations.{name}."
-    plist = parametrizations_of(module)[name]
+def originals(module: nn.Module, key: str) -> list[tuple[str, nn.Parameter]]:
+    """The trainable tensors the parametrized tensor ``key`` (relative to ``module``) is computed
+    from, named relative to ``module``: its originals and the parameters of its parametrizations."""
+    path, _, tensor = key.rpartition(".")
+    owner = module.get_submodule(path) if path else module
+    prefix = f"{path}.parametrizations.{tensor}." if path else f"parametrizations.{tensor}."
+    plist = parametrizations_of(owner)[tensor]
     return [(prefix + n, p) for n, p in plist.named_parameters() if p.requires_grad]
 
 
@@ -150,7 +191,8 @@ class Capture:
     is not computed in the call: it is the cached tensor itself.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sites: list[Site]) -> None:
+        self.sites = sites
         self._seen: dict[str, list[Tensor]] = {}
 
     def start(self) -> None:
@@ -160,10 +202,11 @@ class Capture:
         if isinstance(tensor, Tensor):
             self._seen.setdefault(name, []).append(tensor)
 
-    def take(self, module: nn.Module, label: str) -> dict[str, Tensor]:
+    def take(self, label: str) -> dict[str, Tensor]:
         seen, self._seen = self._seen, {}
         out: dict[str, Tensor] = {}
-        for name in parametrizations_of(module):
+        for site in self.sites:
+            name = site.key
             found = seen.get(name, [])
             if len(found) > 1:
                 raise HookStateError(
@@ -175,7 +218,9 @@ class Capture:
                 out[name] = found[0]
                 continue
             # under parametrize.cached() a call after the first reads the cached tensor
-            cached = parametrize._cache.get((id(module), name)) if parametrize._cache_enabled else None
+            cached = parametrize._cache.get((id(site.owner), site.tensor)) if parametrize._cache_enabled else None
+            if cached is None and "." in name:
+                continue  # a submodule this call did not run
             if cached is None:
                 raise HookStateError(
                     f"{label} did not compute its parametrized {name!r} in its forward, so pergrad has no "
@@ -183,12 +228,3 @@ class Capture:
                 )
             out[name] = cached
         return out
-
-
-def parametrized_inside(module: nn.Module) -> str | None:
-    """The name of a parametrized module strictly inside ``module`` (outside its own
-    ``parametrizations``), or None."""
-    for name, m in module.named_modules():
-        if name and not name.startswith("parametrizations") and parametrize.is_parametrized(m):
-            return name
-    return None

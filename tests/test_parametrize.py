@@ -170,6 +170,71 @@ def test_spectral_norm_power_iteration_runs_once_per_forward(conv: bool) -> None
         assert_close(a, b, name)
 
 
+class Scaled(nn.Module):
+    """A custom module (a raw parameter, so ``fallback=True`` computes it as one unit) around a
+    spectral-normed Linear: the fallback runs the subtree again, but not its parametrization."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+        self.lin = nn.Linear(4, 3).double()
+        parametrizations.spectral_norm(self.lin, n_power_iterations=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention (computed as one unit by torch.func) with a spectral-normed out_proj."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True).double()
+        parametrizations.spectral_norm(self.attn.out_proj, n_power_iterations=1)
+        self.head = nn.Linear(4, 2).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # torch.func on attention
+@pytest.mark.parametrize(
+    ("make", "fallback", "shape", "out"),
+    [(lambda: nn.Sequential(Scaled(), nn.Linear(3, 2).double()), True, (B, 4), 2), (Attention, False, (B, 3, 4), 2)],
+    ids=["fallback", "multihead_attention"],
+)
+@pytest.mark.parametrize("keep_grad_sample", [True, False], ids=["materialised", "fused"])
+def test_parametrized_submodule_of_a_module_computed_as_one_unit(
+    make: Callable[[], nn.Module], fallback: bool, shape: tuple[int, ...], out: int, keep_grad_sample: bool
+) -> None:
+    """Exact, and spectral norm's u, v follow plain training: torch.func reruns the unit's forward
+    with the tensors the forward computed, not with another power iteration."""
+    torch.manual_seed(6)
+    model = make()
+    plain = copy.deepcopy(model)
+    with PerSampleModule(model, fallback=fallback, keep_grad_sample=keep_grad_sample) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.5))
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, target = torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(B, out, generator=g)
+            model.zero_grad()
+            (loss_of(psm(x), target.double()) / B).backward()
+            ref = loop_reference(model, x, target.double())
+            expected = clipped_mean(ref, 0.5)
+            for name, p in model.named_parameters():
+                assert_close(p.grad, expected[name], f"step {step} {name}.grad")
+                if keep_grad_sample:
+                    assert_close(p.grad_sample, ref[name], f"step {step} {name}.grad_sample")
+            plain(x)  # a training forward: one power iteration, as in pergrad's forward
+            clipped = clipped_mean(loop_reference(plain, x, target.double()), 0.5)  # with plain's own u, v
+            for name, q in plain.named_parameters():
+                q.grad = clipped[name]
+            sgd(model)
+            sgd(plain)
+    for (name, a), b in zip(model.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert_close(a, b, name)
+
+
 class Twice(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -227,7 +292,7 @@ def test_parametrized_layer_without_a_rule_and_with_the_fallback() -> None:
     with pytest.raises(
         UnsupportedLayerError,
         match=r"layer '1' \(torch.nn.modules.activation.PReLU, parametrized\) has trainable parameters "
-        r"\['parametrizations.weight.original', 'parametrizations.weight.0.gain'\] but PReLU has no per-sample "
+        r"\['parametrizations.weight.original', 'parametrizations.weight.0.gain'\] but no per-sample "
         r"rule: .*register_rule\(PReLU\).*fallback=True",
     ):
         PerSampleModule(model)
