@@ -85,14 +85,15 @@ class Detacher:
 
     def candidates(self, layers: list[HookedLayer], model: nn.Module) -> None:
         """Record which parameters may ever run detached: those the model holds once, in a layer
-        whose rule takes its first input alone (not a subtree or all-inputs rule)."""
+        whose rule takes its first input alone (not a subtree or all-inputs rule), and whose weight
+        is a parameter (not computed by a parametrization: its gradient flows back to the originals)."""
         counts: dict[nn.Parameter, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
             counts[p] = counts.get(p, 0) + 1
         self.single = {
             p
             for layer in layers
-            if not (layer.spec.all_inputs or layer.spec.subtree or layer.spec.raw)
+            if not (layer.spec.all_inputs or layer.spec.subtree or layer.spec.raw or layer.spec.parametrized)
             for _, p in layer.module.named_parameters(recurse=False)
             if counts.get(p) == 1
         }

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from .detach import Detached, Detacher
-from .errors import BatchSizeError, HookStateError, TransformError
+from .errors import BatchSizeError, HookStateError, TransformError, module_label
 from .hooks import HookedLayer, Kept
 from .layout import allocating_from
 from .loss_scale import LossScale, on_device
@@ -198,21 +198,21 @@ class Engine:
             self._recycle_stale(kept.generation)
         elif kept.generation != state.generation:
             raise HookStateError(
-                f"one backward pass reached layer {layer.name!r} through two different forward calls of the model; "
+                f"one backward pass reached {module_label(layer.name)} through two different forward calls of the model; "
                 "per-sample gradients would mix samples of different batches. Run backward once per forward, "
                 "or concatenate the batches into one forward."
             )
         elif kept.batch_size != state.batch_size:
             raise BatchSizeError(
-                f"layer {layer.name!r} ({type(layer.module).__name__}) saw a batch of {kept.batch_size} samples "
-                f"(input shape {_shape(kept.a)}), but layer {state.first_layer!r} saw {state.batch_size} "
+                f"{layer.label} saw a batch of {kept.batch_size} samples "
+                f"(input shape {_shape(kept.a)}), but {module_label(state.first_layer)} saw {state.batch_size} "
                 "in the same forward. Every hooked layer must see the batch on the same dim "
                 "(check reshapes that fold the batch into other dims, and batch_first)."
             )
         batched = not kept.packed if part is None else kept.a.output_dims[part] is not None
         if batched and d.shape[0] != kept.batch_size:
             raise BatchSizeError(
-                f"layer {layer.name!r}: output gradient of shape {tuple(d.shape)} does not match the "
+                f"{layer.label}: output gradient of shape {tuple(d.shape)} does not match the "
                 f"batch of {kept.batch_size} samples of its input"
             )
         # each sample's own output gradient is scale * d: the loss averaged over the batch
@@ -250,7 +250,11 @@ class Engine:
         """Turn one call's output gradient into per-sample gradients (or keep it for the end)."""
         layer = kept.layer
         if not self.keep_grad_sample:
-            state.calls.append(Call(layer, kept.a, d, scale))
+            built = None
+            if layer.spec.parametrized and kept.batch_size > 0:  # it needs the forward's graph: now, not at the end
+                with allocating_from(self.pool.take):
+                    built = run_rule(layer, kept.a, d, scale)
+            state.calls.append(Call(layer, kept.a, d, scale, built))
             return
         if kept.batch_size == 0:  # an empty batch: no rule needs to run
             like = d if isinstance(d, Tensor) else next(g for g in d if g is not None)
@@ -262,7 +266,7 @@ class Engine:
             param = layer.module.get_parameter(name)
             if g.shape != (kept.batch_size, *param.shape):
                 raise HookStateError(
-                    f"the rule {layer.spec.fn.__qualname__} for layer {layer.name!r} returned shape "
+                    f"the rule {layer.spec.fn.__qualname__} for {layer.label} returned shape "
                     f"{tuple(g.shape)} for {name!r}; expected {(kept.batch_size, *param.shape)}"
                 )
             previous = state.grads.get(param)

@@ -7,6 +7,12 @@ what was seen (types, shapes) and what to do about it.
 from __future__ import annotations
 
 
+def module_label(name: str) -> str:
+    """How messages name a module of the wrapped model by its qualified name: ``layer 'a.b'``, or
+    ``the root module`` for the model itself (name ``""``)."""
+    return "the root module" if name == "" else f"layer {name!r}"
+
+
 class PergradError(Exception):
     """Base class of every error pergrad raises on purpose."""
 

@@ -25,8 +25,9 @@ from torch.utils.hooks import RemovableHandle
 
 from . import lm_loss
 from .detach import Detached
-from .errors import BatchMixingError, BatchSizeError, SharedInputError
+from .errors import BatchMixingError, BatchSizeError, SharedInputError, module_label
 from .layout import batch_to_front
+from .parametrized import Capture, Computed, parametrizations_of, sites
 from .registry import LayerCall, RuleSpec, output_tensors
 from .shared import (
     BatchInfo,
@@ -49,6 +50,9 @@ class HookedLayer:
     module: nn.Module
     spec: RuleSpec
     param: str = ""  # for a raw parameter (``spec.raw``): its name in the module
+    # for a raw parameter held in a ParameterDict or ParameterList (never called itself): the module
+    # whose forward reads it (peft's LoRA on an embedding reads lora_embedding_A/B this way)
+    host: nn.Module | None = None
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters the rule computes per-sample gradients for, named as the rule names them."""
@@ -58,12 +62,16 @@ class HookedLayer:
         if self.spec.subtree:
             return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         own = {id(p): (n, p) for n, p in reversed(self.module._parameters.items()) if p is not None}
-        return [(n, p) for n, p in reversed(own.values()) if p.requires_grad]  # first name of each, in order
+        found = [(n, p) for n, p in reversed(own.values()) if p.requires_grad]  # first name of each, in order
+        if self.spec.parametrized:  # the original tensors its parametrized ones are computed from
+            plists = parametrizations_of(self.module)
+            found += [(f"parametrizations.{n}", p) for n, p in plists.named_parameters() if p.requires_grad]
+        return found
 
     @property
     def label(self) -> str:
         """How messages name it."""
-        where = "the root module" if self.name == "" else f"layer {self.name!r}"
+        where = module_label(self.name)
         if self.param:
             return f"parameter {self.param!r} of {where} ({type(self.module).__name__})"
         return f"{where} ({type(self.module).__name__})"
@@ -137,7 +145,7 @@ def _refuse_batch_statistics(name: str) -> Callable[[nn.Module, tuple[Any, ...]]
         assert isinstance(module, nn.modules.batchnorm._BatchNorm)
         if torch.is_grad_enabled() and (module.training or module.running_mean is None):
             raise BatchMixingError(
-                f"layer {name!r} ({type(module).__name__}) normalises with the statistics of the whole batch "
+                f"{module_label(name)} ({type(module).__name__}) normalises with the statistics of the whole batch "
                 f"({'training mode' if module.training else 'track_running_stats=False'}), so each sample's output "
                 "depends on every other sample and per-sample gradients are undefined, for every layer before it too. "
                 "Put it in eval mode with running statistics (model.eval(), or module.eval()), or use nn.GroupNorm "
@@ -310,11 +318,13 @@ class LayerHooks:
         self.generation = 0
         self.batch: BatchInfo | None = None  # the batch of the running call of the model
         self._buffer_storages: frozenset[int] | None = None
-        self._swapped: dict[nn.Module, list[tuple[str, Tensor]]] = {}  # raw parameters swapped for a call
+        # raw parameters swapped for a call, by the module whose call it is: (holder, name, parameter)
+        self._swapped: dict[nn.Module, list[tuple[nn.Module, str, Tensor]]] = {}
         self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation), with_kwargs=True)
         self._token_loss_warning = lm_loss.warner()
         self._root_out = model.register_forward_hook(ModuleHook(self, self._model_returned), with_kwargs=True)
         self._handles: list[RemovableHandle] = []
+        self._captures: dict[str, Capture] = {}  # parametrized layers: what their parametrizations computed
 
     def install(self, layers: list[HookedLayer]) -> None:
         """Hook ``layers`` (and refuse batch statistics in every BatchNorm of the model)."""
@@ -322,13 +332,16 @@ class LayerHooks:
         raw: dict[nn.Module, list[HookedLayer]] = {}
         for layer in layers:
             if layer.spec.raw:
-                raw.setdefault(layer.module, []).append(layer)
+                raw.setdefault(layer.module if layer.host is None else layer.host, []).append(layer)
                 continue
-            if self._to_detach is not None and not layer.spec.all_inputs and not layer.spec.subtree:
+            spec = layer.spec
+            if self._to_detach is not None and not (spec.all_inputs or spec.subtree or spec.parametrized):
                 # before the keeper: the output it keeps is the one with the probe added
                 pre, post = ModuleHook(self, self._detacher(layer)), ModuleHook(self, self._reattacher(layer))
                 self._handles.append(layer.module.register_forward_pre_hook(pre))
                 self._handles.append(layer.module.register_forward_hook(post, always_call=True))
+            if layer.spec.parametrized:
+                self._capture(layer)
             hook = ModuleHook(self, self._keeper(layer))
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
         for module, own in raw.items():
@@ -339,10 +352,23 @@ class LayerHooks:
                 hook = ModuleHook(self, _refuse_batch_statistics(name))
                 self._handles.append(module.register_forward_pre_hook(hook))
 
+    def _capture(self, layer: HookedLayer) -> None:
+        """Keep what each parametrization of ``layer`` computes during a call (``pergrad.parametrized``)."""
+        capture = self._captures[layer.name] = Capture(sites(layer.module, layer.spec.subtree))
+        self._handles.append(layer.module.register_forward_pre_hook(ModuleHook(self, lambda m, args: capture.start())))
+        for site in capture.sites:
+
+            def record(m: nn.Module, args: tuple[Any, ...], out: Any, key: str = site.key) -> None:
+                capture.record(key, out)
+
+            plist = parametrizations_of(site.owner)[site.tensor]
+            self._handles.append(plist.register_forward_hook(ModuleHook(self, record)))
+
     def uninstall(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._captures.clear()
         self._detached.clear()
         for module in list(self._swapped):
             self._untracker(module, (), None)
@@ -441,28 +467,30 @@ class LayerHooks:
                 return None  # torch.func is differentiating the model itself (vmap/grad): not ours to track
             batch_first = self._batch_first or layer.spec.batch_dim_fixed
             batch_dim = 0 if batch_first else 1
+            capture = self._captures.get(layer.name)
+            computed = None if capture is None else capture.take(layer.label)
             a = LayerCall(args, kwargs, batch_dim) if layer.spec.all_inputs else _first_input(args, kwargs)
             batched = output if layer.spec.all_inputs else a
             if not isinstance(batched, Tensor):
-                raise TypeError(
-                    f"pergrad: layer {layer.name!r} ({type(module).__name__}) was called without a tensor input"
-                )
+                raise TypeError(f"pergrad: {layer.label} was called without a tensor input")
             group = None
             if self.batch is not None and not layer.spec.all_inputs:
                 group = classify(a, output, batch_dim, self.batch, layer.label)
             if group is not None:
                 assert isinstance(a, Tensor)
-                return self._keep_shared(layer, a, output, batch_dim, group, detached)
+                return self._keep_shared(layer, a, output, batch_dim, group, detached, computed)
             if packed_batch is None and (batched.dim() <= batch_dim or output.dim() <= batch_dim):
                 raise BatchSizeError(
-                    f"layer {layer.name!r} ({type(module).__name__}) got input of shape {tuple(batched.shape)}, which has "
+                    f"{layer.label} got input of shape {tuple(batched.shape)}, which has "
                     f"no batch dim {batch_dim}; pergrad needs batched inputs"
                     + ("" if batch_first else " (batch_first=False puts the batch on dim 1)")
                 )
             batch_size = batched.shape[batch_dim] if packed_batch is None else packed_batch
             if isinstance(a, LayerCall) and layer.spec.output_dims is not None:
                 a = replace(a, output_dims=_output_dims(layer, returned, batch_dim), batch_size=batch_size)
-            kept_input = a if isinstance(a, LayerCall) else batch_to_front(a, batch_first)
+            kept_input: Any = a if isinstance(a, LayerCall) else batch_to_front(a, batch_first)
+            if computed is not None:
+                kept_input = Computed(kept_input, computed)
             key = self._key(layer.name)
             kept = Kept(
                 layer, kept_input, self.generation, batch_size, key, packed=packed_batch is not None, detached=detached
@@ -493,7 +521,14 @@ class LayerHooks:
         return name if call == 0 else f"{name}:{call}"
 
     def _keep_shared(
-        self, layer: HookedLayer, a: Tensor, output: Tensor, dim: int, group: Group, detached: Detached | None
+        self,
+        layer: HookedLayer,
+        a: Tensor,
+        output: Tensor,
+        dim: int,
+        group: Group,
+        detached: Detached | None,
+        computed: dict[str, Tensor] | None,
     ) -> Tensor:
         """A call whose output is (or may be) shared by the batch (see ``pergrad.shared``): the model
         goes on with a tracked alias of the output, whose meetings with the batch deliver each
@@ -503,7 +538,11 @@ class LayerHooks:
         size = group.batch
         key = self._key(layer.name)
         a_shared, per_sample = per_sample_input(plain, output, dim, size)
-        shared = Kept(layer, a_shared, self.generation, size, key, detached=detached)
+
+        def kept_input(x: Tensor) -> Any:
+            return x if computed is None else Computed(x, computed)
+
+        shared = Kept(layer, kept_input(a_shared), self.generation, size, key, detached=detached)
         on_output_grad = self._on_output_grad
         origin = Origin(output, lambda g: on_output_grad(shared, per_sample(g)), group, layer.label)
         before = a.origins if isinstance(a, Shared) else ()
@@ -512,7 +551,9 @@ class LayerHooks:
         # the batched reading of the same call, for a group that turns out batched after all
         batched = None
         if group.state == "maybe":
-            batched = Kept(layer, batch_to_front(plain, dim == 0), self.generation, size, key, detached=detached)
+            batched = Kept(
+                layer, kept_input(batch_to_front(plain, dim == 0)), self.generation, size, key, detached=detached
+            )
         produced = _producer(output)
         node, index, shape = produced.grad_fn, produced.output_nr, output.shape
         assert node is not None
@@ -545,16 +586,17 @@ class LayerHooks:
             batch = self.batch
             if batch is None or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
                 return
-            saved: list[tuple[str, Tensor]] = []
+            saved: list[tuple[nn.Module, str, Tensor]] = []
             for layer in layers:
-                p = module._parameters.get(layer.param)
+                holder = layer.module  # the module itself, or a ParameterDict/ParameterList of it
+                p = holder._parameters.get(layer.param)
                 if not (isinstance(p, nn.Parameter) and p.requires_grad):
                     continue
                 kept = Kept(layer, layer.param, self.generation, batch.size, self._key(layer.name))
                 origin = Origin(p, self._deliver(kept), Group("shared", batch.size, batch.dim), layer.label)
                 origin.tensor = track(p, [origin])
-                module._parameters[layer.param] = origin.tensor  # type: ignore[assignment]
-                saved.append((layer.param, p))
+                holder._parameters[layer.param] = origin.tensor  # type: ignore[assignment]
+                saved.append((holder, layer.param, p))
             self._swapped[module] = saved
 
         return swap
@@ -565,8 +607,8 @@ class LayerHooks:
 
     def _untracker(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """Forward hook (also when the forward raised): the module's own parameters back in place."""
-        for name, p in self._swapped.pop(module, []):
-            module._parameters[name] = p  # type: ignore[assignment]
+        for holder, name, p in self._swapped.pop(module, []):
+            holder._parameters[name] = p  # type: ignore[assignment]
 
     def _model_returned(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         labels = lm_loss.token_labels(kwargs) if self.batch is not None else None

@@ -9,13 +9,15 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
 from .engine import Distributed, Engine, Target
-from .errors import NormNotComputedError, PergradError, TargetError, TransformError, UnsupportedLayerError
+from .errors import NormNotComputedError, PergradError, TargetError, TransformError, UnsupportedLayerError, module_label
 from .hooks import HookedLayer, LayerHooks, owners
 from .loss_scale import GradScalerLike, loss_scale_reader
-from .registry import RuleRegistry, RuleSpec, default_registry, type_names
+from .parametrized import base_type, parametrizations_of, parametrized_spec, sites
+from .registry import RuleRegistry, RuleSpec, default_registry, registration, type_names
 from .rules.fallback import fallback as fallback_rule
 from .rules.fallback import output_dims as fallback_output_dims
 from .rules.raw import RAW
@@ -35,13 +37,13 @@ def _check_layer_options(name: str, module: nn.Module) -> None:
     if isinstance(module, nn.Embedding):
         if module.scale_grad_by_freq:
             raise UnsupportedLayerError(
-                f"layer {name!r} (nn.Embedding) has scale_grad_by_freq=True: autograd then divides each row's "
+                f"{module_label(name)} (nn.Embedding) has scale_grad_by_freq=True: autograd then divides each row's "
                 "gradient by the row's frequency in the whole batch, which is not the gradient of any one "
                 "sample's loss. Construct it with scale_grad_by_freq=False."
             )
         if module.sparse:
             raise UnsupportedLayerError(
-                f"layer {name!r} (nn.Embedding) has sparse=True: pergrad writes dense per-sample gradients and a "
+                f"{module_label(name)} (nn.Embedding) has sparse=True: pergrad writes dense per-sample gradients and a "
                 "dense .grad. Construct it with sparse=False (and use a dense optimizer)."
             )
 
@@ -71,37 +73,111 @@ def _layout(modules: list[nn.Module]) -> tuple[object, ...]:
     )
 
 
+def _advice(cls: type[nn.Module], registry: RuleRegistry) -> str:
+    """What to do about a module of type ``cls`` without a rule. For a subclass of a class with a
+    rule: register that rule for it if the subclass keeps the parent's ``forward``; if it overrides
+    ``forward`` (timm's ``BatchNormAct2d``, a ``LayerNorm2d`` that permutes channels), the parent's
+    rule computes the wrong thing, so the advice is the fallback or a rule of its own."""
+    mro = cls.__mro__
+    found = next(((i, t, s) for i, t in enumerate(mro[1:], 1) if (s := registry.lookup_type(t)) is not None), None)
+    fallback = "pass fallback=True to compute it with torch.func (exact, slower)"
+    own_rule = f"write a rule for it with @pergrad.register_rule({cls.__name__})"
+    if found is None:
+        return f"{own_rule} (a function (layer, a, d) -> {{name: per-sample gradients}}), or {fallback}."
+    index, parent, spec = found
+    overriding = next((t for t in mro[:index] if "forward" in vars(t)), None)
+    if overriding is not None:
+        return (
+            f"it subclasses {parent.__qualname__}, but {overriding.__qualname__} overrides forward, so the "
+            f"{parent.__qualname__} rule does not compute its gradients: {fallback}, or {own_rule}."
+        )
+    return (
+        f"it subclasses {parent.__qualname__} and keeps its forward; rules apply to their exact type only (a subclass "
+        f"may change what forward computes). If nothing else it overrides changes the computation, register the "
+        f"parent's rule: {registration(cls, spec)}. Or {fallback}."
+    )
+
+
+def _through_parametrizations(name: str, module: nn.Module, spec: RuleSpec) -> RuleSpec:
+    """``spec``, or where the tensors it covers include parametrized ones (``torch.nn.utils.parametrize``,
+    of the module or, for a rule covering its subtree, of a submodule), ``spec`` on the computed
+    tensors pulled back to the original ones (``pergrad.parametrized``)."""
+    return parametrized_spec(spec) if sites(module, spec.subtree) else spec
+
+
+def _in_parametrizations(model: nn.Module, name: str) -> bool:
+    """Whether module ``name`` is part of a parametrized module's ``parametrizations`` (the
+    ParametrizationLists holding the original tensors, and the parametrizations themselves)."""
+    parts = name.split(".")
+    return any(
+        part == "parametrizations" and parametrize.is_parametrized(model.get_submodule(".".join(parts[:i])))
+        for i, part in enumerate(parts)
+    )
+
+
+_CONTAINERS = (nn.ParameterDict, nn.ParameterList)  # hold parameters; never called
+_UNCALLED = (*_CONTAINERS, nn.ModuleDict, nn.ModuleList)
+
+
+def _hold_container(
+    model: nn.Module, name: str, container: nn.Module, trainable: list[str], layers: list[HookedLayer], fallback: bool
+) -> None:
+    """Parameters in a ``ParameterDict``/``ParameterList`` are raw parameters of the nearest
+    enclosing module that is called (its *host*, e.g. peft's LoRA ``Embedding`` reading
+    ``lora_embedding_A[adapter]``): tracked from the host's call to where they meet the batch. With
+    ``fallback=True`` the host is computed with torch.func as one unit instead."""
+    host_name = name
+    while True:
+        if host_name == "":
+            raise UnsupportedLayerError(
+                f"{module_label(name)} ({type(container).__name__}) holds trainable parameters {trainable}, but no "
+                "module of the model that is called encloses it, so nothing uses them in a forward pergrad sees. "
+                "Wrap the module whose forward reads them."
+            )
+        host_name = host_name.rpartition(".")[0]
+        host = model.get_submodule(host_name)
+        if not isinstance(host, _UNCALLED):
+            break
+    if fallback:
+        layers[:] = [layer for layer in layers if layer.name != host_name and not _inside(layer.name, host_name)]
+        layers.append(HookedLayer(host_name, host, _through_parametrizations(host_name, host, FALLBACK)))
+        return
+    layers.extend(HookedLayer(name, container, RAW, param=p, host=host) for p in trainable)
+
+
 def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[HookedLayer]:
     layers: list[HookedLayer] = []
     for name, module in model.named_modules():
         if any(layer.spec.subtree and _inside(name, layer.name) for layer in layers):
             continue  # inside a module whose rule covers its whole subtree
+        if _in_parametrizations(model, name):
+            continue  # the original tensors of a parametrized module: its rule covers them
+        parametrized = parametrize.is_parametrized(module)
         trainable = _own_trainable(module)
+        if parametrized:  # its parametrized tensors are computed from these
+            plists = parametrizations_of(module).named_parameters()
+            trainable += [f"parametrizations.{n}" for n, p in plists if p.requires_grad]
         if not trainable:
             continue
-        spec = registry.lookup(module)
+        if isinstance(module, _CONTAINERS):
+            _hold_container(model, name, module, trainable, layers, fallback)
+            continue
+        layer_type = base_type(module)
+        spec = registry.lookup_type(layer_type)
         if spec is None and fallback:
             spec = FALLBACK
-        if spec is None and _plain_module(module, registry):
+        if spec is None and not parametrized and _plain_module(module, registry):
             layers.extend(HookedLayer(name, module, RAW, param=p) for p in trainable)
             continue
         if spec is None:
-            parent = next((t for t in registry.supported_types() if isinstance(module, t)), None)
-            why = (
-                f"it subclasses {parent.__qualname__}, whose rule is only used for that exact type because a "
-                f"subclass may change forward. If its forward is unchanged, register the parent's rule: "
-                f"pergrad.register_rule({type(module).__name__})(<the {parent.__qualname__} rule>)."
-                if parent is not None
-                else f"register a rule for it with @pergrad.register_rule({type(module).__name__})."
-            )
-            why += " Or pass fallback=True to compute it with torch.func (exact, slower)."
+            kind = ", parametrized" if parametrized else ""
             raise UnsupportedLayerError(
-                f"layer {name!r} ({type(module).__module__}.{type(module).__qualname__}) has trainable parameters "
-                f"{trainable} but no per-sample rule: {why} Supported types: {type_names(registry.supported_types())}. "
-                "Or freeze its parameters with requires_grad_(False)."
+                f"{module_label(name)} ({layer_type.__module__}.{layer_type.__qualname__}{kind}) has trainable "
+                f"parameters {trainable} but no per-sample rule: {_advice(layer_type, registry)} Supported types: "
+                f"{type_names(registry.supported_types())}. Or freeze its parameters with requires_grad_(False)."
             )
         _check_layer_options(name, module)
-        layers.append(HookedLayer(name, module, spec))
+        layers.append(HookedLayer(name, module, _through_parametrizations(name, module, spec)))
     return layers
 
 

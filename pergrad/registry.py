@@ -126,6 +126,9 @@ class RuleSpec:
     subtree: bool = False  # the rule covers the parameters of the layer's submodules too
     output_dims: OutputDims | None = None
     raw: bool = False  # one raw parameter of a module, tracked where it meets the batch (``pergrad.shared``)
+    # a layer parametrized with torch.nn.utils.parametrize: its kept input is a ``pergrad.parametrized.Computed``
+    # and the rule differentiates the forward's graph, so it runs during the backward
+    parametrized: bool = False
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,10 @@ class RuleRegistry:
 
     def lookup(self, layer: nn.Module) -> RuleSpec | None:
         """The rule registered for exactly ``type(layer)`` (as a class, else by its qualified name), or None."""
-        layer_type = type(layer)
+        return self.lookup_type(type(layer))
+
+    def lookup_type(self, layer_type: type) -> RuleSpec | None:
+        """The rule registered for exactly ``layer_type`` (as a class, else by its qualified name), or None."""
         spec = self._rules.get(layer_type)
         if spec is None and self._named:
             spec = self._named.get(qualified_name(layer_type))
@@ -274,12 +280,14 @@ def register_rule(
     overwrite: bool = False,
     batch_dim_fixed: bool = False,
     all_inputs: bool = False,
+    subtree: bool = False,
     registry: RuleRegistry | None = None,
     output_dims: OutputDims | None = None,
 ) -> Callable[[Rule], Rule]:
     """Register a per-sample rule for ``layer_types`` (in ``default_registry`` unless given).
 
     A layer type is a class, or its fully qualified name as a string (the package is not imported).
+    ``batch_dim_fixed``, ``all_inputs`` and ``subtree`` are described in ``RuleSpec``.
     Example, reusing the built-in Linear rule for a subclass whose forward is unchanged, and for a
     class of another package given by name::
 
@@ -292,8 +300,28 @@ def register_rule(
         overwrite=overwrite,
         batch_dim_fixed=batch_dim_fixed,
         all_inputs=all_inputs,
+        subtree=subtree,
         output_dims=output_dims,
     )
+
+
+def rule_path(fn: Rule) -> str:
+    """How to name a rule function in code: ``pergrad.rules.group_norm`` for a built-in one,
+    ``module.function`` for another importable one, else its qualified name."""
+    from . import rules  # the rules import the registry
+
+    name = getattr(fn, "__name__", "")
+    if getattr(rules, name, None) is fn:
+        return f"pergrad.rules.{name}"
+    qualname = getattr(fn, "__qualname__", name)
+    module = getattr(fn, "__module__", None)
+    return qualname if module is None or "<" in qualname else f"{module}.{qualname}"
+
+
+def registration(layer_type: type, spec: RuleSpec) -> str:
+    """The call that registers ``spec``'s rule, with its options, for ``layer_type``."""
+    options = "".join(f", {flag}=True" for flag in ("batch_dim_fixed", "all_inputs", "subtree") if getattr(spec, flag))
+    return f"pergrad.register_rule({layer_type.__name__}{options})({rule_path(spec.fn)})"
 
 
 def type_names(types: Iterable[type]) -> str:

@@ -34,6 +34,11 @@ def _weighted(d: Tensor, weights: Tensor, drop: Tensor | None = None) -> Tensor:
     return out if drop is None else _zero_rows(out, drop)
 
 
+def _per_sample_rows(g: Tensor) -> Tensor:
+    """``[B, *shape] -> [B, numel]`` (also for a scalar parameter's ``[B]``)."""
+    return g.reshape(g.shape[0], -1)
+
+
 def _zero_rows(t: Tensor, drop: Tensor) -> Tensor:
     return t.masked_fill(drop.view(-1, *([1] * (t.dim() - 1))), 0)
 
@@ -59,7 +64,7 @@ class Materialized:
     # Each reads the [B, *shape] tensors once and allocates nothing of their size.
 
     def sq_norms(self, params: Params) -> dict[nn.Parameter, Tensor]:
-        return {p: torch.linalg.vector_norm(self.grads[p].flatten(1), dim=1).square() for p in params}
+        return {p: torch.linalg.vector_norm(_per_sample_rows(self.grads[p]), dim=1).square() for p in params}
 
     def summed(self, params: Params, weights: Tensor, drop: Tensor | None = None) -> dict[nn.Parameter, Tensor]:
         if drop is not None:  # leave the dropped samples out (0 * NaN would be NaN)
@@ -70,7 +75,7 @@ class Materialized:
         return {p: torch.tensordot(weights.to(self.grads[p].dtype), self.grads[p], dims=1) for p in params}
 
     def dots(self, others: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
-        return {p: self.grads[p].flatten(1) @ g.flatten() for p, g in others.items()}
+        return {p: _per_sample_rows(self.grads[p]) @ g.flatten() for p, g in others.items()}
 
     def sum_squares(self, params: Params) -> dict[nn.Parameter, Tensor]:
         return {p: _sum_of_squares(self.grads[p]) for p in params}
@@ -106,6 +111,7 @@ class Call:
     a: Any
     d: Any  # a Tensor (every layer with a fused rule), or OutputGrads
     scale: float = 1.0
+    built: dict[str, Tensor] | None = None  # the rule's result, where it ran during the backward
 
 
 def _numel(d: Tensor | OutputGrads) -> int:
@@ -172,13 +178,16 @@ class Fused:
     def _run(self, call: Call) -> dict[str, Tensor]:
         """The call's rule. A result no larger than the call's kept ``a`` and ``d`` is kept for the
         other quantities of this backward (norm layers, convolutions: norms and weighted sums read
-        the same ``g_i``); larger ones are built again rather than held, so that at most one
-        layer's large ``g_i`` are alive at a time."""
+        the same ``g_i``), and so is that of a layer without a fused rule, whose weighted sum has no
+        other source (building it twice would cost more than materialising). Other large ones are
+        not held: their weighted sums are batch gradients of weighted ``d``."""
+        if call.built is not None:
+            return call.built
         found = self._builds.get(call)
         if found is None:
             found = run_rule(call.layer, call.a, call.d, call.scale)
             kept = _numel(call.d) + (call.a.numel() if isinstance(call.a, Tensor) else 0)
-            if sum(g.numel() for g in found.values()) <= kept:
+            if call.layer.spec.fused is None or sum(g.numel() for g in found.values()) <= kept:
                 self._builds[call] = found
         return found
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,6 +29,21 @@ def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> Non
         for method, result in methods.items():
             assert result.get("correct") is True, (workload, method, result)
     assert "| pergrad |" in proc.stdout
+
+
+def test_quick_transformer_workloads_are_correct(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "transformers.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--workloads", "gpt2", "bert",
+         "--methods", "plain", "pergrad", "pergrad_clip", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    for workload in ("gpt2", "bert"):
+        for method in ("plain", "pergrad", "pergrad_clip"):
+            assert report["results"][workload][method].get("correct") is True, (workload, method)
 
 
 def test_quick_memory_benchmark_runs_and_stays_within_one_step(tmp_path: Path) -> None:

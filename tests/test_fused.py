@@ -3,6 +3,8 @@ against the same quantities computed from torch.func's per-sample gradients."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import given
@@ -166,6 +168,44 @@ def test_fused_mode_never_builds_per_sample_gradients(shape: tuple[int, ...]) ->
         psm.register_transform(model, transforms.clip_norm(0.5))
         run_pergrad(psm, x, target)
         assert calls == []
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.head = nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("stats", [False, True])
+def test_a_layer_without_fused_rule_is_built_once_per_backward(monkeypatch: pytest.MonkeyPatch, stats: bool) -> None:
+    """Clipping needs the norms and then the weighted sum of a layer without a fused rule
+    (MultiheadAttention): both read the one build, so fused is never costlier than materialising."""
+    calls: list[str] = []
+    module = sys.modules["pergrad.rules.fallback"]
+    original = module.fallback
+
+    def counting(layer: nn.Module, *args: object, **kwargs: object) -> dict[str, torch.Tensor]:
+        calls.append(type(layer).__name__)
+        return original(layer, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "fallback", counting)
+    torch.manual_seed(0)
+    model = Attention().double()
+    x, target = torch.randn(4, 5, 8, dtype=torch.float64), torch.randn(4, 5, 3, dtype=torch.float64)
+    ref = reference_grad_sample(model, x, target)
+    with PerSampleModule(model, keep_grad_sample=False, track_statistics=stats) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.5))
+        for _ in range(2):
+            calls.clear()
+            psm.zero_grad()
+            run_pergrad(psm, x, target)
+            assert calls == ["MultiheadAttention"]
+            factor = (0.5 / flat_norms(ref)).clamp(max=1)
+            for name, p in model.named_parameters():
+                assert_close(p.grad, times(ref[name], factor).mean(0), name)
 
 
 def test_both_norm_forms_are_used() -> None:

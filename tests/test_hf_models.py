@@ -89,6 +89,8 @@ def check(
                 (loss(psm(**inputs), labels).sum() / b).backward()
                 norms = psm.per_sample_norms()
                 for name, p in model.named_parameters():
+                    if not p.requires_grad:
+                        continue
                     what = f"{type(model).__name__} B={b} T={t} {name}"
                     if keep:
                         close(p.grad_sample, ref[name], f"grad_sample of {what}")
@@ -112,6 +114,33 @@ def test_bert() -> None:
         max_position_embeddings=16, num_labels=3,
     )  # fmt: skip
     check(transformers.BertForSequenceClassification(config), tokens("class"), class_loss)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft 0.21
+def test_bert_with_lora_on_its_word_embeddings() -> None:
+    """peft's LoRA on an nn.Embedding keeps A and B in ParameterDicts and looks A up with
+    ``F.embedding(ids, A.T, padding_idx=...)``: raw parameters of the LoRA layer, exact without
+    fallback, token 0 (BERT's padding_idx) included."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=16, num_labels=3,
+    )  # fmt: skip
+    lora = peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["word_embeddings", "query", "value"], lora_dropout=0.0,
+        init_lora_weights=False,
+    )  # fmt: skip
+    model = peft.get_peft_model(transformers.BertForSequenceClassification(config), lora)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lora_embedding_A" in n for n in names) and any("lora_embedding_B" in n for n in names)
+
+    def batch(b: int, t: int, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        ids = torch.randint(0, VOCAB, (b, t), generator=gen)
+        ids[0, -1] = 0
+        return {"input_ids": ids}, torch.randint(0, 3, (b,), generator=gen)
+
+    check(model, batch, class_loss)
 
 
 def test_distilbert() -> None:
