@@ -116,7 +116,7 @@ class Detacher:
         self.single = {
             p
             for layer in layers
-            if not (layer.spec.all_inputs or layer.spec.subtree)
+            if not (layer.spec.all_inputs or layer.spec.subtree or layer.spec.raw)
             for _, p in layer.module.named_parameters(recurse=False)
             if counts.get(p) == 1
         }

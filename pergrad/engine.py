@@ -213,7 +213,7 @@ class Engine:
             d = d.to(dtype)
             if isinstance(kept.a, Tensor) and kept.a.is_floating_point() and kept.a.dtype != dtype:
                 kept = replace(kept, a=kept.a.to(dtype))
-        if self.keep_activation_grads:
+        if self.keep_activation_grads and not layer.spec.raw:
             state.activation_grads[kept.key] = d * scale
         if kept.detached is not None:
             state.detached.append(kept.detached)

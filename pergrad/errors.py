@@ -33,3 +33,8 @@ class TargetError(PergradError, ValueError):
 
 class HookStateError(PergradError, RuntimeError):
     """A backward pass reached parameters in a way pergrad cannot attribute to samples."""
+
+
+class SharedInputError(PergradError, RuntimeError):
+    """A tensor shared by the batch (a layer output computed without the batch, a raw parameter)
+    meets the batch in a way pergrad cannot split per sample."""

@@ -24,9 +24,20 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
 from .detach import Detached
-from .errors import BatchMixingError, BatchSizeError
+from .errors import BatchMixingError, BatchSizeError, SharedInputError
 from .layout import batch_to_front
 from .registry import LayerCall, RuleSpec
+from .shared import (
+    BatchInfo,
+    Group,
+    Origin,
+    Shared,
+    batch_of_call,
+    classify,
+    per_sample_input,
+    pulling,
+    track,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -36,13 +47,25 @@ class HookedLayer:
     name: str  # qualified name in the wrapped model ("" for the root)
     module: nn.Module
     spec: RuleSpec
+    param: str = ""  # for a raw parameter (``spec.raw``): its name in the module
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters the rule computes per-sample gradients for, named as the rule names them."""
+        if self.param:
+            p = self.module._parameters[self.param]
+            return [(self.param, p)] if isinstance(p, nn.Parameter) and p.requires_grad else []
         if self.spec.subtree:
             return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         own = {id(p): (n, p) for n, p in reversed(self.module._parameters.items()) if p is not None}
         return [(n, p) for n, p in reversed(own.values()) if p.requires_grad]  # first name of each, in order
+
+    @property
+    def label(self) -> str:
+        """How messages name it."""
+        where = "the root module" if self.name == "" else f"layer {self.name!r}"
+        if self.param:
+            return f"parameter {self.param!r} of {where} ({type(self.module).__name__})"
+        return f"{where} ({type(self.module).__name__})"
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -167,13 +190,20 @@ class LayerHooks:
         self._on_model_call = on_model_call
         self._calls: dict[str, int] = {}
         self.generation = 0
-        self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation))
+        self.batch: BatchInfo | None = None  # the batch of the running call of the model
+        self._buffer_storages: frozenset[int] | None = None
+        self._swapped: dict[nn.Module, list[tuple[str, Tensor]]] = {}  # raw parameters swapped for a call
+        self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation), with_kwargs=True)
         self._handles: list[RemovableHandle] = []
 
     def install(self, layers: list[HookedLayer]) -> None:
         """Hook ``layers`` (and refuse batch statistics in every BatchNorm of the model)."""
         self.uninstall()
+        raw: dict[nn.Module, list[HookedLayer]] = {}
         for layer in layers:
+            if layer.spec.raw:
+                raw.setdefault(layer.module, []).append(layer)
+                continue
             if self._to_detach is not None and not layer.spec.all_inputs and not layer.spec.subtree:
                 # before the keeper: the output it keeps is the one with the probe added
                 pre, post = ModuleHook(self, self._detacher(layer)), ModuleHook(self, self._reattacher(layer))
@@ -181,6 +211,9 @@ class LayerHooks:
                 self._handles.append(layer.module.register_forward_hook(post, always_call=True))
             hook = ModuleHook(self, self._keeper(layer))
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
+        for module, own in raw.items():
+            self._handles.append(module.register_forward_pre_hook(ModuleHook(self, self._tracker(own))))
+            self._handles.append(module.register_forward_hook(ModuleHook(self, self._untracker), always_call=True))
         for name, module in self._model.named_modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 hook = ModuleHook(self, _refuse_batch_statistics(name))
@@ -191,12 +224,21 @@ class LayerHooks:
             handle.remove()
         self._handles.clear()
         self._detached.clear()
+        for module in list(self._swapped):
+            self._untracker(module, (), None)
 
-    def _next_generation(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    def _next_generation(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self._on_model_call is not None:
             self._on_model_call()
         self.generation += 1
         self._calls.clear()
+        self._buffer_storages = None
+        tracking = torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+        tracking = tracking and not torch.compiler.is_compiling()
+        dim = 0 if self._batch_first else 1
+        self.batch = batch_of_call(args, kwargs, dim, self._buffers) if tracking else None
         x = args[0] if args else None
         if self._on_input_grad is None or not (torch.is_grad_enabled() and isinstance(x, Tensor) and x.requires_grad):
             return None
@@ -206,11 +248,17 @@ class LayerHooks:
         assert view.grad_fn is not None
 
         def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
-            if grad_outputs[0] is not None:
+            if grad_outputs[0] is not None and not pulling():
                 on_input_grad(generation, batch_to_front(grad_outputs[0], batch_first))
 
         view.grad_fn.register_prehook(catch)
-        return (view, *args[1:])
+        return (view, *args[1:]), kwargs
+
+    def _buffers(self) -> frozenset[int]:
+        """The storages of the model's buffers (computed once per forward, when first asked)."""
+        if self._buffer_storages is None:
+            self._buffer_storages = frozenset(b.untyped_storage().data_ptr() for b in self._model.buffers())
+        return self._buffer_storages
 
     def _detacher(self, layer: HookedLayer) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         """Forward pre-hook: run this call with the parameters pergrad owns detached (see ``Detached``)."""
@@ -249,8 +297,8 @@ class LayerHooks:
 
         return reattach
 
-    def _keeper(self, layer: HookedLayer) -> Callable[..., None]:
-        def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    def _keeper(self, layer: HookedLayer) -> Callable[..., Tensor | None]:
+        def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Tensor | None:
             detached = self._detached.pop(layer.name, None)
             packed_batch = None
             if layer.spec.all_inputs and isinstance(output, tuple | list):
@@ -259,9 +307,9 @@ class LayerHooks:
                 else:
                     output = next((o for o in output if isinstance(o, Tensor)), None)  # its first tensor output
             if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.grad_fn is not None):
-                return  # nothing will flow back through this call: keep nothing
+                return None  # nothing will flow back through this call: keep nothing
             if torch._C._are_functorch_transforms_active():
-                return  # torch.func is differentiating the model itself (vmap/grad): not ours to track
+                return None  # torch.func is differentiating the model itself (vmap/grad): not ours to track
             batch_first = self._batch_first or layer.spec.batch_dim_fixed
             batch_dim = 0 if batch_first else 1
             a = LayerCall(args, kwargs, batch_dim) if layer.spec.all_inputs else _first_input(args, kwargs)
@@ -270,6 +318,12 @@ class LayerHooks:
                 raise TypeError(
                     f"pergrad: layer {layer.name!r} ({type(module).__name__}) was called without a tensor input"
                 )
+            group = None
+            if self.batch is not None and not layer.spec.all_inputs:
+                group = classify(a, output, batch_dim, self.batch, layer.label)
+            if group is not None:
+                assert isinstance(a, Tensor)
+                return self._keep_shared(layer, a, output, batch_dim, group, detached)
             if packed_batch is None and (batched.dim() <= batch_dim or output.dim() <= batch_dim):
                 raise BatchSizeError(
                     f"layer {layer.name!r} ({type(module).__name__}) got input of shape {tuple(batched.shape)}, which has "
@@ -277,9 +331,7 @@ class LayerHooks:
                     + ("" if batch_first else " (batch_first=False puts the batch on dim 1)")
                 )
             kept_input = a if isinstance(a, LayerCall) else batch_to_front(a, batch_first)
-            call = self._calls.get(layer.name, 0)
-            self._calls[layer.name] = call + 1
-            key = layer.name if call == 0 else f"{layer.name}:{call}"
+            key = self._key(layer.name)
             batch_size = batched.shape[batch_dim] if packed_batch is None else packed_batch
             kept = Kept(
                 layer, kept_input, self.generation, batch_size, key, packed=packed_batch is not None, detached=detached
@@ -291,13 +343,96 @@ class LayerHooks:
 
             def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
                 d = grad_outputs[index]
-                if d is not None:
+                if d is not None and not pulling():
                     d = d.reshape(shape)
                     on_output_grad(kept, d if kept.packed else batch_to_front(d, batch_first))
 
             node.register_prehook(catch)
+            return None
 
         return keep
+
+    def _key(self, name: str) -> str:
+        """``name``, with ":k" for its k-th call (k >= 1) in this forward."""
+        call = self._calls.get(name, 0)
+        self._calls[name] = call + 1
+        return name if call == 0 else f"{name}:{call}"
+
+    def _keep_shared(
+        self, layer: HookedLayer, a: Tensor, output: Tensor, dim: int, group: Group, detached: Detached | None
+    ) -> Tensor:
+        """A call whose output is (or may be) shared by the batch (see ``pergrad.shared``): the model
+        goes on with a tracked alias of the output, whose meetings with the batch deliver each
+        sample's output gradient; the gradient autograd sums over the batch is then not used."""
+        with torch._C.DisableTorchFunctionSubclass():
+            plain = a.detach()
+        size = group.batch
+        key = self._key(layer.name)
+        a_shared, per_sample = per_sample_input(plain, output, dim, size)
+        shared = Kept(layer, a_shared, self.generation, size, key, detached=detached)
+        on_output_grad = self._on_output_grad
+        origin = Origin(output, lambda g: on_output_grad(shared, per_sample(g)), group, layer.label)
+        before = a.origins if isinstance(a, Shared) else ()
+        alias = track(output, [*before, origin])
+        origin.tensor = alias
+        # the batched reading of the same call, for a group that turns out batched after all
+        batched = None
+        if group.state == "maybe":
+            batched = Kept(layer, batch_to_front(plain, dim == 0), self.generation, size, key, detached=detached)
+        produced = _producer(output)
+        node, index, shape = produced.grad_fn, produced.output_nr, output.shape
+        assert node is not None
+
+        def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            d = grad_outputs[index]
+            if d is None or pulling():
+                return
+            if group.state == "shared":
+                if origin.delivered == 0:
+                    raise SharedInputError(
+                        f"the output of {layer.label} is shared by the batch (its input has no batch dim: shape "
+                        f"{tuple(a.shape)}), but its gradient reached the loss without meeting the batch in an op that "
+                        "broadcasts it over the samples, so it cannot be split per sample. If the layer's input folds "
+                        "the batch into another dim, keep the batch on its own dim."
+                    )
+                origin.delivered = 0
+                return
+            assert batched is not None, "only a group that may be batched turns out batched"
+            on_output_grad(batched, batch_to_front(d.reshape(shape), dim == 0))
+
+        node.register_prehook(catch)
+        return alias
+
+    def _tracker(self, layers: list[HookedLayer]) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        """Forward pre-hook of a module with raw parameters: for the call, the module holds tracked
+        aliases of them (see ``pergrad.shared``), whose meetings with the batch deliver ``g_i``."""
+
+        def swap(module: nn.Module, args: tuple[Any, ...]) -> None:
+            batch = self.batch
+            if batch is None or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+                return
+            saved: list[tuple[str, Tensor]] = []
+            for layer in layers:
+                p = module._parameters.get(layer.param)
+                if not (isinstance(p, nn.Parameter) and p.requires_grad):
+                    continue
+                kept = Kept(layer, layer.param, self.generation, batch.size, self._key(layer.name))
+                origin = Origin(p, self._deliver(kept), Group("shared", batch.size, batch.dim), layer.label)
+                origin.tensor = track(p, [origin])
+                module._parameters[layer.param] = origin.tensor  # type: ignore[assignment]
+                saved.append((layer.param, p))
+            self._swapped[module] = saved
+
+        return swap
+
+    def _deliver(self, kept: Kept) -> Callable[[Tensor], None]:
+        on_output_grad = self._on_output_grad
+        return lambda g: on_output_grad(kept, g)
+
+    def _untracker(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Forward hook (also when the forward raised): the module's own parameters back in place."""
+        for name, p in self._swapped.pop(module, []):
+            module._parameters[name] = p  # type: ignore[assignment]
 
     def remove(self) -> None:
         self.uninstall()

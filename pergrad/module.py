@@ -16,6 +16,7 @@ from .errors import PergradError, TargetError, TransformError, UnsupportedLayerE
 from .hooks import HookedLayer, LayerHooks, owners
 from .registry import RuleRegistry, RuleSpec, default_registry, type_names
 from .rules.fallback import fallback as fallback_rule
+from .rules.raw import RAW
 from .sources import Materialized
 from .statistics import Statistics, compute_statistics
 from .transforms import Transform, UserTransform
@@ -50,6 +51,14 @@ def _same(p: nn.Parameter) -> nn.Parameter:
     return p
 
 
+def _plain_module(module: nn.Module, registry: RuleRegistry) -> bool:
+    """A module of the user's or a library's own (not a ``torch.nn`` layer, nor a subclass of a layer
+    with a rule): its own parameters are raw ones it uses in its forward (``pergrad.rules.raw``)."""
+    if type(module).__module__.startswith("torch."):
+        return False
+    return not any(isinstance(module, t) for t in registry.supported_types())
+
+
 def _inside(name: str, parent: str) -> bool:
     """Whether module ``name`` is a strict descendant of module ``parent`` ("" is the root)."""
     return name != parent and (parent == "" or name.startswith(f"{parent}."))
@@ -78,6 +87,9 @@ def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[
         spec = registry.lookup(module)
         if spec is None and fallback:
             spec = FALLBACK
+        if spec is None and _plain_module(module, registry):
+            layers.extend(HookedLayer(name, module, RAW, param=p) for p in trainable)
+            continue
         if spec is None:
             parent = next((t for t in registry.supported_types() if isinstance(module, t)), None)
             why = (

@@ -112,6 +112,7 @@ class RuleSpec:
     all_inputs: bool = False
     fused: FusedRule | None = None
     subtree: bool = False  # the rule covers the parameters of the layer's submodules too
+    raw: bool = False  # one raw parameter of a module, tracked where it meets the batch (``pergrad.shared``)
 
 
 @dataclass(frozen=True)

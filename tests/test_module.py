@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import pergrad
@@ -13,6 +14,7 @@ from pergrad import (
     BatchMixingError,
     BatchSizeError,
     PerSampleModule,
+    SharedInputError,
     TargetError,
     TransformError,
     UnsupportedLayerError,
@@ -189,10 +191,6 @@ class MyLinear(nn.Linear):
             nn.Sequential(nn.Linear(3, 3), nn.PReLU()),
             r"layer '1' \(torch.nn.modules.activation.PReLU\) has trainable parameters \['weight'\] but no per-sample rule.*register_rule\(PReLU\).*Supported types: .*Linear",
         ),
-        (
-            nn.Sequential(Custom()),
-            r"layer '0' \(.*Custom\) has trainable parameters \['scale'\].*requires_grad_\(False\)",
-        ),
         (nn.Sequential(MyLinear(3, 3)), r"layer '0' .*MyLinear.*subclasses Linear.*register_rule\(MyLinear\)"),
         (nn.Embedding(4, 2, scale_grad_by_freq=True), r"layer '' \(nn.Embedding\) has scale_grad_by_freq=True"),
         (nn.Embedding(4, 2, sparse=True), r"sparse=True.*sparse=False"),
@@ -201,6 +199,39 @@ class MyLinear(nn.Linear):
 def test_unsupported_layers_fail_at_wrap_time(model: nn.Module, error: str) -> None:
     with pytest.raises((UnsupportedLayerError, BatchMixingError), match=error):
         PerSampleModule(model)
+
+
+class CustomLinear(nn.Module):
+    """A raw weight used as a matrix by F.linear: not a broadcast, so not split per sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def test_raw_parameters_of_custom_modules() -> None:
+    """A custom module's own parameters are tracked to where they meet the batch: exact where that
+    is a broadcast (``x * self.scale``), a clear error in the forward where it is not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), Custom()).double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    ref = reference_grad_sample(model, x, y)
+    with PerSampleModule(model) as psm:
+        run_pergrad(psm, x, y)
+        for name, p in model.named_parameters():
+            assert_close(p.grad_sample, ref[name], name)
+    with (
+        PerSampleModule(nn.Sequential(CustomLinear()).double()) as psm,
+        pytest.raises(
+            SharedInputError,
+            match=r"parameter 'weight' of layer '0' \(CustomLinear\) is shared by the batch.*meets the batch in "
+            r"linear.*register_rule.*fallback=True",
+        ),
+    ):
+        psm(x)
 
 
 def test_frozen_unsupported_layer_is_fine_and_registered_subclass_works() -> None:
@@ -241,10 +272,15 @@ class Folds(nn.Module):
 
 
 def test_inconsistent_batch_sizes() -> None:
-    with PerSampleModule(Folds()) as psm:
-        loss = psm(torch.randn(2, 5, 3)).sum()
-        with pytest.raises(BatchSizeError, match=r"layer 'a' \(Linear\) saw a batch of 2 samples.*layer 'b' saw 10"):
-            loss.backward()
+    with (
+        PerSampleModule(Folds()) as psm,
+        pytest.raises(
+            BatchSizeError,
+            match=r"layer 'b' \(Linear\) got input of shape \(10, 3\) computed from the batch, but the model was "
+            r"called with a batch of 2 samples on dim 0: keep the batch on its own dim",
+        ),
+    ):
+        psm(torch.randn(2, 5, 3))
 
 
 def test_unbatched_input() -> None:

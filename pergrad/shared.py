@@ -1,0 +1,389 @@
+"""Tensors shared by the batch, and each sample's gradient through them.
+
+Position embeddings look up one row of ids for every sample (``pos(torch.arange(T))``, or
+HuggingFace's ``position_ids`` of shape ``[1, T]``); T5 looks up relative-position buckets
+``[T, T]``; ViT prepends one learned ``cls_token`` to every sample. Such a layer output or raw
+parameter is *shared* by the batch. It meets the batched activations in a broadcasting op
+(``x + pos``, ``cls_token.expand(B, -1, -1)``), and autograd's backward of that op sums its
+gradient over the samples: the per-sample gradient is gone before any hook on the layer sees it.
+
+So pergrad hands the model a tracked alias of each shared tensor (``Shared``, a tensor subclass).
+Ops on shared tensors alone keep the tracking. At the op where a shared tensor meets the batch, it
+is expanded to the batch explicitly (a view) before the op runs, and a pre-hook on that
+expansion's autograd node catches the gradient before it is summed:
+``G[i] = d f_i / d s`` for the shared operand ``s``. One batched ``torch.autograd.grad`` pulls it
+back through the ops between the shared layer output (or parameter) and ``s``; for a layer, the
+result is each sample's own output gradient ``d_i``, and its rule gives ``g_i = rule(a, d_i)``
+with the shared input ``a``; for a raw parameter, it is ``g_i`` itself.
+
+Which layer inputs are shared, given the batch size B of the model's call (its first tensor
+argument) and the batch dim:
+
+- derived from a shared tensor (a ``Shared`` input), or a parameter that is not one of the
+  model's inputs: shared;
+- without autograd history and without the batch (its batch dim has size 1, or is missing, or has
+  another size): shared. With autograd history and not of size B: an error (the batch was folded);
+- of size B, but an integer tensor (ids) or a buffer that is not (a view of) one of the model's
+  inputs: *maybe* shared (``torch.arange(T)`` with T == B). Its output is tracked until it meets
+  a batched tensor: broadcast over the batch means shared, aligned with another operand's batch
+  dim means batched (then the tracking stops).
+
+A shared tensor that meets the batch in an op pergrad does not know how to split (``F.linear``
+with a shared weight, indexing) raises an error that names the op and the fix.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._C import DisableTorchFunctionSubclass
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .errors import BatchSizeError, SharedInputError
+
+_local = threading.local()
+
+
+def pulling() -> bool:
+    """Whether a per-sample pull-back runs now (the hooks it passes through must stay quiet)."""
+    return getattr(_local, "pulling", False)
+
+
+@dataclass
+class Group:
+    """What a set of tracked tensors turned out to be: ``"maybe"`` until known, then ``"shared"``
+    (broadcast over the batch) or ``"batched"`` (it had the batch after all)."""
+
+    state: str
+    batch: int  # B
+    dim: int  # where the batch is in the activations
+
+
+@dataclass(eq=False)
+class Origin:
+    """A shared layer output or raw parameter, as the model sees it (``tensor``, an alias)."""
+
+    tensor: Tensor
+    deliver: Callable[[Tensor], None]  # takes d f_i / d tensor for every sample: [B, *tensor.shape]
+    group: Group
+    label: str  # for messages: "layer 'pos' (Embedding)"
+    delivered: int = 0  # meetings whose per-sample gradient arrived in this backward
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """The batch of one call of the model."""
+
+    size: int
+    dim: int
+    storages: frozenset[int]  # data pointers of the storages of the call's tensor arguments
+    buffers: Callable[[], frozenset[int]] = field(compare=False)  # those of the model's buffers
+
+    def from_inputs(self, t: Tensor) -> bool:
+        return _storage(t) in self.storages
+
+
+def _storage(t: Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (meta, some subclasses)
+        return -1
+
+
+def batch_of_call(
+    args: tuple[Any, ...], kwargs: dict[str, Any], dim: int, buffers: Callable[[], frozenset[int]]
+) -> BatchInfo | None:
+    """The batch size of a model call: the batch dim of its first tensor argument with that dim."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    first = next((t for t in tensors if t.dim() > dim), None)
+    if first is None:
+        return None
+    return BatchInfo(first.shape[dim], dim, frozenset(_storage(t) for t in tensors), buffers)
+
+
+def classify(a: Any, output: Tensor, dim: int, batch: BatchInfo, where: str) -> Group | None:
+    """The group of a layer call on input ``a`` with ``output`` (batch on ``dim``), or None where
+    it is an ordinary batched call. See the module docstring."""
+    if isinstance(a, Shared):
+        group = a.origins[0].group
+        return None if group.state == "batched" else group
+    if not isinstance(a, Tensor):
+        return None
+    size = batch.size
+    has_batch = output.dim() > dim and output.shape[dim] == size and a.dim() > dim and a.shape[dim] == size
+    if a.grad_fn is not None:
+        if not has_batch and not (size == 1 and output.dim() > dim and output.shape[dim] == 1):
+            raise BatchSizeError(
+                f"{where} got input of shape {tuple(a.shape)} computed from the batch, but the model was called with "
+                f"a batch of {size} samples on dim {dim}: keep the batch on its own dim (a reshape that folds it into "
+                "another dim mixes samples for pergrad)"
+            )
+        return None
+    if isinstance(a, torch.nn.Parameter) and not batch.from_inputs(a):
+        return Group("shared", size, dim)
+    if not has_batch:
+        return Group("shared", size, dim)
+    if size == 1 or batch.from_inputs(a) or a.stride(dim) == 0:
+        return None
+    if not a.is_floating_point() or _storage(a) in batch.buffers():
+        return Group("maybe", size, dim)
+    return None
+
+
+def per_sample_input(a: Tensor, output: Tensor, dim: int, size: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """The shared input as a batch ``[B, ...]`` for the layer's rule, and how a pulled-back gradient
+    ``[B, *output.shape]`` becomes the per-sample output gradient the rule expects (batch first)."""
+    if a.dim() > dim and a.shape[dim] == 1 and output.dim() > dim and output.shape[dim] == 1:
+        rest = (*output.shape[:dim], *output.shape[dim + 1 :])
+        return a.movedim(dim, 0).expand(size, *a.movedim(dim, 0).shape[1:]), lambda g: g.reshape(size, *rest)
+    return a.unsqueeze(0).expand(size, *a.shape), lambda g: g
+
+
+# -- the tracked tensor ---------------------------------------------------------------------------
+
+
+def _names(*names: str) -> set[Any]:
+    found: set[Any] = set()
+    for name in names:
+        for owner in (torch, torch.Tensor):
+            fn = getattr(owner, name, None)
+            if fn is not None:
+                found.add(fn)
+    return found
+
+
+_ELEMENTWISE = _names(
+    "add", "add_", "sub", "sub_", "rsub", "mul", "mul_", "div", "div_", "true_divide", "true_divide_",
+    "where", "masked_fill", "lerp", "addcmul", "addcdiv", "maximum", "minimum", "pow", "pow_", "atan2",
+    "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__",
+    "__truediv__", "__rtruediv__", "__itruediv__",
+)  # fmt: skip
+_MATMUL = _names("matmul", "__matmul__", "__rmatmul__")
+_EXPAND = _names("expand", "expand_as", "broadcast_to", "repeat")
+_SDPA = {torch.nn.functional.scaled_dot_product_attention}
+_F = torch.nn.functional
+_LAYER_OPS = {
+    _F.linear, _F.conv1d, _F.conv2d, _F.conv3d, _F.conv_transpose1d, _F.conv_transpose2d, _F.conv_transpose3d,
+    _F.layer_norm, _F.group_norm, _F.rms_norm, _F.embedding, _F.instance_norm,
+}  # fmt: skip
+_NEW = _names("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "zeros_like", "ones_like", "empty_like")
+_GRAD = {torch.autograd.grad, torch.autograd.backward, Tensor.backward}
+_LIKE = _names("to", "type_as")
+
+
+def _plain(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    with DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+class Shared(Tensor):
+    """A tensor shared by the batch, tracked until it meets the batch (see the module docstring)."""
+
+    origins: tuple[Origin, ...]
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _GRAD or func in _NEW or getattr(func, "__name__", "") == "__get__":
+            return _plain(func, args, kwargs)  # autograd, fresh tensors, attributes (shape, grad_fn, _base)
+        if func in _LIKE:  # conversions: the other tensor gives only its dtype or device
+            own = args[0].origins if isinstance(args[0], Shared) else ()
+            return _wrap(_plain(func, args, kwargs), [o for o in own if o.group.state != "batched"])
+        flat = tree_flatten((args, kwargs))[0]
+        tracked = [t for t in flat if isinstance(t, Shared)]
+        origins = list(dict.fromkeys(o for t in tracked for o in t.origins if o.group.state != "batched"))
+        if not origins:
+            return _plain(func, args, kwargs)
+        if func in _ELEMENTWISE or func in _MATMUL or func in _SDPA:
+            return _meet(func, args, kwargs, flat, origins)
+        if func in _EXPAND and isinstance(args[0], Shared):
+            return _expand(func, args, kwargs, origins)
+        return _unknown(func, args, kwargs, flat, origins)
+
+
+def track(t: Tensor, origins: list[Origin]) -> Tensor:
+    """``t`` as a ``Shared`` tensor of ``origins`` (an alias: same values, same autograd history)."""
+    with DisableTorchFunctionSubclass():
+        out = t.as_subclass(Shared)
+    out.origins = tuple(origins)
+    return out
+
+
+def _wrap(result: Any, origins: list[Origin]) -> Any:
+    """The tensors of an op's result, tracked as derived from ``origins``."""
+    if not origins:
+        return result
+    if isinstance(result, Shared):
+        result.origins = tuple(dict.fromkeys((*result.origins, *origins)))  # an in-place op's self
+        return result
+    if isinstance(result, Tensor):
+        return track(result, origins) if result.is_floating_point() or result.is_complex() else result
+    if isinstance(result, tuple | list) and any(isinstance(x, Tensor) for x in result):
+        return type(result)([_wrap(x, origins) for x in result])
+    return result
+
+
+def _label(origins: list[Origin]) -> str:
+    return ", ".join(dict.fromkeys(o.label for o in origins))
+
+
+def _batch_evidence(flat: list[Any], group: Group, aligned: Callable[[Tensor], int | None]) -> bool:
+    """Whether an untracked tensor operand has the batch where ``aligned`` puts the batch dim
+    (parameters are the model's own, never the batch, whatever their shape)."""
+    for t in flat:
+        if isinstance(t, Tensor) and not isinstance(t, Shared | torch.nn.Parameter):
+            k = aligned(t)
+            if k is not None and 0 <= k < t.dim() and t.shape[k] == group.batch and t.stride(k) != 0:
+                return True
+    return False
+
+
+def _out_shape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...] | None:
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    try:
+        if func in _MATMUL:
+            x, y = args[0], args[1]
+            if not (isinstance(x, Tensor) and isinstance(y, Tensor) and x.dim() >= 2 and y.dim() >= 2):
+                return None
+            batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2])
+            return (*batch, x.shape[-2], y.shape[-1])
+        if func in _SDPA:
+            q = args[0]
+            return tuple(q.shape)
+        return tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
+    except (RuntimeError, IndexError):
+        return None
+
+
+def _meet(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], origins: list[Origin]
+) -> Any:
+    """A broadcasting op (elementwise, matmul, attention mask) with tracked operands."""
+    group = origins[0].group
+    out = _out_shape(func, args, kwargs)
+    if out is None or len(out) <= group.dim or out[group.dim] != group.batch:
+        return _wrap(_plain(func, args, kwargs), origins)  # no batch in the result: still shared
+    rank = len(out)
+
+    def aligned(t: Tensor) -> int:
+        return group.dim - (rank - t.dim())
+
+    if not _batch_evidence(flat, group, aligned):  # only shared tensors and constants: still shared
+        return _wrap(_plain(func, args, kwargs), origins)
+
+    def replace(x: Any) -> Any:
+        if not isinstance(x, Shared):
+            return x
+        live = [o for o in x.origins if o.group.state != "batched"]
+        if not live:
+            return x
+        k = aligned(x)
+        if k < 0 or x.shape[k] == 1:  # broadcast over the batch: it meets the batch here
+            for o in live:
+                o.group.state = "shared"
+            return _expanded(x, live, rank)
+        if live[0].group.state == "maybe" and _batch_evidence(flat, group, aligned):
+            for o in live:
+                o.group.state = "batched"
+            return x
+        raise SharedInputError(
+            f"{_label(live)} is shared by the batch (its input or parameter has no batch dim), but {func.__name__} "
+            f"combines its dim {k} of size {x.shape[k]} with the batch dim of the other operands: pergrad cannot "
+            "tell samples from positions there. Give the shared tensor a batch dim of size 1 (e.g. ids[None]) "
+            "so that it broadcasts over the batch."
+        )
+
+    return _plain(func, tree_map(replace, args), tree_map(replace, kwargs))
+
+
+def _expanded(x: Shared, origins: list[Origin], rank: int) -> Tensor:
+    """``x`` expanded to the batch explicitly (rank ``rank``, batch on the group's dim), with a hook
+    that catches each sample's gradient before the expansion's backward sums it."""
+    group = origins[0].group
+    with DisableTorchFunctionSubclass():
+        view = x.reshape((1,) * (rank - x.dim()) + tuple(x.shape))
+        sizes = [group.batch if i == group.dim else -1 for i in range(rank)]
+        expanded = view.expand(*sizes)
+    shape, size, dim = tuple(x.shape), group.batch, group.dim
+
+    def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
+        g = grad_outputs[0]
+        if g is None or pulling():
+            return
+        _pull_back(x, origins, g.movedim(dim, 0).reshape(size, *shape))
+
+    assert expanded.grad_fn is not None
+    expanded.grad_fn.register_prehook(catch)
+    return expanded
+
+
+def _pull_back(x: Tensor, origins: list[Origin], grads: Tensor) -> None:
+    """Hand every origin of ``x`` its per-sample gradient, from ``grads`` = d f_i / d x."""
+    if len(origins) == 1 and origins[0].tensor is x:
+        found: tuple[Tensor | None, ...] = (grads,)
+    else:
+        _local.pulling = True
+        try:
+            with DisableTorchFunctionSubclass():
+                found = torch.autograd.grad(
+                    [x], [o.tensor for o in origins], [grads], retain_graph=True, allow_unused=True,
+                    is_grads_batched=True,
+                )  # fmt: skip
+        finally:
+            _local.pulling = False
+    for origin, g in zip(origins, found, strict=True):
+        if g is not None:
+            origin.delivered += 1
+            origin.deliver(g.detach())
+
+
+def _expand(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], origins: list[Origin]) -> Any:
+    """``expand``/``broadcast_to``/``expand_as``/``repeat`` of a tracked tensor: where it gives the
+    tensor the batch, that is where it meets the batch."""
+    x = args[0]
+    group = origins[0].group
+    result = _plain(func, args, kwargs)
+    out = tuple(result.shape)
+    rank = len(out)
+    k = group.dim - (rank - x.dim())
+    if rank <= group.dim or out[group.dim] != group.batch or (0 <= k < x.dim() and x.shape[k] != 1):
+        return _wrap(result, origins)  # the batch is not what this expansion adds
+    for o in origins:
+        o.group.state = "shared"
+    expanded = _expanded(x, origins, rank)
+    if func in _names("repeat"):  # the batch factor is done: repeat the other dims as asked
+        factors = [1 if i == group.dim else s // max(e, 1) for i, (s, e) in enumerate(zip(out, expanded.shape))]
+        with DisableTorchFunctionSubclass():
+            return expanded.repeat(*factors)
+    with DisableTorchFunctionSubclass():
+        return expanded.expand(out)
+
+
+def _unknown(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], origins: list[Origin]
+) -> Any:
+    """Any other op: fine among shared tensors and constants; an error where it meets the batch."""
+    group = origins[0].group
+    candidates = flat
+    if func in _LAYER_OPS:  # weights never carry the batch: only the layer's input can
+        candidates = [args[0]] if args else []
+    if _batch_evidence(candidates, group, lambda t: group.dim):
+        if all(o.group.state == "maybe" for o in origins):
+            for o in origins:
+                o.group.state = "batched"
+            return _plain(func, args, kwargs)
+        name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+        raise SharedInputError(
+            f"{_label(origins)} is shared by the batch (it has no batch dim), and it meets the batch in {name}, "
+            "which pergrad cannot split per sample (it splits broadcasting ops: +, *, matmul, where, expand, "
+            "attention masks). Register a rule for the module that does this (pergrad.register_rule), or pass "
+            "fallback=True to PerSampleModule."
+        )
+    return _wrap(_plain(func, args, kwargs), origins)

@@ -1,0 +1,259 @@
+"""Inputs and parameters shared by the batch (``pergrad.shared``): position ids without a batch dim
+or with a batch dim of 1, relative-position buckets, raw parameters broadcast into activations.
+Exact against torch.func over steps whose length equals the batch size on some steps (where a
+shared input looks batched) and crosses the 16-position threshold from which weights run detached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pergrad import PerSampleModule, SharedInputError, transforms
+from tests.reference import assert_close, reference_grad_sample
+from tests.test_fused import check_statistics
+
+STEPS = [(3, 5), (4, 4), (2, 17), (5, 5), (3, 16), (1, 3)]  # (batch, length): T == B twice
+MODES = [(True, None, False), (False, 0.5, False), (True, 0.5, False), (False, None, True)]  # keep, clip, stats
+
+
+def token_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, -2), y.flatten(), reduction="sum")
+
+
+def squared(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out - y).pow(2).sum()
+
+
+def expected(ref: dict[str, torch.Tensor], clip: float | None) -> dict[str, torch.Tensor]:
+    if clip is None:
+        return {k: g.mean(0) for k, g in ref.items()}
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
+    factor = (clip / norms).clamp(max=1)
+    return {k: (g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for k, g in ref.items()}
+
+
+def run(
+    model: nn.Module,
+    batch: Callable[[int, int, torch.Generator], tuple[torch.Tensor, torch.Tensor]],
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    keep: bool,
+    clip: float | None,
+    stats: bool,
+    batch_first: bool = True,
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    dim = 0 if batch_first else 1
+    with PerSampleModule(
+        model, keep_grad_sample=keep, track_norms=True, track_statistics=stats, batch_first=batch_first
+    ) as psm:
+        if clip is not None:
+            psm.register_transform(model, transforms.clip_norm(clip))
+        for step, (b, t) in enumerate(STEPS):
+            x, y = batch(b, t, gen)
+            ref = reference_grad_sample(model, x, y, loss=loss, batch_dim=dim)
+            want = expected(ref, clip)
+            psm.zero_grad()
+            (loss(psm(x), y) / b).backward()
+            norms = psm.per_sample_norms()
+            for name, p in model.named_parameters():
+                what = f"step {step} (B={b}, T={t}): {name}"
+                if keep:
+                    assert_close(p.grad_sample, ref[name], f"grad_sample of {what}")
+                assert_close(p.grad, want[name], f".grad of {what}")
+                assert_close(norms[name], ref[name].flatten(1).norm(dim=1), f"norms of {what}")
+            if stats and b > 1:
+                check_statistics(psm.statistics(), ref)
+
+
+def ids(
+    vocab: int, batch_first: bool = True
+) -> Callable[[int, int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]:
+    def batch(b: int, t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (b, t) if batch_first else (t, b)
+        return torch.randint(0, vocab, shape, generator=gen), torch.randint(0, vocab, shape, generator=gen)
+
+    return batch
+
+
+class NanoGPT(nn.Module):
+    """``wpe(torch.arange(T))``: position ids without a batch dim; the wte head tied."""
+
+    def __init__(self, vocab: int = 9, dim: int = 6, batch_first: bool = True) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(24, dim)
+        self.norm, self.mlp = nn.LayerNorm(dim), nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1] if self.batch_first else idx.shape[0]
+        pos = self.wpe(torch.arange(t))  # [T, D]
+        h = self.wte(idx) + (pos if self.batch_first else pos.unsqueeze(1))
+        return self.head(torch.tanh(self.mlp(self.norm(h))))
+
+
+@pytest.mark.parametrize(("keep", "clip", "stats"), MODES)
+def test_positions_without_a_batch_dim(keep: bool, clip: float | None, stats: bool) -> None:
+    torch.manual_seed(0)
+    run(NanoGPT().double(), ids(9), token_loss, keep, clip, stats)
+
+
+def test_positions_without_a_batch_dim_sequence_first() -> None:
+    torch.manual_seed(1)
+    run(NanoGPT(batch_first=False).double(), ids(9, batch_first=False), token_loss, True, 0.5, False, batch_first=False)
+
+
+class BufferPositions(nn.Module):
+    """HuggingFace's ``position_ids`` buffer ``[1, T]``, added in place, then a Linear on the shared
+    positions' embedding alone (a layer whose input is derived from a shared output)."""
+
+    def __init__(self, vocab: int = 9, dim: int = 5) -> None:
+        super().__init__()
+        self.register_buffer("position_ids", torch.arange(24).expand(1, -1))
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(24, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.tok(idx)
+        pos = self.pos(self.position_ids[:, : idx.shape[1]])  # [1, T, D]
+        h += pos
+        h = h * torch.sigmoid(self.mix(pos))  # shared -> Linear (shared) -> meets the batch in *
+        return self.head(h)
+
+
+@pytest.mark.parametrize(("keep", "clip", "stats"), MODES)
+def test_positions_with_a_batch_dim_of_one(keep: bool, clip: float | None, stats: bool) -> None:
+    torch.manual_seed(2)
+    run(BufferPositions().double(), ids(9), token_loss, keep, clip, stats)
+
+
+class Buckets(nn.Module):
+    """T5's relative-position bias: buckets ``[T, T]`` -> Embedding -> permute -> ``[1, H, T, T]``,
+    added to every sample's attention scores."""
+
+    def __init__(self, dim: int = 4, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.bias = nn.Embedding(7, heads)
+        self.qk = nn.Linear(dim, 2 * dim)
+        self.out = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        pos = torch.arange(t)
+        buckets = (pos[None, :] - pos[:, None]).clamp(-3, 3) + 3  # [T, T]
+        bias = self.bias(buckets).permute(2, 0, 1).unsqueeze(0)  # [1, H, T, T]
+        q, k = self.qk(x).view(b, t, 2, self.heads, d // self.heads).unbind(2)
+        scores = q.transpose(1, 2) @ k.transpose(1, 2).transpose(2, 3) + bias  # [B, H, T, T]
+        v = x.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        mixed = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+        return self.out(mixed).mean(1)
+
+
+def floats(width: int, out: int) -> Callable[[int, int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]:
+    def batch(b: int, t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(b, t, width, generator=gen, dtype=torch.float64)
+        return x, torch.randn(b, out, generator=gen, dtype=torch.float64)
+
+    return batch
+
+
+@pytest.mark.parametrize(("keep", "clip", "stats"), MODES)
+def test_relative_position_buckets(keep: bool, clip: float | None, stats: bool) -> None:
+    torch.manual_seed(3)
+    run(Buckets().double(), floats(4, 3), squared, keep, clip, stats)
+
+
+class RawParameters(nn.Module):
+    """ViT/timm's raw parameters: a cls token expanded to the batch, position embeddings added (a
+    slice of them, used at two places), a LayerScale gamma, and a gate built from two raw
+    parameters before it meets the batch."""
+
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, 24, dim))
+        self.gamma = nn.Parameter(torch.randn(dim))
+        self.gate_a, self.gate_b = nn.Parameter(torch.randn(dim)), nn.Parameter(torch.randn(dim))
+        self.lin = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        pos = self.pos_embed[:, : t + 1]
+        h = torch.cat([self.cls_token.expand(b, -1, -1), x], 1) + pos
+        h = h + self.gamma * torch.tanh(self.lin(h))
+        h = h * torch.sigmoid(self.gate_a * self.gate_b) + 0.1 * pos
+        return self.head(h[:, 0] + h[:, 1:].mean(1))
+
+
+@pytest.mark.parametrize(("keep", "clip", "stats"), MODES)
+def test_raw_parameters(keep: bool, clip: float | None, stats: bool) -> None:
+    torch.manual_seed(4)
+    run(RawParameters().double(), floats(4, 3), squared, keep, clip, stats)
+
+
+class Conditional(nn.Module):
+    """An embedding of labels computed inside the model (integer, not one of the model's inputs,
+    one per sample): it may look shared, and turns out batched where it meets the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.classes = nn.Embedding(4, 3)
+        self.inp = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        label = x.mean(1).argmax(-1)  # [B]
+        return self.head(torch.tanh(self.inp(x.mean(1))) * self.classes(label))
+
+
+def test_a_per_sample_input_computed_inside_the_model_is_batched() -> None:
+    torch.manual_seed(5)
+    run(Conditional().double(), floats(3, 2), squared, True, 0.5, False)
+
+
+class Unmet(nn.Module):
+    """A shared output that reaches the loss without meeting the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(8, 3)
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum() + self.pos(torch.arange(5)).sum()
+
+
+class SharedAsWeight(nn.Module):
+    """A shared output used as a weight matrix (not broadcast): cannot be split per sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(8, 3)
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.lin(x), self.table(torch.arange(3)))
+
+
+def test_shared_tensors_that_cannot_be_split_are_clear_errors() -> None:
+    x = torch.randn(4, 3)
+    with PerSampleModule(Unmet()) as psm:
+        loss = psm(x)
+        with pytest.raises(SharedInputError, match=r"output of layer 'pos' \(Embedding\) is shared by the batch.*"
+                           r"reached the loss without meeting the batch"):  # fmt: skip
+            loss.backward()
+    with (
+        PerSampleModule(SharedAsWeight()) as psm,
+        pytest.raises(SharedInputError, match=r"layer 'table' \(Embedding\) is shared by the batch.*meets the batch "
+                      r"in linear.*register_rule.*fallback=True"),
+    ):  # fmt: skip
+        psm(x)
