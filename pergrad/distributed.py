@@ -39,10 +39,11 @@ rank's shard into ``.grad``: the bytes FSDP2 would have sent for them. Weights d
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -132,12 +133,16 @@ class _CommHook:
         return world.on_bucket(bucket)
 
 
+def _parameters(bucket: dist.GradBucket) -> list[nn.Parameter]:
+    return cast(list[nn.Parameter], bucket.parameters())
+
+
 class _Held:
     """A bucket held back until pergrad has written its part, and the future DDP waits on."""
 
     def __init__(self, bucket: dist.GradBucket) -> None:
         self.bucket = bucket
-        self.params: list[nn.Parameter] = bucket.parameters()
+        self.params = _parameters(bucket)
         self.views: list[Tensor] = bucket.gradients()  # each parameter's place in bucket.buffer()
         self.future: torch.futures.Future[Tensor] = torch.futures.Future()
 
@@ -210,12 +215,12 @@ class DataParallel(World):
             self._state, self._held, self._slots = state, [], {}
             if engine.running_mean:
                 self._count(state)
-        if any(engine.may_write(p) for p in bucket.parameters()):
+        if any(engine.may_write(p) for p in _parameters(bucket)):
             held = _Held(bucket)
             self._held.append(held)
             self._slots.update(zip(held.params, held.views))
             return held.future
-        return self._all_reduce(bucket.buffer(), bucket.parameters(), bucket.gradients())
+        return self._all_reduce(bucket.buffer(), _parameters(bucket), bucket.gradients())
 
     def flush(self, state: _Backward, failed: bool) -> None:
         """pergrad wrote its part into the held-back buckets: all-reduce them, in DDP's order."""
@@ -224,9 +229,9 @@ class DataParallel(World):
             try:
                 done = self._all_reduce(h.bucket.buffer(), h.params, h.views)
             except Exception as err:  # DDP's callback waits on the future: never leave it pending
-                h.future.set_exception(err)
+                h.future.set_exception(err)  # type: ignore[arg-type]  # (torch's stub is wrong)
                 continue
-            done.add_done_callback(lambda fut, h=h: _relay(fut, h.future))
+            done.add_done_callback(functools.partial(_relay, future=h.future))
 
     def _all_reduce(
         self, buffer: Tensor, params: list[nn.Parameter], views: list[Tensor]
@@ -262,7 +267,7 @@ def _relay(done: torch.futures.Future[Any], future: torch.futures.Future[Tensor]
     try:
         future.set_result(done.value())
     except Exception as err:
-        future.set_exception(err)
+        future.set_exception(err)  # type: ignore[arg-type]
 
 
 # -- FSDP2 ---------------------------------------------------------------------------------------
@@ -318,14 +323,18 @@ class Sharded(World):
             found = self._canonical.setdefault(param, param)
         return found
 
-    def _fsdp_params(self) -> Iterator[Any]:
-        """FSDP2's record of each sharded parameter (``sharded_param``, ``_unsharded_param``)."""
+    def _param_groups(self) -> Iterator[Any]:
+        """FSDP2's parameter groups (one per ``fully_shard`` call with parameters of its own)."""
         from torch.distributed.fsdp import FSDPModule
 
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
-                for group in module._get_fsdp_state()._fsdp_param_groups:
-                    yield from group.fsdp_params
+                yield from module._get_fsdp_state()._fsdp_param_groups
+
+    def _fsdp_params(self) -> Iterator[Any]:
+        """FSDP2's record of each sharded parameter (``sharded_param``, ``_unsharded_param``)."""
+        for group in self._param_groups():
+            yield from group.fsdp_params
 
     def _refresh(self) -> None:
         """Map each unsharded parameter FSDP2 has made to its shard, and hook its ``AccumulateGrad``."""
@@ -361,17 +370,37 @@ class Sharded(World):
         ]
 
     def take(self, param: nn.Parameter, reduced: Tensor, state: _Backward) -> bool:
-        self._pending[param] = reduced
+        # a backward under set_requires_gradient_sync(False) left its part here: add, as FSDP2 does
+        previous = self._pending.get(param)
+        self._pending[param] = reduced if previous is None else previous + reduced
         return True
 
+    def _syncing(self) -> bool:
+        """Whether FSDP2 reduce-scatters this backward's gradients (``set_requires_gradient_sync``)."""
+        flags = {group.reduce_grads for group in self._param_groups()}
+        if len(flags) > 1:
+            raise PergradError(
+                "some of this FSDP2 model's modules reduce their gradients in this backward and some do not "
+                "(set_requires_gradient_sync(False) on part of the model): pergrad reduces the transformed "
+                "gradients of the whole model together. Call set_requires_gradient_sync on the root module."
+            )
+        return flags != {False}
+
     def flush(self, state: _Backward, failed: bool) -> None:
+        """Reduce-scatter pergrad's part of ``.grad`` into the shards. Every rank sends the same
+        collectives, also when its own end-of-backward work failed (then with zeros for what is
+        missing), so that no rank waits for another; the error is raised afterwards."""
+        if not self._syncing():
+            return  # set_requires_gradient_sync(False): kept in _pending, added at the next synced backward
         pending, self._pending = self._pending, {}
-        if failed or not pending:
-            return
-        # in the wrapper's order (the same on every rank), at most REDUCE_SCATTER_BYTES per collective
+        # the transformed parameters this backward reached (on every rank alike: FSDP2 needs that too),
+        # in the wrapper's order, at most REDUCE_SCATTER_BYTES per collective
+        params = [
+            p for p in self.engine.param_names if p in self.engine.transformed and (p in state.reached or p in pending)
+        ]
         chunk: list[nn.Parameter] = []
         size = 0
-        for p in [p for p in self.engine.param_names if p in pending]:
+        for p in params:
             if chunk and (size >= REDUCE_SCATTER_BYTES or (p.dtype, p.device) != (chunk[0].dtype, chunk[0].device)):
                 self._reduce_scatter(chunk, pending, state)
                 chunk, size = [], 0
@@ -382,32 +411,36 @@ class Sharded(World):
 
     def _reduce_scatter(self, params: list[nn.Parameter], grads: dict[nn.Parameter, Tensor], state: _Backward) -> None:
         """One reduce-scatter of the full gradients of ``params`` into this rank's shards, laid out as
-        FSDP2 lays out its own: rank r's row holds rows [r*c, (r+1)*c) of each gradient's dim 0 (c =
-        ceil(dim0 / world size)), zero-padded to c rows."""
+        FSDP2 lays out its own: rank r's part holds rows [r*c, (r+1)*c) of each gradient's dim 0 (c =
+        ceil(dim0 / world size)), zero-padded to c rows. ``.grad`` gets the sum over ranks
+        (``reduction="sum"``) or the mean over ranks of each rank's mean (``"mean"``, as FSDP2 averages)."""
         from torch.distributed.tensor import DTensor
 
         world = self.size
-        widths = [math.ceil(p.shape[0] / world) * math.prod(p.shape[1:]) for p in params]
-        flat = torch.zeros(world, sum(widths), dtype=params[0].dtype, device=params[0].device)
-        offset = 0
-        for p, width in zip(params, widths):
+        parts = []
+        for p in params:
             rows = math.ceil(p.shape[0] / world)
-            g = grads[p].reshape(p.shape[0], -1)
-            for r in range(world):
-                part = g[r * rows : (r + 1) * rows]
-                flat[r, offset : offset + part.numel()] = part.flatten()
-            offset += width
+            g = grads.get(p)
+            g = p.new_zeros(p.shape) if g is None else g.to(p.dtype)
+            g = torch.nn.functional.pad(g.reshape(p.shape[0], -1), (0, 0, 0, rows * world - p.shape[0]))
+            parts.append(g.reshape(world, -1))
+        flat = torch.cat(parts, dim=1)
         out = flat.new_empty(flat.shape[1])
-        dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group)
-        if self.engine.reduction == "mean":  # the mean over ranks of each rank's mean, as FSDP2 averages
+        dist.reduce_scatter_single(out, flat.view(-1), op=dist.ReduceOp.SUM, group=self.group)
+        if self.engine.reduction == "mean":
             out.div_(world)
         offset = 0
-        for p, width in zip(params, widths):
-            local_shape = p.to_local().shape
+        for p, part in zip(params, parts):
+            local_shape = p.to_local().shape  # type: ignore[attr-defined]
             local = out[offset : offset + local_shape.numel()].view(local_shape)
-            offset += width
+            offset += part.shape[1]
             shard = DTensor.from_local(
-                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                local,
+                p.device_mesh,  # type: ignore[attr-defined]
+                p.placements,  # type: ignore[attr-defined]
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
             )
             if p.grad is None or p in state.overwrite:
                 p.grad = shard

@@ -192,7 +192,7 @@ class LayerHooks:
         self.generation = 0
         self.batch: BatchInfo | None = None  # the batch of the running call of the model
         self._buffer_storages: frozenset[int] | None = None
-        self._swapped: dict[nn.Module, list[tuple[str, Tensor]]] = {}  # raw parameters swapped for a call
+        self._swapped: dict[nn.Module, list[tuple[str, Tensor, Tensor]]] = {}  # raw parameters swapped for a call
         self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation), with_kwargs=True)
         self._handles: list[RemovableHandle] = []
 
@@ -411,7 +411,7 @@ class LayerHooks:
             batch = self.batch
             if batch is None or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
                 return
-            saved: list[tuple[str, Tensor]] = []
+            saved: list[tuple[str, Tensor, Tensor]] = []
             for layer in layers:
                 p = module._parameters.get(layer.param)
                 if not (isinstance(p, nn.Parameter) and p.requires_grad):
@@ -420,7 +420,7 @@ class LayerHooks:
                 origin = Origin(p, self._deliver(kept), Group("shared", batch.size, batch.dim), layer.label)
                 origin.tensor = track(p, [origin])
                 module._parameters[layer.param] = origin.tensor  # type: ignore[assignment]
-                saved.append((layer.param, p))
+                saved.append((layer.param, p, origin.tensor))
             self._swapped[module] = saved
 
         return swap
@@ -431,8 +431,9 @@ class LayerHooks:
 
     def _untracker(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """Forward hook (also when the forward raised): the module's own parameters back in place."""
-        for name, p in self._swapped.pop(module, []):
-            module._parameters[name] = p  # type: ignore[assignment]
+        for name, p, alias in self._swapped.pop(module, []):
+            if module._parameters.get(name) is alias:  # (FSDP2's forward hook may have put its own back)
+                module._parameters[name] = p  # type: ignore[assignment]
 
     def remove(self) -> None:
         self.uninstall()

@@ -14,7 +14,7 @@ from .distributed import world_for
 from .engine import Engine, Target
 from .errors import PergradError, TargetError, TransformError, UnsupportedLayerError
 from .hooks import HookedLayer, LayerHooks, owners
-from .registry import RuleRegistry, RuleSpec, default_registry, type_names
+from .registry import RuleRegistry, RuleSpec, default_registry, fsdp_wrapped, type_names
 from .rules.fallback import fallback as fallback_rule
 from .rules.raw import RAW
 from .sources import Materialized
@@ -54,7 +54,7 @@ def _same(p: nn.Parameter) -> nn.Parameter:
 def _plain_module(module: nn.Module, registry: RuleRegistry) -> bool:
     """A module of the user's or a library's own (not a ``torch.nn`` layer, nor a subclass of a layer
     with a rule): its own parameters are raw ones it uses in its forward (``pergrad.rules.raw``)."""
-    if type(module).__module__.startswith("torch."):
+    if (fsdp_wrapped(type(module)) or type(module)).__module__.startswith("torch."):
         return False
     return not any(isinstance(module, t) for t in registry.supported_types())
 

@@ -53,7 +53,7 @@ def _resolve(name: str) -> type[nn.Module] | None:
     return None
 
 
-def _fsdp_wrapped(layer_type: type) -> type | None:
+def fsdp_wrapped(layer_type: type) -> type | None:
     """The class FSDP2's ``fully_shard`` generated ``layer_type`` from (``FSDPLinear`` -> ``Linear``), or
     None. FSDP2 makes ``type(f"FSDP{cls.__name__}", (FSDPModule, cls), ...)`` and swaps it in as the
     module's class; it adds no forward. Nothing is imported: without FSDP2 loaded there is none."""
@@ -224,7 +224,7 @@ class RuleRegistry:
         layer_type = type(layer)
         spec = self._exact(layer_type)
         if spec is None:
-            wrapped = _fsdp_wrapped(layer_type)
+            wrapped = fsdp_wrapped(layer_type)
             if wrapped is not None:
                 spec = self._exact(wrapped)
         return spec
