@@ -421,7 +421,7 @@ class Sharded(World):
         for p in params:
             rows = math.ceil(p.shape[0] / world)
             g = grads.get(p)
-            g = p.new_zeros(p.shape) if g is None else g.to(p.dtype)
+            g = torch.zeros(p.shape, dtype=p.dtype, device=p.device) if g is None else g.to(p.dtype)
             g = torch.nn.functional.pad(g.reshape(p.shape[0], -1), (0, 0, 0, rows * world - p.shape[0]))
             parts.append(g.reshape(world, -1))
         flat = torch.cat(parts, dim=1)

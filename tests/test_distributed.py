@@ -316,6 +316,9 @@ DDP_CASES = [
     Case("ddp", "root", loss_reduction="sum", reduction="sum", sizes=((2, 1), (1, 3)), no_sync=True),
     Case("ddp", "module", sizes=((2, 2), (2, 2))),
     Case("ddp", "root", raw=True, keep=True),
+    # an empty batch on one rank (Poisson sampling)
+    Case("ddp", "root", keep=True, loss_reduction="sum", reduction="sum", sizes=((0,), (3,))),
+    Case("ddp", "param", accumulate="samples", sizes=((0, 2), (3, 0))),
 ]
 
 
@@ -333,6 +336,7 @@ FSDP_CASES = [
     Case("fsdp", "root", shard="root", loss_reduction="sum", reduction="sum", sizes=((2, 1), (1, 3))),
     Case("fsdp", "param", shard="root", keep=True, sizes=((2, 2), (2, 2))),
     Case("fsdp", "root", raw=True, keep=True),
+    Case("fsdp", "root", keep=True, loss_reduction="sum", reduction="sum", sizes=((0,), (3,))),
     # set_requires_gradient_sync(False) for the first micro-batches: reduce-scattered at the last
     Case("fsdp", "root", sizes=((2, 1, 3), (1, 3, 2)), loss_reduction="sum", reduction="sum", no_sync=True),
     Case("fsdp", "module", keep=True, sizes=((2, 2), (2, 2)), no_sync=True),
@@ -444,6 +448,9 @@ def traffic(rank: int, world: int, kind: str, setting: str, micro: int) -> list[
                     model.set_requires_gradient_sync(sync)  # type: ignore[operator]
                 with contextlib.nullcontext() if sync or kind == "fsdp" else root.no_sync():  # type: ignore[operator]
                     run(torch.randn(16, 8, generator=gen)).square().mean().backward()
+            if kind == "ddp" and not root._comm_hooks:  # DDP's reducer all-reduced every bucket in C++
+                seen["bytes"] += sum(p.numel() * p.element_size() for p in model.parameters())
+                seen["calls"] += 1  # (at least)
         model.zero_grad()
         out.append(seen)
     return out[1:]
@@ -507,3 +514,37 @@ def refusals(rank: int, world: int, what: str) -> str:
 def test_refused_with_a_clear_error(pool2: Pool, what: str, match: str) -> None:
     for message in pool2.run(refusals, what):
         assert re.search(match, message), message
+
+
+def one_rank_fails(rank: int, world: int, kind: str) -> list[str]:
+    """Rank 1's transform raises at the end of a backward (a weight per sample, of 3, for its 2
+    samples); rank 0's does not. Every rank takes part in every collective all the same: nobody
+    waits forever, and the next step runs on both."""
+    model = make_model()
+    if kind == "ddp":
+        root: nn.Module = DistributedDataParallel(model)
+    else:
+        _shard_model(model, "layers")
+        root = model
+    psm = PerSampleModule(root, keep_grad_sample=False)
+    weights = transforms.scale(torch.ones(3, dtype=torch.float64))
+    psm.register_transform(model[0], weights)
+    psm.register_transform(model[4], transforms.clip_norm(1.0))
+    seen = []
+    for n in ([3, 3 - rank], [3, 3]):
+        for size in n:
+            try:
+                psm(torch.ones(size, 4, dtype=torch.float64)).sum().backward()
+                seen.append("ok")
+            except Exception as err:
+                seen.append(f"{type(err).__name__}: {err}")
+            model.zero_grad()
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_an_error_on_one_rank_does_not_hang_the_others(pool2: Pool, kind: str) -> None:
+    rank0, rank1 = pool2.run(one_rank_fails, kind)
+    assert rank0 == ["ok"] * 4
+    assert rank1[0] == rank1[2] == rank1[3] == "ok"
+    assert re.match(r"TransformError: scale has 3 weights but the batch has 2 samples", rank1[1]), rank1[1]
