@@ -17,7 +17,8 @@ per-sample norm). pergrad registers DDP's communication hook:
 - a bucket holding a parameter whose ``.grad`` pergrad may write (``Engine.may_write``: the same
   buckets on every rank, so every rank issues the same collectives in the same order) is held back.
   pergrad's end-of-backward work runs in a callback queued before DDP's (by pergrad's first hook of
-  the backward), writes each reduction into the parameter's place in its bucket -- where ``.grad``
+  the backward: at the latest, its pre-hook of the first ``AccumulateGrad``, whose post-hook is
+  where DDP queues its own), writes each reduction into the parameter's place in its bucket -- where ``.grad``
   would get it -- and then all-reduces the held-back buckets. DDP's callback finds them done.
 
 So every gradient is all-reduced exactly once, in DDP's buckets: the bytes of plain DDP, no
@@ -35,6 +36,12 @@ for parameters pergrad writes, drops autograd's unsharded gradient there, so FSD
 them. At the end of the backward pergrad reduce-scatters its full-size reductions itself, several
 parameters per collective, in FSDP2's layout (dim 0 chunked over the ranks, padded), and writes each
 rank's shard into ``.grad``: the bytes FSDP2 would have sent for them. Weights do not run detached.
+Under ``set_requires_gradient_sync(False)`` the reductions are kept (added up, as FSDP2 keeps its
+unsharded gradients) and sent with the next synchronised backward's. Every rank sends the same
+reduce-scatters, with zeros for what its own backward did not produce (an empty batch, an error
+raised after the collectives), so that no rank waits for another. The full-size reductions of the
+transformed parameters live from the end of the backward to their reduce-scatter: one gradient of
+their size per rank, on top of FSDP2's sharded memory.
 """
 
 from __future__ import annotations
