@@ -13,8 +13,9 @@ The shortcut is taken only where it provably gives what autograd would:
   post-accumulate-grad hooks are fine: pergrad calls them once it has written ``.grad``;
 - every call of the layer in one forward runs the same way: the first call decides for the rest,
   so each parameter's ``.grad`` is either all autograd's or all pergrad's;
-- not while the first backward's check still needs autograd's gradients, nor under FSDP2
-  (``pergrad.distributed``), torch.func transforms or torch.compile.
+- not while the first backward's check still needs autograd's gradients, nor under torch.func
+  transforms or torch.compile; under FSDP2 (``pergrad.distributed``) only weights a transform covers
+  (every rank must leave the same unsharded parameters without a gradient).
 
 Which backward passes reach a detached weight is told by an *anchor* that stays attached in the
 same call (see ``Detached``). Under DDP, whose reducer waits for every parameter's
@@ -121,8 +122,15 @@ class Detacher:
             if counts.get(p) == 1
         }
 
+    def _canonical(self, p: nn.Parameter) -> nn.Parameter:
+        """The parameter the engine keys ``p`` by (FSDP2: the shard of an unsharded parameter)."""
+        world = self.engine.world
+        return p if world is None else world.canonical(p)
+
     def _ok(self, p: Any) -> bool:
-        return isinstance(p, nn.Parameter) and p.requires_grad and p in self.single and not has_tensor_hooks(p)
+        if not (isinstance(p, nn.Parameter) and p.requires_grad):
+            return False
+        return self._canonical(p) in self.single and not has_tensor_hooks(p)
 
     def for_call(self, layer: HookedLayer, a: Any, batch_dim: int, generation: int) -> Detached | None:
         """The parameters this call of ``layer`` on input ``a`` runs detached, or None.
@@ -146,8 +154,10 @@ class Detacher:
             return None
         first = self._decided.get(layer.name)
         found = self._detach(layer, a, batch_dim, decided=first)
-        if found is not None and engine.world is not None:  # DDP: its reducer waits for every parameter
-            found = self._touched(found)
+        if found is not None and engine.world is not None:
+            if engine.world.touches:  # DDP: its reducer waits for every parameter
+                found = self._touched(found)
+            found = replace(found, params=tuple(map(self._canonical, found.params)))
         if first is None:
             self._decided[layer.name] = found is not None
         if found is not None:
@@ -165,10 +175,15 @@ class Detacher:
         if decided is None:
             many = positions(module, a, batch_dim) >= MANY
             # with statistics, the mean of a detached weight comes from its built g_i (many positions)
+            key = self._canonical(weight)
             owned = (
-                many if engine.track_statistics else weight in engine.transformed or (engine.keep_grad_sample and many)
+                many if engine.track_statistics else key in engine.transformed or (engine.keep_grad_sample and many)
             )
             owned = owned or (engine.track_norms and many and isinstance(module, nn.modules.conv._ConvNd))
+            if engine.world is not None and not engine.world.touches:
+                # FSDP2 reduce-scatters what has a gradient: detach alike on every rank, whatever
+                # its batch (an empty one has "few" positions), so only the weights a transform covers
+                owned = key in engine.transformed
             if not owned:
                 return None
         swaps: list[tuple[str, Tensor | None, Tensor]] = [("weight", weight, weight.detach())]
@@ -179,7 +194,9 @@ class Detacher:
             if not trainable_bias:
                 return Detached(self.probe(weight), (weight,), tuple(swaps), probe=True, on_output=True)
             assert isinstance(bias, nn.Parameter)
-            writes_bias = bias in engine.transformed or engine.keep_grad_sample or engine.track_norms
+            writes_bias = self._canonical(bias) in engine.transformed
+            if engine.world is None or engine.world.touches:
+                writes_bias = writes_bias or engine.keep_grad_sample or engine.track_norms
             if writes_bias and self._ok(bias):
                 swaps.append(("bias", bias, bias.detach()))
                 return Detached(self.probe(weight), (weight, bias), tuple(swaps), probe=True, on_output=True)

@@ -35,7 +35,8 @@ their gradients into the shards' ``.grad``. pergrad keys everything by the shard
 for parameters pergrad writes, drops autograd's unsharded gradient there, so FSDP2 sends nothing for
 them. At the end of the backward pergrad reduce-scatters its full-size reductions itself, several
 parameters per collective, in FSDP2's layout (dim 0 chunked over the ranks, padded), and writes each
-rank's shard into ``.grad``: the bytes FSDP2 would have sent for them. Weights do not run detached.
+rank's shard into ``.grad``: the bytes FSDP2 would have sent for them. Transformed weights run
+detached (``detach.py``), so autograd computes no unsharded weight gradient for them at all.
 Under ``set_requires_gradient_sync(False)`` the reductions are kept (added up, as FSDP2 keeps its
 unsharded gradients) and sent with the next synchronised backward's. Every rank sends the same
 reduce-scatters, with zeros for what its own backward did not produce (an empty batch, an error
@@ -73,6 +74,7 @@ class World:
     size = 1
     finish_early = False  # compute pergrad's part before the callbacks queued during the backward
     detaches = False  # weights may run detached (see detach.py)
+    touches = False  # a detached weight's AccumulateGrad must still run (with a zero)
 
     def canonical(self, param: nn.Parameter) -> nn.Parameter:
         """The parameter the engine keys ``param``'s gradients by."""
@@ -159,6 +161,7 @@ class DataParallel(World):
 
     finish_early = True
     detaches = True
+    touches = True
 
     def __init__(self, ddp: DistributedDataParallel, engine: Engine) -> None:
         if getattr(ddp, "static_graph", False):
@@ -282,6 +285,8 @@ def _relay(done: torch.futures.Future[Any], future: torch.futures.Future[Tensor]
 
 class Sharded(World):
     """A model sharded with FSDP2's ``fully_shard``: pergrad reduce-scatters its part itself."""
+
+    detaches = True  # a detached weight gets no unsharded gradient: FSDP2 sends nothing for it
 
     def __init__(self, model: nn.Module, engine: Engine) -> None:
         from torch.distributed.tensor import DTensor, Shard

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -347,12 +347,13 @@ class Engine:
             self.last_activation_grads = state.activation_grads
         if state.batch_size is None and not state.reached:
             return
+        canonical = None if self.world is None else self.world.canonical
         owned: dict[nn.Parameter, None] = {}  # detached, no transform: .grad is the plain reduction
         for detached in state.detached:  # reached in the backward passes that reach their anchor
-            if state.probed if detached.probe else detached.anchor in state.reached:
+            anchor = detached.anchor if canonical is None or detached.probe else canonical(cast(nn.Parameter, detached.anchor))
+            if state.probed if detached.probe else anchor in state.reached:
                 state.reached.update(dict.fromkeys(detached.params))
                 owned.update(dict.fromkeys(p for p in detached.params if p not in self.transformed))
-        canonical = None if self.world is None else self.world.canonical
         source: Materialized | Fused = (
             Materialized(state.grads) if self.keep_grad_sample else Fused(state.calls, canonical)
         )

@@ -288,8 +288,9 @@ class LayerHooks:
             found = self._detached.get(layer.name)
             if found is None:
                 return None
-            for name, original, _ in found.swaps:
-                module._parameters[name] = original  # type: ignore[assignment]
+            for name, original, replacement in found.swaps:
+                if module._parameters.get(name) is replacement:  # (FSDP2 may have put its shard back)
+                    module._parameters[name] = original  # type: ignore[assignment]
             if not isinstance(output, Tensor):  # the forward raised: the keeper will not run
                 self._detached.pop(layer.name)
                 return None

@@ -229,6 +229,9 @@ def run_case(rank: int, world: int, case: Case) -> list[dict[str, Any]]:
         grads = {n: _plain(p.grad) for n, p in model.named_parameters()}
         kept = {n: p.grad_sample.clone() for n, p in model.named_parameters() if hasattr(p, "grad_sample")}
         out.append({"grad": grads, "grad_sample": kept})
+        if case.target != "none" and not case.keep and len(out) > 1:  # after the first (checked) backward
+            # the weights a transform covers ran detached: autograd computed no weight gradient for them
+            assert psm._engine.detacher.current, "no weight ran detached"
         opt.step()
         opt.zero_grad()
     psm.remove()
