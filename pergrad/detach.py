@@ -176,9 +176,7 @@ class Detacher:
             many = positions(module, a, batch_dim) >= MANY
             # with statistics, the mean of a detached weight comes from its built g_i (many positions)
             key = self._canonical(weight)
-            owned = (
-                many if engine.track_statistics else key in engine.transformed or (engine.keep_grad_sample and many)
-            )
+            owned = many if engine.track_statistics else key in engine.transformed or (engine.keep_grad_sample and many)
             owned = owned or (engine.track_norms and many and isinstance(module, nn.modules.conv._ConvNd))
             if engine.world is not None and not engine.world.touches:
                 # FSDP2 reduce-scatters what has a gradient: detach alike on every rank, whatever

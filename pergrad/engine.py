@@ -350,7 +350,11 @@ class Engine:
         canonical = None if self.world is None else self.world.canonical
         owned: dict[nn.Parameter, None] = {}  # detached, no transform: .grad is the plain reduction
         for detached in state.detached:  # reached in the backward passes that reach their anchor
-            anchor = detached.anchor if canonical is None or detached.probe else canonical(cast(nn.Parameter, detached.anchor))
+            anchor = (
+                detached.anchor
+                if canonical is None or detached.probe
+                else canonical(cast(nn.Parameter, detached.anchor))
+            )
             if state.probed if detached.probe else anchor in state.reached:
                 state.reached.update(dict.fromkeys(detached.params))
                 owned.update(dict.fromkeys(p for p in detached.params if p not in self.transformed))
