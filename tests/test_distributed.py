@@ -551,3 +551,32 @@ def test_an_error_on_one_rank_does_not_hang_the_others(pool2: Pool, kind: str) -
     assert rank0 == ["ok"] * 4
     assert rank1[0] == rank1[2] == rank1[3] == "ok"
     assert re.match(r"TransformError: scale has 3 weights but the batch has 2 samples", rank1[1]), rank1[1]
+
+
+def rewrap(rank: int, world: int) -> list[float]:
+    """Wrap a DDP model, remove the wrapper, train plainly, wrap again: after ``remove()`` DDP's
+    buckets are averaged as DDP would (pergrad's communication hook stays, DDP keeps one for good),
+    and the second wrapper carries its gradients again. Differences to the expected ``.grad``."""
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    reference = DistributedDataParallel(make_model())
+    reference(x).square().sum().backward()
+    model = make_model()
+    ddp = DistributedDataParallel(model)
+    out = []
+    for wrapped in (True, False, True):
+        psm = PerSampleModule(ddp, loss_reduction="sum") if wrapped else None
+        if psm is not None:  # a clipping that changes nothing, so that pergrad holds DDP's buckets back
+            psm.register_transform(ddp, transforms.clip_norm(1e9))
+        (psm or ddp)(x).square().sum().backward()
+        factor = world if wrapped else 1  # reduction="sum": the sum over ranks, DDP's mean otherwise
+        for p, q in zip(model.parameters(), reference.module.parameters()):
+            out.append(float((p.grad - q.grad * factor).abs().max()))
+        model.zero_grad()
+        if psm is not None:
+            psm.remove()
+    return out
+
+
+def test_wrap_remove_wrap_again(pool2: Pool) -> None:
+    for diffs in pool2.run(rewrap):
+        assert max(diffs) < 1e-12, diffs
