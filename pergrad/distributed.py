@@ -113,7 +113,11 @@ def world_for(model: nn.Module, engine: Engine, accumulate: str) -> World | None
     fsdp = sys.modules.get("torch.distributed.fsdp")  # no FSDP2 module exists unless it is imported
     if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
         if accumulate == "samples":
-            raise ValueError("accumulate='samples' is not supported for FSDP2 (fully_shard) models yet")
+            raise ValueError(
+                "accumulate='samples' is not supported for FSDP2 (fully_shard) models yet: use "
+                "accumulate='backward' with reduction='sum' (.grad is then the sum over every rank's samples; "
+                "divide it by their total count), or DistributedDataParallel"
+            )
         return Sharded(model, engine)
     return None
 
