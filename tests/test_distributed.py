@@ -35,7 +35,12 @@ from tests.reference import reference_grad_sample
 
 def _serve(rank: int, world: int, init_file: str, inbox: Any, outbox: Any) -> None:
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        # generous: on a loaded machine the last process may need a minute or more to import torch
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
     )
     torch.set_num_threads(1)
     try:
@@ -69,9 +74,10 @@ class Pool:
         for p in self.procs:
             p.start()
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 240) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300) -> list[Any]:
         if not self.procs:
             self._start()
+            timeout += 300  # the processes start and meet first
         for inbox in self.inboxes:
             inbox.put((fn, args))
         results: list[Any] = [None] * self.world
