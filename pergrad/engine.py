@@ -17,12 +17,18 @@ Per-sample gradients are those of each sample's OWN loss ``f_i``, where the loss
 ``(1/B) sum_i f_i`` (``loss_reduction="mean"``) or ``sum_i f_i`` (``"sum"``): for ``"mean"`` each
 sample's output gradient is B times the one autograd delivers, and that factor goes on whichever
 is smaller (``d``, or the rule's results; see ``sources.run_rule``).
+
+Under loss scaling (``grad_scaler=``, see ``loss_scale``) autograd delivers ``S`` times every
+gradient: each output gradient is divided by ``S`` as it arrives (so per-sample gradients, norms,
+statistics and activation gradients are those of the samples' own losses, and the transforms see
+them), and what pergrad writes into ``.grad`` is multiplied by ``S`` (the scaler's units).
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -31,8 +37,9 @@ from torch import Tensor, nn
 
 from .detach import Detached, Detacher
 from .errors import BatchSizeError, HookStateError, TransformError
-from .hooks import Kept
+from .hooks import HookedLayer, Kept
 from .layout import allocating_from, fresh_buffer
+from .loss_scale import LossScale, on_device
 from .sources import Call, Fused, Materialized, run_rule
 from .statistics import Statistics, compute_statistics
 from .transforms import Scaling, Transform, check_output
@@ -62,6 +69,13 @@ def _shape(a: object) -> object:
     return tuple(a.shape) if isinstance(a, Tensor) else "several inputs"
 
 
+def _all_finite(grads: Iterable[Tensor]) -> Tensor:
+    """Whether every value of ``grads`` is finite, as a tensor on their device (one read of each, no
+    temporary of their size: the inf-norm propagates NaN and Inf)."""
+    found = [torch.isfinite(torch.linalg.vector_norm(g, float("inf"))) for g in grads if g.numel()]
+    return torch.stack(found).all() if found else torch.tensor(True)
+
+
 @dataclass
 class Target:
     """A transform and the parameters it sees, keyed as the transform sees them."""
@@ -81,6 +95,7 @@ class _Backward:
     first_layer: str = ""
     grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # keep_grad_sample=True
     calls: list[Call] = field(default_factory=list)  # keep_grad_sample=False
+    outputs: dict[int, tuple[Kept, list[Tensor | None]]] = field(default_factory=dict)  # id(kept): each output's d
     reached: dict[nn.Parameter, None] = field(default_factory=dict)  # ordered set
     batch_grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # autograd's, before accumulation
     overwrite: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad holds autograd's sum only
@@ -92,6 +107,7 @@ class _Backward:
     accumulated: dict[nn.Parameter, None] = field(default_factory=dict)  # AccumulateGrad ran (autograd's part)
     computed: bool = False  # the end-of-backward work ran (see ``Engine._graph_done``)
     error: BaseException | None = None  # what it raised, re-raised once the wrapper's communication is done
+    loss_scale: Tensor | None = None  # the scale the loss was multiplied by (grad_scaler=); None: unscaled
 
 
 class Engine:
@@ -111,11 +127,14 @@ class Engine:
         world: World | None = None,
         verify_backwards: int = 1,
         detach_transformed: bool = False,
+        loss_scale: LossScale | None = None,
     ) -> None:
         self.world = world
+        self.loss_scale = loss_scale
         self.detach_transformed = detach_transformed
         self.verify_backwards = verify_backwards
         self.param_names = param_names
+        self.layers: list[HookedLayer] = []  # the hooked layers (for messages)
         self.keep_activation_grads = keep_activation_grads
         self.last_activation_grads: dict[str, Tensor] = {}
         self.running_mean = accumulate == "samples" and reduction == "mean"
@@ -155,7 +174,7 @@ class Engine:
         if self._current is None or self._current.task_id != task:
             # A new backward pass. A previous one that failed midway left its state here: drop it.
             self.restore_deferred_hooks()
-            state = _Backward(task)
+            state = _Backward(task, loss_scale=None if self.loss_scale is None else self.loss_scale())
             self._current = state
             # Queued by the first hook of the backward, so before the callbacks DDP and FSDP queue
             # later in it (DDP's waits for its buckets' all-reduce).
@@ -174,14 +193,16 @@ class Engine:
             self._compute(state)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish(state))
 
-    def on_output_grad(self, kept: Kept, d: Tensor) -> None:
+    def on_output_grad(self, kept: Kept, d: Tensor, part: int | None = None) -> None:
+        """The gradient ``d`` of a layer call's output (of its output tensor number ``part``, for a rule
+        that takes every output: see ``RuleSpec.output_dims``), batch on dim 0."""
         if self.closed:
             return
         # rules compute in the parameters' dtype, and build no graph
         with _no_autocast(d.device.type), torch.no_grad():
-            self._on_output_grad(kept, d)
+            self._on_output_grad(kept, d, part)
 
-    def _on_output_grad(self, kept: Kept, d: Tensor) -> None:
+    def _on_output_grad(self, kept: Kept, d: Tensor, part: int | None = None) -> None:
         state = self._backward_state()
         layer = kept.layer
         if state.generation is None:
@@ -201,7 +222,8 @@ class Engine:
                 "in the same forward. Every hooked layer must see the batch on the same dim "
                 "(check reshapes that fold the batch into other dims, and batch_first)."
             )
-        if d.shape[0] != kept.batch_size and not kept.packed:
+        batched = not kept.packed if part is None else kept.a.output_dims[part] is not None
+        if batched and d.shape[0] != kept.batch_size:
             raise BatchSizeError(
                 f"layer {layer.name!r}: output gradient of shape {tuple(d.shape)} does not match the "
                 f"batch of {kept.batch_size} samples of its input"
@@ -213,15 +235,39 @@ class Engine:
             d = d.to(dtype)
             if isinstance(kept.a, Tensor) and kept.a.is_floating_point() and kept.a.dtype != dtype:
                 kept = replace(kept, a=kept.a.to(dtype))
+            if state.loss_scale is not None:  # unscale after the cast: no underflow in float16
+                d.div_(on_device(state.loss_scale, d))  # our own copy
+        elif state.loss_scale is not None:
+            d = d / on_device(state.loss_scale, d)
         if self.keep_activation_grads and not layer.spec.raw:
-            state.activation_grads[kept.key] = d * scale
+            state.activation_grads[kept.key if not part else f"{kept.key}[{part}]"] = d * scale
         if kept.detached is not None:
             state.detached.append(kept.detached)
+        if part is not None:
+            # the rule runs once per call with every output's gradient, at the end of the backward:
+            # they may arrive at different nodes (``_flush_outputs``)
+            _, grads = state.outputs.setdefault(id(kept), (kept, [None] * len(kept.a.output_dims)))
+            previous = grads[part]
+            grads[part] = d if previous is None else previous + d
+            return
+        self._use(state, kept, d, scale)
+
+    def _flush_outputs(self, state: _Backward) -> None:
+        """Run the rules that take every output's gradient, once per call (see ``RuleSpec.output_dims``)."""
+        for kept, grads in state.outputs.values():
+            scale = float(kept.batch_size) if self.loss_reduction == "mean" else 1.0
+            self._use(state, kept, tuple(grads), scale)
+        state.outputs.clear()
+
+    def _use(self, state: _Backward, kept: Kept, d: Any, scale: float) -> None:
+        """Turn one call's output gradient into per-sample gradients (or keep it for the end)."""
+        layer = kept.layer
         if not self.keep_grad_sample:
             state.calls.append(Call(layer, kept.a, d, scale))
             return
         if kept.batch_size == 0:  # an empty batch: no rule needs to run
-            per_sample = {n: d.new_zeros((0, *p.shape)) for n, p in layer.trainable()}
+            like = d if isinstance(d, Tensor) else next(g for g in d if g is not None)
+            per_sample = {n: like.new_zeros((0, *p.shape)) for n, p in layer.trainable()}
         else:
             with allocating_from(self._take):
                 per_sample = run_rule(layer, kept.a, d, scale)
@@ -245,6 +291,8 @@ class Engine:
         if state.generation not in (None, generation):
             return  # the mixed-forward error is raised by the layers' hook
         scale = d.shape[0] if self.loss_reduction == "mean" else 1
+        if state.loss_scale is not None:
+            d = d / on_device(state.loss_scale, d)
         state.activation_grads["input"] = d * scale
 
     def on_accumulate(self, param: nn.Parameter, grad: Tensor) -> Tensor | None:
@@ -255,7 +303,7 @@ class Engine:
         state.reached[param] = None
         state.accumulated[param] = None
         if self.track_statistics or self.verify_backwards > 0:
-            state.batch_grads[param] = grad
+            state.batch_grads[param] = self._unscaled(grad, state)  # the units of the per-sample gradients
         if self.running_mean:
             state.prior[param] = self._samples_in_grad(param)
         writes = param in self.transformed or param in self.detacher.current
@@ -348,6 +396,7 @@ class Engine:
         if state.batch_size is None and not state.reached:
             return
         canonical = None if self.world is None else self.world.canonical
+        self._flush_outputs(state)
         owned: dict[nn.Parameter, None] = {}  # detached, no transform: .grad is the plain reduction
         for detached in state.detached:  # reached in the backward passes that reach their anchor
             anchor = (
@@ -364,11 +413,7 @@ class Engine:
         known = state.grads if isinstance(source, Materialized) else source.uses
         missing = [p for p in state.reached if p not in known]
         if missing:
-            raise HookStateError(
-                f"parameter {self.param_names[missing[0]]!r} received a gradient in this backward pass, but none of "
-                "its layers' outputs did through a forward that pergrad saw. Was the loss computed from a forward "
-                "run before wrapping, or does a module use this parameter outside its own forward?"
-            )
+            raise HookStateError(self._unreached(missing[0]))
         assert state.batch_size is not None
         reached = list(state.reached)
         self.last_dropped = {}
@@ -397,6 +442,7 @@ class Engine:
         else:
             wanted = [p for p in reached if self.track_norms or p in self._needs_norms]
             sq_norms = source.sq_norms(wanted) if wanted else {}
+        self.last_sq_norms = sq_norms  # those a norm-based transform needs; every parameter's with track_norms
         for target in self.targets:
             self._reduce_target(target, source, state, sq_norms)
         if owned:
@@ -404,13 +450,12 @@ class Engine:
             stats = self.last_statistics if self.track_statistics else None
             if stats is not None:  # the means are there already
                 size = 1.0 if self.reduction == "mean" else float(state.batch_size)
-                totals = {p: stats.params[self.param_names[p]].mean * size for p in owned}
+                totals = {p: self._scaled(stats.params[self.param_names[p]].mean * size, state) for p in owned}
             else:
-                totals = source.summed(owned, next(iter(owned)).new_full((state.batch_size,), weight))
+                weights = self._scaled(next(iter(owned)).new_full((state.batch_size,), weight), state)
+                totals = source.summed(owned, weights)
             for param, reduced in totals.items():
                 self._add_grad(param, reduced, state)
-        if self.track_norms:
-            self.last_sq_norms = sq_norms
 
     # -- post-accumulate-grad hooks of the parameters whose .grad pergrad writes -----------------
 
@@ -452,7 +497,8 @@ class Engine:
         weight = 1.0 / state.batch_size if self.loss_reduction == "mean" else 1.0
         totals = source.summed(params, first.new_full((state.batch_size,), weight))
         for p in params:
-            autograd, ours = state.batch_grads[p], totals[p].to(state.batch_grads[p].dtype)
+            autograd = state.batch_grads[p]  # in the units of the per-sample gradients
+            ours = totals[p].to(autograd.dtype)
             if not torch.isfinite(autograd).all():
                 continue  # non-finite values: nothing to compare; a poisoned sample is handled elsewhere
             # round-off of two summation orders, relative to the larger side, plus a floor for sums
@@ -464,6 +510,33 @@ class Engine:
                     self._unattributable(p, f"max difference {float((autograd - ours).abs().max()):.3g}")
                     + " Or pass verify=False to PerSampleModule if dropping that part is intended."
                 )
+
+    def _unreached(self, param: nn.Parameter) -> str:
+        """What pergrad saw when a parameter got a gradient that none of its layers' outputs passed on."""
+        key = (lambda p: p) if self.world is None else self.world.canonical
+        holders = [layer for layer in self.layers if any(key(p) is param for _, p in layer.trainable())]
+
+        def caught(layer: HookedLayer) -> str:
+            if layer.spec.raw:
+                return f"the uses of {layer.label} in its forward"
+            if layer.spec.output_dims is not None:
+                return f"any tensor returned by {layer.label}"
+            return (
+                f"the first tensor returned by {layer.label}"
+                if layer.spec.all_inputs
+                else f"the output of {layer.label}"
+            )
+
+        where = " or ".join(caught(layer) for layer in holders)
+        return (
+            f"parameter {self.param_names[param]!r} received a gradient in this backward pass, but pergrad caught "
+            f"no gradient on {where or 'the output of a hooked layer holding it'} in a forward of the wrapped "
+            "model: the gradient reached the parameter another way, which pergrad cannot split into samples. "
+            "Such a way is a loss computed from a forward run before wrapping (or through another wrapper), a "
+            "module using the parameter outside the layer's own forward (e.g. F.linear(x, self.emb.weight)), or "
+            "an output of the layer that its rule does not take (a rule registered without output_dims takes "
+            "the first tensor the layer returns)."
+        )
 
     def _unattributable(self, param: nn.Parameter, seen: str) -> str:
         return (
@@ -566,19 +639,26 @@ class Engine:
         if isinstance(transform, Scaling):
             # T(g_i) = c_i g_i: sum_i c_i g_i without building g_i where the source allows it.
             # A parameter of the target that this backward did not reach has g_i = 0: it adds 0.
+            # The norms are those of the samples' own losses (unscaled): a bound means the same under a scaler.
             norms = torch.stack([sq_norms[p] for p in params]).sum(0).sqrt() if transform.needs_norms else None
             factors = transform.factors(norms, batch_size, params[0].detach())
-            drop = None
+            drop = overflow = None
             if norms is not None:
                 # a sample whose gradient holds NaN or Inf has no finite clipped/normalised value:
-                # it contributes nothing, and is reported by dropped_samples()
+                # it contributes nothing, and is reported by dropped_samples(). Under loss scaling it
+                # is an overflow, which must reach .grad so that the scaler skips the step and lowers
+                # its scale: the sample's factor is NaN
                 bad = ~torch.isfinite(norms)
-                if bad.any():
+                if state.loss_scale is not None:
+                    overflow, factors = bad, factors.masked_fill(bad, 0)
+                elif bad.any():
                     drop, factors = bad, factors.masked_fill(bad, 0)
                     self.last_dropped[target.label] = bad.nonzero().flatten()
             if not torch.isfinite(factors).all():
                 raise TransformError(f"the transform registered for {target.label} produced non-finite scale factors")
-            weights = factors / batch_size if self.reduction == "mean" else factors
+            if overflow is not None:
+                factors = factors.masked_fill(overflow, torch.nan)
+            weights = self._scaled(factors / batch_size if self.reduction == "mean" else factors, state)
             for param, reduced in source.summed(params, weights, drop).items():
                 self._add_grad(param, reduced, state)
             return
@@ -590,13 +670,30 @@ class Engine:
         }
         result = transform.apply(batch)
         check_output(target.label, batch, result)
+        inputs_finite = _all_finite(batch.values()) if state.loss_scale is not None else None
         for key, param in target.params.items():
             reduced = result[key].sum(0) if self.reduction == "sum" else result[key].mean(0)
-            if not torch.isfinite(reduced).all() and torch.isfinite(batch[key]).all():
+            if not torch.isfinite(reduced).all() and (
+                _all_finite(batch.values()) if inputs_finite is None else inputs_finite
+            ):
                 raise TransformError(
                     f"the transform registered for {target.label} produced non-finite values for {key!r}"
                 )
+            if inputs_finite is not None:
+                # T(g_i) in the scaler's units; an overflow in the target's g_i reaches .grad as NaN
+                # whatever T made of it (a clamp would hide it from the scaler)
+                reduced = torch.where(inputs_finite, self._scaled(reduced, state), torch.nan)
             self._add_grad(param, reduced, state)
+
+    @staticmethod
+    def _scaled(t: Tensor, state: _Backward) -> Tensor:
+        """``t`` (in the samples' own units) in the units of ``.grad``: times the loss scale."""
+        return t if state.loss_scale is None else t * on_device(state.loss_scale, t)
+
+    @staticmethod
+    def _unscaled(t: Tensor, state: _Backward) -> Tensor:
+        """A gradient autograd delivered (times the loss scale) in the samples' own units."""
+        return t if state.loss_scale is None else t / on_device(state.loss_scale, t)
 
     def _add_grad(self, param: nn.Parameter, reduced: Tensor, state: _Backward) -> None:
         """Add this batch's reduction to ``.grad`` (with ``accumulate="samples"``, fold it into the

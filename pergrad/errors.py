@@ -35,6 +35,18 @@ class HookStateError(PergradError, RuntimeError):
     """A backward pass reached parameters in a way pergrad cannot attribute to samples."""
 
 
+class NormNotComputedError(PergradError, KeyError):
+    """``per_sample_norms()[name]`` for a parameter whose norm the last backward did not compute."""
+
+    def __str__(self) -> str:  # the message as it is (KeyError would quote it)
+        return str(self.args[0]) if self.args else ""
+
+
 class SharedInputError(PergradError, RuntimeError):
     """A tensor shared by the batch (a layer output computed without the batch, a raw parameter)
     meets the batch in a way pergrad cannot split per sample."""
+
+
+class TokenLossWarning(UserWarning):
+    """The loss of a backward is a mean over the batch's tokens, not a sum of per-sample losses
+    (a HuggingFace ``labels=`` loss with padding): per-sample gradients are not the samples' own."""

@@ -15,7 +15,7 @@ output (``output.grad_fn``), not by a full module backward hook:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,10 +23,11 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
+from . import lm_loss
 from .detach import Detached
 from .errors import BatchMixingError, BatchSizeError, SharedInputError
 from .layout import batch_to_front
-from .registry import LayerCall, RuleSpec
+from .registry import LayerCall, RuleSpec, output_tensors
 from .shared import (
     BatchInfo,
     Group,
@@ -86,7 +87,7 @@ class Kept:
     detached: Detached | None = None  # parameters this call ran with detached (see ``Detached``)
 
 
-OnOutputGrad = Callable[[Kept, Tensor], None]
+OnOutputGrad = Callable[..., None]  # (kept, d) or, for a rule with output_dims, (kept, d, k): output k's gradient
 ToDetach = Callable[[HookedLayer, Any, int, int], "Detached | None"]
 
 
@@ -165,6 +166,123 @@ def _producer(output: Tensor) -> Tensor:
     return output
 
 
+def _output_dims(layer: HookedLayer, returned: Any, batch_dim: int) -> tuple[int | None, ...]:
+    """Where the batch is in each tensor the call returned, as the layer's ``output_dims`` says."""
+    assert layer.spec.output_dims is not None
+    dims = tuple(layer.spec.output_dims(layer.module, returned, batch_dim))
+    found = len(output_tensors(returned))
+    if len(dims) != found:
+        raise TypeError(
+            f"pergrad: output_dims of the rule {layer.spec.fn.__qualname__} gave {len(dims)} batch dims for layer "
+            f"{layer.name!r}, which returned {found} tensors"
+        )
+    return dims
+
+
+def _first_tensor(output: Any, nested: bool) -> Tensor | None:
+    """The first tensor a layer returned: the first item of a tuple or list that is one, or, for a rule
+    that takes every output (``nested``), the first of ``output_tensors`` (dicts and nesting walked)."""
+    if nested:
+        tensors = output_tensors(output)
+    else:
+        tensors = tuple(o for o in output if isinstance(o, Tensor)) if isinstance(output, tuple | list) else ()
+    return tensors[0] if tensors else None
+
+
+Edge = tuple[Any, int]  # an autograd node and the index of one of its outputs
+
+
+def _consumers(starts: set[Any], stop: set[Any], wanted: set[Edge]) -> dict[Edge, list[Edge]]:
+    """The nodes of a layer call's own graph that use each ``wanted`` node output, with the index of
+    the edge they use it by: the graph backward from ``starts`` (the nodes of its outputs) down to
+    ``stop`` (the nodes of its inputs, left out)."""
+    found: dict[Edge, list[Edge]] = {}
+    seen, stack = set(starts), list(starts)
+    while stack:
+        node = stack.pop()
+        if node in stop:
+            continue
+        for e, (used, nr) in enumerate(node.next_functions):
+            if used is None:
+                continue
+            if (used, nr) in wanted:
+                found.setdefault((used, nr), []).append((node, e))
+            if used not in seen:
+                seen.add(used)
+                stack.append(used)
+    return found
+
+
+def _catch_outputs(kept: Kept, returned: Any, inputs: Any, on_output_grad: OnOutputGrad) -> None:
+    """Catch the gradient of every tensor the call returned (``output_tensors``) and hand output k's,
+    batch on dim 0 (``kept.a.output_dims``), to ``on_output_grad(kept, d, k)``.
+
+    Each is caught on the node that computed it (the first one where ``_producer`` finds it, so that
+    in-place operations on it later do not hide it). A node's gradient is the tensor's whole
+    gradient: where the layer itself computed another output from it (``h, h.sum()``; hidden
+    states returned with the last of them), what the nodes inside the layer send back into it is
+    taken out again (post-hooks on them), so that each output's gradient is the one that reached it
+    from outside the layer and no path is counted twice. A tensor returned twice is caught once.
+    """
+    assert isinstance(kept.a, LayerCall)
+    tensors, dims = output_tensors(returned), kept.a.output_dims
+    own: list[Edge | None] = [None if t.grad_fn is None else (t.grad_fn, t.output_nr) for t in tensors]
+    caught = list(own)
+    if own and own[0] is not None:
+        produced = _producer(tensors[0])
+        caught[0] = (produced.grad_fn, produced.output_nr)
+    starts = {edge[0] for edge in [*own, *caught] if edge is not None}
+    stop = {t.grad_fn for t in output_tensors(inputs) if t.grad_fn is not None} - starts
+    used_by = _consumers(starts, stop, {edge for edge in [*own, *caught] if edge is not None})
+    view = own[0][0] if own and own[0] is not None and caught[0] != own[0] else None
+    base = caught[0] if view is not None else None
+    if base is not None and any(node is not view for node, _ in used_by.get(base, [])):
+        caught[0], view = own[0], None  # the view's base is used inside the layer too: catch the view
+    done: set[Edge] = set()
+    for k, edge in enumerate(caught):
+        if edge is None or edge in done:
+            continue
+        done.add(edge)
+        inside = [(node, e) for node, e in used_by.get(edge, []) if node is not view]
+        _catch(kept, k, edge, tuple(tensors[k].shape), dims[k], inside, on_output_grad)
+
+
+def _catch(
+    kept: Kept,
+    k: int,
+    edge: Edge,
+    shape: tuple[int, ...],
+    dim: int | None,
+    inside: list[Edge],
+    on_output_grad: OnOutputGrad,
+) -> None:
+    """Hand the gradient of output k, less what ``inside`` sent back into it, to ``on_output_grad``."""
+    node, index = edge
+    taken: dict[int, Tensor] = {}  # per backward pass (graph task): what the layer's own nodes sent
+
+    def take(position: int) -> Callable[[tuple[Tensor | None, ...], tuple[Tensor | None, ...]], None]:
+        def hook(grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
+            g = grad_inputs[position]
+            if g is not None and not pulling():
+                task = torch._C._current_graph_task_id()
+                taken[task] = g if task not in taken else taken[task] + g
+
+        return hook
+
+    for consumer, position in inside:
+        consumer.register_hook(take(position))
+
+    def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
+        d, inner = grad_outputs[index], taken.pop(torch._C._current_graph_task_id(), None)
+        taken.clear()  # left by a backward pass that failed midway
+        if d is None or pulling():
+            return
+        d = (d if inner is None else d - inner).reshape(shape)
+        on_output_grad(kept, d if dim is None else d.movedim(dim, 0), k)
+
+    node.register_prehook(catch)
+
+
 class LayerHooks:
     """Installs and removes the forward hooks of the hooked layers and the root's generation counter.
 
@@ -194,6 +312,8 @@ class LayerHooks:
         self._buffer_storages: frozenset[int] | None = None
         self._swapped: dict[nn.Module, list[tuple[str, Tensor, Tensor]]] = {}  # raw parameters swapped for a call
         self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation), with_kwargs=True)
+        self._token_loss_warning = lm_loss.warner()
+        self._root_out = model.register_forward_hook(ModuleHook(self, self._model_returned), with_kwargs=True)
         self._handles: list[RemovableHandle] = []
 
     def install(self, layers: list[HookedLayer]) -> None:
@@ -301,13 +421,22 @@ class LayerHooks:
     def _keeper(self, layer: HookedLayer) -> Callable[..., Tensor | None]:
         def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Tensor | None:
             detached = self._detached.pop(layer.name, None)
+            returned = output
             packed_batch = None
-            if layer.spec.all_inputs and isinstance(output, tuple | list):
-                if output and isinstance(output[0], PackedSequence):  # a recurrent layer on packed input
-                    packed_batch, output = int(output[0].batch_sizes[0]), output[0].data
-                else:
-                    output = next((o for o in output if isinstance(o, Tensor)), None)  # its first tensor output
-            if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.grad_fn is not None):
+            every = layer.spec.output_dims is not None  # the rule takes every output tensor's gradient
+            if (
+                layer.spec.all_inputs
+                and isinstance(output, tuple | list)
+                and output
+                and isinstance(output[0], PackedSequence)
+            ):
+                packed_batch, output = int(output[0].batch_sizes[0]), output[0].data  # a recurrent layer, packed input
+            elif layer.spec.all_inputs and not isinstance(output, Tensor):
+                output = _first_tensor(output, every)
+            differentiable = output_tensors(returned) if every else (output,) if isinstance(output, Tensor) else ()
+            if not (torch.is_grad_enabled() and isinstance(output, Tensor)):
+                return None
+            if not any(t.grad_fn is not None for t in differentiable):
                 return None  # nothing will flow back through this call: keep nothing
             if torch._C._are_functorch_transforms_active():
                 return None  # torch.func is differentiating the model itself (vmap/grad): not ours to track
@@ -331,16 +460,21 @@ class LayerHooks:
                     f"no batch dim {batch_dim}; pergrad needs batched inputs"
                     + ("" if batch_first else " (batch_first=False puts the batch on dim 1)")
                 )
+            batch_size = batched.shape[batch_dim] if packed_batch is None else packed_batch
+            if isinstance(a, LayerCall) and layer.spec.output_dims is not None:
+                a = replace(a, output_dims=_output_dims(layer, returned, batch_dim), batch_size=batch_size)
             kept_input = a if isinstance(a, LayerCall) else batch_to_front(a, batch_first)
             key = self._key(layer.name)
-            batch_size = batched.shape[batch_dim] if packed_batch is None else packed_batch
             kept = Kept(
                 layer, kept_input, self.generation, batch_size, key, packed=packed_batch is not None, detached=detached
             )
+            on_output_grad = self._on_output_grad
+            if isinstance(a, LayerCall) and a.output_dims:  # the rule takes every output's gradient
+                _catch_outputs(kept, returned, (args, kwargs), on_output_grad)
+                return None
             produced = _producer(output)
             node, index, shape = produced.grad_fn, produced.output_nr, output.shape
             assert node is not None
-            on_output_grad = self._on_output_grad
 
             def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
                 d = grad_outputs[index]
@@ -436,6 +570,12 @@ class LayerHooks:
             if module._parameters.get(name) is alias:  # (FSDP2's forward hook may have put its own back)
                 module._parameters[name] = p  # type: ignore[assignment]
 
+    def _model_returned(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        labels = lm_loss.token_labels(kwargs) if self.batch is not None else None
+        if labels is not None:
+            lm_loss.watch(labels, output, self._token_loss_warning)
+
     def remove(self) -> None:
         self.uninstall()
         self._root.remove()
+        self._root_out.remove()

@@ -12,10 +12,12 @@ from torch.utils.hooks import RemovableHandle
 
 from .distributed import world_for
 from .engine import Engine, Target
-from .errors import PergradError, TargetError, TransformError, UnsupportedLayerError
+from .errors import NormNotComputedError, PergradError, TargetError, TransformError, UnsupportedLayerError
 from .hooks import HookedLayer, LayerHooks, owners
+from .loss_scale import GradScalerLike, loss_scale_reader
 from .registry import RuleRegistry, RuleSpec, default_registry, fsdp_wrapped, type_names
 from .rules.fallback import fallback as fallback_rule
+from .rules.fallback import output_dims as fallback_output_dims
 from .rules.raw import RAW
 from .sources import Materialized
 from .statistics import Statistics, compute_statistics
@@ -44,7 +46,7 @@ def _check_layer_options(name: str, module: nn.Module) -> None:
             )
 
 
-FALLBACK = RuleSpec(fallback_rule, all_inputs=True, subtree=True)
+FALLBACK = RuleSpec(fallback_rule, all_inputs=True, subtree=True, output_dims=fallback_output_dims)
 
 
 def _same(p: nn.Parameter) -> nn.Parameter:
@@ -133,7 +135,8 @@ class PerSampleModule:
             ``B x #params`` is built where a fused path exists: scaling transforms (``clip_norm``,
             ``normalize``, ``scale``) and norms come from each layer's input and output gradient.
         track_norms: compute every parameter's per-sample gradient norms in each backward
-            (``per_sample_norms()``); needed only with ``keep_grad_sample=False``.
+            (``per_sample_norms()``); needed only with ``keep_grad_sample=False``, where without it
+            only the norms that norm-based transforms use are computed (and kept).
         track_statistics: compute ``statistics()`` in each backward; needed only with
             ``keep_grad_sample=False``.
         accumulate: how ``.grad`` combines several backward passes before it is cleared:
@@ -155,6 +158,17 @@ class PerSampleModule:
             gradient that pergrad replaces anyway: one matmul or convolution backward less per
             layer. ``torch.autograd.grad`` with respect to such a weight then raises (it is not in
             the graph); pass False if you need that.
+        grad_scaler: the ``torch.amp.GradScaler`` whose ``scaler.scale(loss)`` the backward passes
+            run on (mixed precision). Its scale is read, as a tensor, at each backward; the
+            transforms see the per-sample gradients of the samples' own (unscaled) losses, so a
+            clipping bound means the same with and without it, and ``.grad`` gets ``S`` times the
+            reduction (the scaler's units: ``scaler.unscale_`` and ``scaler.step`` work unchanged).
+            ``grad_sample``, ``per_sample_norms()``, ``statistics()`` and ``activation_grads()``
+            are unscaled. A NaN or Inf (an overflow) reaches ``.grad`` instead of being left out of
+            a norm-based transform, so the scaler skips the step and lowers its scale. Also
+            accepted: the loss scale itself (a number, or a one-element tensor read at each
+            backward) or a callable returning it (or None for an unscaled backward). A disabled
+            scaler, or one before its first ``scale()``, means an unscaled backward.
     """
 
     def __init__(
@@ -173,6 +187,7 @@ class PerSampleModule:
         fallback: bool = False,
         rules: RuleRegistry | None = None,
         detach_transformed: bool = True,
+        grad_scaler: GradScalerLike = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleModule wraps an nn.Module, got {type(model).__name__}")
@@ -204,6 +219,7 @@ class PerSampleModule:
             keep_activation_grads=keep_activation_grads,
             verify_backwards=1 if verify else 0,
             detach_transformed=detach_transformed,
+            loss_scale=loss_scale_reader(grad_scaler),
         )
         # DDP or FSDP2: how pergrad's part of .grad reaches every rank (pergrad.distributed)
         self._engine.world = world_for(model, self._engine, accumulate)
@@ -231,6 +247,7 @@ class PerSampleModule:
         self._layout = _layout(self._modules, self._canonical)
         engine = self._engine
         engine.param_names = {self._canonical(p): name for name, p in model.named_parameters() if p.requires_grad}
+        engine.layers = self._layers
         engine.detacher.candidates(self._layers, model)
         engine.clear_targets()
         for target, transform in self._targets:
@@ -320,14 +337,39 @@ class PerSampleModule:
         return Materialized(grads), names, next(iter(grads.values())).shape[0]
 
     def per_sample_norms(self) -> dict[str, Tensor]:
-        """``{qualified param name: Tensor[B]}``: ``||g_i||`` of each parameter, before any transform.
+        """``{qualified param name: Tensor[B]}``: ``||g_i||`` of each parameter in the last backward,
+        before any transform (the norms clipping compared with its bound; unscaled under
+        ``grad_scaler``). The norm of a module's or the model's gradient is ``sqrt(sum of squares)``
+        of these. Which parameters it holds:
 
-        The norm of a module's or the model's gradient is ``sqrt(sum of squares)`` of these.
+        - ``track_norms=True`` (or ``track_statistics=True``): every parameter the backward reached;
+        - ``keep_grad_sample=True``: every parameter with a ``grad_sample`` (read off it);
+        - otherwise: those the backward computed anyway, the parameters a norm-based transform
+          (``clip_norm``, ``normalize``) covers and the backward reached.
+
+        Looking up another parameter raises ``NormNotComputedError`` (a ``KeyError``) saying why.
         """
-        if self._engine.track_norms:
-            return {self._engine.param_names[p]: sq.sqrt() for p, sq in self._engine.last_sq_norms.items()}
-        source, names, _ = self._materialized()
-        return {names[p]: sq.sqrt() for p, sq in source.sq_norms(names).items()}
+        engine = self._engine
+        trainable = sorted(engine.param_names.values())
+        if engine.track_norms or (not engine.keep_grad_sample and engine.last_sq_norms):
+            found = {engine.param_names[p]: sq.sqrt() for p, sq in engine.last_sq_norms.items()}
+        elif engine.keep_grad_sample:
+            source, names, _ = self._materialized()
+            found = {names[p]: sq.sqrt() for p, sq in source.sq_norms(names).items()}
+        else:
+            raise PergradError(
+                "no per-sample norms: with keep_grad_sample=False, per_sample_norms() answers after a backward that "
+                "computed norms: for the parameters a norm-based transform (clip_norm, normalize) covers, or for every "
+                "parameter with PerSampleModule(..., track_norms=True)"
+            )
+        why = (
+            "the parameter received no gradient in the last backward"
+            if engine.track_norms or engine.keep_grad_sample
+            else "with keep_grad_sample=False and track_norms=False the backward computes only the norms that its "
+            "norm-based transforms (clip_norm, normalize) use, those of the parameters they cover; pass "
+            "track_norms=True to PerSampleModule for every parameter's"
+        )
+        return PerSampleNorms(found, trainable, why)
 
     def statistics(self) -> Statistics:
         """Statistics of the last backward's per-sample gradients (formulas: ``pergrad.statistics``)."""
@@ -343,6 +385,10 @@ class PerSampleModule:
 
         - ``"<layer>"``: ``d f_i / d output`` of each hooked layer (``"<layer>:k"`` for its k-th extra
           call in one forward), scaled like ``grad_sample`` (each sample's OWN loss ``f_i``);
+        - ``"<layer>[k]"``: ``d f_i / d`` the k-th tensor (k >= 1) the layer returned, for layers whose
+          rule takes every output (``h_n`` and ``c_n`` of ``nn.RNN``/``nn.GRU``/``nn.LSTM``, the
+          attention weights of ``nn.MultiheadAttention``); with ``fallback=True``, laid out as the
+          module returned it (the fallback finds its batch dim in the backward);
         - ``"input"``: ``d f_i / d x`` for the model's first input, when it requires grad.
 
         Needs ``keep_activation_grads=True``. Saliency maps are ``activation_grads()["input"].abs()``;
@@ -464,3 +510,19 @@ class PerSampleModule:
             f"PerSampleModule({type(self.module).__name__}, loss_reduction={self.loss_reduction!r}, "
             f"reduction={self.reduction!r}, layers={len(self._layers)}, transforms={len(self._engine.targets)})"
         )
+
+
+class PerSampleNorms(dict[str, Tensor]):
+    """What ``per_sample_norms()`` returns: a dict whose missing keys say why they are missing."""
+
+    def __init__(self, norms: dict[str, Tensor], trainable: list[str], why: str) -> None:
+        super().__init__(norms)
+        self.trainable, self.why = trainable, why
+
+    def __missing__(self, key: str) -> Tensor:
+        if key not in self.trainable:
+            raise NormNotComputedError(
+                f"{key!r} is not a trainable parameter of the wrapped model; qualified names look like "
+                f"{self.trainable[:3]}"
+            )
+        raise NormNotComputedError(f"no per-sample norm of parameter {key!r} from the last backward: {self.why}")

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .hooks import HookedLayer
 from .layout import new_buffer
-from .registry import FusedRule
+from .registry import FusedRule, OutputGrads
 
 Params = Iterable[nn.Parameter]
 
@@ -98,19 +98,27 @@ class Moments:
 class Call:
     """One call of a hooked layer in this backward: its input and output gradient. Each sample's
     own output gradient is ``scale * d`` (``scale = B`` for a mean loss); the fused quantities put
-    the scale on their (much smaller) results instead of on ``d``."""
+    the scale on their (much smaller) results instead of on ``d``. For a rule that takes every
+    output's gradient (``RuleSpec.output_dims``), ``d`` holds one per output tensor; such layers
+    have no fused rule."""
 
     layer: HookedLayer
     a: Any
-    d: Tensor
+    d: Any  # a Tensor (every layer with a fused rule), or OutputGrads
     scale: float = 1.0
 
 
-def run_rule(layer: HookedLayer, a: Any, d: Tensor, scale: float = 1.0) -> dict[str, Tensor]:
+def _numel(d: Tensor | OutputGrads) -> int:
+    return d.numel() if isinstance(d, Tensor) else sum(g.numel() for g in d if g is not None)
+
+
+def run_rule(layer: HookedLayer, a: Any, d: Tensor | OutputGrads, scale: float = 1.0) -> dict[str, Tensor]:
     """The layer's rule for output gradients ``scale * d``. Rules are linear in ``d``, so the scale
     goes on whichever is smaller: ``d``, or the per-sample gradients the rule returns."""
     if scale == 1.0:
         return layer.spec.fn(layer.module, a, d)
+    if not isinstance(d, Tensor):  # every output's gradient (RuleSpec.output_dims): small per-sample rules
+        return layer.spec.fn(layer.module, a, tuple(None if g is None else g * scale for g in d))
     built_size = d.shape[0] * sum(p.numel() for _, p in layer.trainable())
     if d.numel() <= built_size:
         return layer.spec.fn(layer.module, a, torch.mul(d, scale, out=new_buffer(tuple(d.shape), d)))
@@ -172,13 +180,14 @@ class Fused:
     def _run(self, call: Call) -> dict[str, Tensor]:
         """The call's rule. A result no larger than the call's kept ``a`` and ``d`` is kept for the
         other quantities of this backward (norm layers, convolutions: norms and weighted sums read
-        the same ``g_i``); larger ones are built again rather than held, so that at most one
-        layer's large ``g_i`` are alive at a time."""
+        the same ``g_i``), and so is that of a layer without a fused rule, whose weighted sum has no
+        other source (building it twice would cost more than materialising). Other large ones are
+        not held: their weighted sums are batch gradients of weighted ``d``."""
         found = self._builds.get(call)
         if found is None:
             found = run_rule(call.layer, call.a, call.d, call.scale)
-            kept = call.d.numel() + (call.a.numel() if isinstance(call.a, Tensor) else 0)
-            if sum(g.numel() for g in found.values()) <= kept:
+            kept = _numel(call.d) + (call.a.numel() if isinstance(call.a, Tensor) else 0)
+            if call.layer.spec.fused is None or sum(g.numel() for g in found.values()) <= kept:
                 self._builds[call] = found
         return found
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,3 +44,18 @@ def test_quick_distributed_benchmark_runs_and_pergrad_sends_what_plain_sends(tmp
     assert methods["ddp_plain"]["bytes"] == methods["ddp_plain"]["gradient_bytes"]
     assert methods["fsdp_plain"]["bytes"] == methods["fsdp_pergrad"]["bytes"] > 0
     assert "| ddp_pergrad |" in proc.stdout
+
+
+def test_quick_transformer_workloads_are_correct(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "transformers.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--workloads", "gpt2", "bert",
+         "--methods", "plain", "pergrad", "pergrad_clip", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    for workload in ("gpt2", "bert"):
+        for method in ("plain", "pergrad", "pergrad_clip"):
+            assert report["results"][workload][method].get("correct") is True, (workload, method)

@@ -10,6 +10,7 @@ the layer rules.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad import PerSampleModule, transforms
+from pergrad import PerSampleModule, TokenLossWarning, transforms
 from tests.reference import assert_close
 
 transformers = pytest.importorskip("transformers")
@@ -181,3 +182,38 @@ def test_vit_cls_token_and_position_embeddings() -> None:
         return {"pixel_values": x}, torch.randint(0, 3, (b,), generator=gen)
 
     check(transformers.ViTForImageClassification(config), batch, class_loss)
+
+
+def test_labels_loss_over_padded_tokens_warns_once_and_is_left_alone() -> None:
+    """HF's ``labels=`` loss is a mean over the batch's tokens: with rows of different label counts
+    pergrad warns (once), without changing what the backward computes; equal counts, sequence
+    labels, or a loss computed from the logits do not warn."""
+    torch.manual_seed(7)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(config).double()
+    ids = torch.randint(1, VOCAB, (3, 6))
+    padded = ids.clone()
+    padded[0, 4:] = -100
+    with PerSampleModule(model) as psm:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            psm(input_ids=ids, labels=ids).loss.backward()  # equal counts: (1/B) sum_i mean_t, fine
+            lm_loss(psm(input_ids=ids), ids).mean().backward()
+            psm(input_ids=ids, labels=padded)  # a forward whose loss is not backpropagated
+        with pytest.warns(
+            TokenLossWarning, match=r"mean over all 16 labelled tokens.*4 to 6.*README 'Language models'"
+        ):
+            psm(input_ids=ids, labels=padded).loss.backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            psm(input_ids=ids, labels=padded).loss.backward()  # once per wrapper
+    classes = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=16, num_labels=3,
+    )  # fmt: skip
+    with (
+        PerSampleModule(transformers.BertForSequenceClassification(classes).double()) as psm,
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("error")
+        psm(input_ids=ids, labels=torch.tensor([0, 2, 1])).loss.backward()
