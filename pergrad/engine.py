@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -44,12 +44,23 @@ from .sources import Call, Fused, Materialized, run_rule
 from .statistics import Statistics, compute_statistics
 from .transforms import Scaling, Transform, check_output
 
+if TYPE_CHECKING:
+    from .distributed import World
+
 
 def _no_autocast(device_type: str) -> contextlib.AbstractContextManager[Any]:
     """Rules compute in the parameters' dtype: autocast off where it is on."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def _nonzero(grad: Tensor) -> bool:
+    """Whether ``grad`` has a nonzero element; one read for a broadcast scalar (the zero a detached
+    weight gets under DDP, see ``detach.touch``), a sync otherwise (a rare path)."""
+    if grad.dim() > 0 and grad.numel() > 0 and not any(grad.stride()):
+        return bool(grad.reshape(-1)[0] != 0)
+    return bool(grad.any())
 
 
 def _shape(a: object) -> object:
@@ -61,23 +72,6 @@ def _all_finite(grads: Iterable[Tensor]) -> Tensor:
     temporary of their size: the inf-norm propagates NaN and Inf)."""
     found = [torch.isfinite(torch.linalg.vector_norm(g, float("inf"))) for g in grads if g.numel()]
     return torch.stack(found).all() if found else torch.tensor(True)
-
-
-class Distributed:
-    """The process group of a ``DistributedDataParallel`` model: pergrad reduces its transformed
-    gradients over it the way DDP reduces the others (mean over ranks of each rank's mean)."""
-
-    def __init__(self, group: Any) -> None:
-        import torch.distributed as dist
-
-        self.group, self.size = group, dist.get_world_size(group)
-
-    def all_reduce_sum(self, t: Tensor) -> Tensor:
-        import torch.distributed as dist
-
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        return t
 
 
 @dataclass
@@ -103,12 +97,14 @@ class _Backward:
     reached: dict[nn.Parameter, None] = field(default_factory=dict)  # ordered set
     batch_grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # autograd's, before accumulation
     overwrite: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad holds autograd's sum only
-    prior: dict[nn.Parameter, int] = field(default_factory=dict)  # samples already averaged into .grad
+    prior: dict[nn.Parameter, float] = field(default_factory=dict)  # samples already averaged into .grad
     activation_grads: dict[str, Tensor] = field(default_factory=dict)
     detached: list[Detached] = field(default_factory=list)  # of the calls whose output gradient arrived
     probed: bool = False  # a probe anchor's AccumulateGrad ran
     written: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad written by pergrad, in order
     accumulated: dict[nn.Parameter, None] = field(default_factory=dict)  # AccumulateGrad ran (autograd's part)
+    computed: bool = False  # the end-of-backward work ran (see ``Engine._graph_done``)
+    error: BaseException | None = None  # what it raised, re-raised once the wrapper's communication is done
     loss_scale: Tensor | None = None  # the scale the loss was multiplied by (grad_scaler=); None: unscaled
 
 
@@ -126,7 +122,7 @@ class Engine:
         track_statistics: bool = False,
         accumulate: str = "backward",
         keep_activation_grads: bool = False,
-        world: Distributed | None = None,
+        world: World | None = None,
         verify_backwards: int = 1,
         detach_transformed: bool = False,
         loss_scale: LossScale | None = None,
@@ -140,7 +136,7 @@ class Engine:
         self.keep_activation_grads = keep_activation_grads
         self.last_activation_grads: dict[str, Tensor] = {}
         self.running_mean = accumulate == "samples" and reduction == "mean"
-        self._seen: dict[nn.Parameter, tuple[int, int, int]] = {}  # samples in .grad, id and version of .grad
+        self._seen: dict[nn.Parameter, tuple[float, int, int]] = {}  # samples in .grad, id and version of .grad
         self.loss_reduction = loss_reduction
         self.reduction = reduction
         self.keep_grad_sample = keep_grad_sample
@@ -175,11 +171,22 @@ class Engine:
             self.restore_deferred_hooks()
             state = _Backward(task, loss_scale=None if self.loss_scale is None else self.loss_scale())
             self._current = state
-            # Run after every callback queued during this backward (DDP's gradient all-reduce among
-            # them): a callback queued from a callback goes to the end of the queue.
-            engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(lambda: engine.queue_callback(lambda: self._finish(state)))
+            # Queued by the first hook of the backward, so before the callbacks DDP and FSDP queue
+            # later in it (DDP's waits for its buckets' all-reduce).
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._graph_done(state))
         return self._current
+
+    def backward_state(self) -> _Backward:
+        """The state of the running backward pass (for ``pergrad.distributed``)."""
+        return self._backward_state()
+
+    def _graph_done(self, state: _Backward) -> None:
+        """The graph of the backward has run. Under DDP pergrad's part of ``.grad`` is computed now and
+        goes into DDP's buckets before DDP waits for them; everything else runs after every callback
+        queued during this backward (a callback queued from a callback goes to the end of the queue)."""
+        if self.world is not None and self.world.finish_early:
+            self._compute(state)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish(state))
 
     def on_output_grad(self, kept: Kept, d: Tensor, part: int | None = None) -> None:
         """The gradient ``d`` of a layer call's output (of its output tensor number ``part``, for a rule
@@ -264,6 +271,8 @@ class Engine:
                 per_sample = run_rule(layer, kept.a, d, scale)
         for name, g in per_sample.items():
             param = layer.module.get_parameter(name)
+            if self.world is not None:  # FSDP: the layer holds the unsharded parameter now
+                param = self.world.canonical(param)
             if g.shape != (kept.batch_size, *param.shape):
                 raise HookStateError(
                     f"the rule {layer.spec.fn.__qualname__} for {layer.label} returned shape "
@@ -299,7 +308,7 @@ class Engine:
         if writes and param._post_accumulate_grad_hooks:
             self._defer_post_accumulate_hooks(param)
         if param in self.transformed:  # .grad is written at the end of the backward
-            if param in self.detacher.current and bool(grad.any()):  # (a rare path: a sync is fine)
+            if param in self.detacher.current and _nonzero(grad):
                 raise HookStateError(
                     self._unattributable(
                         param, "it arrived although every call of its layer ran with the weight detached"
@@ -324,7 +333,7 @@ class Engine:
         n = state.prior[param]
         return (batch_mean - param.grad) * (b / (n + b)) if n + b else None
 
-    def _samples_in_grad(self, param: nn.Parameter) -> int:
+    def _samples_in_grad(self, param: nn.Parameter) -> float:
         """How many samples the running mean in ``param.grad`` holds: 0 once ``.grad`` was set to
         None, replaced, or changed in place (``zero_grad(set_to_none=False)``) since pergrad wrote it."""
         seen, grad = self._seen.get(param), param.grad
@@ -337,15 +346,45 @@ class Engine:
     def _finish(self, state: _Backward) -> None:
         if self._current is state:
             self._current = None
-        device = next(iter(state.reached), torch.empty(0)).device.type
         try:
-            with _no_autocast(device), torch.no_grad(), allocating_from(self.pool.take):
-                self._finish_backward(state)
+            self._compute(state)  # unless it ran before DDP's communication
+            if state.error is not None:
+                raise state.error
+            self._count_samples(state)
         finally:
             state.calls.clear()  # the kept inputs and output gradients, before the buffers go back
             self.pool.end()
             deferred = self.restore_deferred_hooks()
         self._run_post_accumulate_hooks(state, deferred)
+
+    def _compute(self, state: _Backward) -> None:
+        """Transforms, reductions, norms, statistics of this backward, and the world's communication of
+        pergrad's part, which runs even when the rest raised (every rank takes part in every collective);
+        an error is kept in ``state.error`` and raised by ``_finish``."""
+        if state.computed:
+            return
+        state.computed = True
+        device = next(iter(state.reached), torch.empty(0)).device.type
+        try:
+            with _no_autocast(device), torch.no_grad(), allocating_from(self.pool.take):
+                self._finish_backward(state)
+        except Exception as err:
+            state.error = err
+        if self.world is not None:
+            with torch.no_grad():
+                self.world.flush(state, failed=state.error is not None)
+
+    def _count_samples(self, state: _Backward) -> None:
+        """``accumulate="samples"``: how many samples each ``.grad`` now averages, recorded once ``.grad``
+        is final (under DDP: after DDP wrote it, averaged over every rank's samples)."""
+        if not self.running_mean or self.closed or state.batch_size is None:
+            return
+        for p, n in state.prior.items():
+            if p.grad is not None:
+                count = n + state.batch_size
+                if self.world is not None:
+                    count = self.world.samples(p, count, state)
+                self._seen[p] = (count, id(p.grad), p.grad._version)
 
     def _finish_backward(self, state: _Backward) -> None:
         if self.closed:
@@ -354,13 +393,21 @@ class Engine:
             self.last_activation_grads = state.activation_grads
         if state.batch_size is None and not state.reached:
             return
+        canonical = None if self.world is None else self.world.canonical
         self._flush_outputs(state)
         owned: dict[nn.Parameter, None] = {}  # detached, no transform: .grad is the plain reduction
         for detached in state.detached:  # reached in the backward passes that reach their anchor
-            if state.probed if detached.probe else detached.anchor in state.reached:
+            anchor = (
+                detached.anchor
+                if canonical is None or detached.probe
+                else canonical(cast(nn.Parameter, detached.anchor))
+            )
+            if state.probed if detached.probe else anchor in state.reached:
                 state.reached.update(dict.fromkeys(detached.params))
                 owned.update(dict.fromkeys(p for p in detached.params if p not in self.transformed))
-        source: Materialized | Fused = Materialized(state.grads) if self.keep_grad_sample else Fused(state.calls)
+        source: Materialized | Fused = (
+            Materialized(state.grads) if self.keep_grad_sample else Fused(state.calls, canonical)
+        )
         known = state.grads if isinstance(source, Materialized) else source.uses
         missing = [p for p in state.reached if p not in known]
         if missing:
@@ -407,10 +454,6 @@ class Engine:
                 totals = source.summed(owned, weights)
             for param, reduced in totals.items():
                 self._add_grad(param, reduced, state)
-        if self.running_mean:
-            for p, n in state.prior.items():
-                if p.grad is not None:
-                    self._seen[p] = (n + state.batch_size, id(p.grad), p.grad._version)
 
     # -- post-accumulate-grad hooks of the parameters whose .grad pergrad writes -----------------
 
@@ -468,7 +511,8 @@ class Engine:
 
     def _unreached(self, param: nn.Parameter) -> str:
         """What pergrad saw when a parameter got a gradient that none of its layers' outputs passed on."""
-        holders = [layer for layer in self.layers if any(p is param for _, p in layer.trainable())]
+        key = (lambda p: p) if self.world is None else self.world.canonical
+        holders = [layer for layer in self.layers if any(key(p) is param for _, p in layer.trainable())]
 
         def caught(layer: HookedLayer) -> str:
             if layer.spec.raw:
@@ -612,18 +656,37 @@ class Engine:
 
     def _add_grad(self, param: nn.Parameter, reduced: Tensor, state: _Backward) -> None:
         """Add this batch's reduction to ``.grad`` (with ``accumulate="samples"``, fold it into the
-        running mean over every sample since ``.grad`` was cleared)."""
-        if self.world is not None:  # every rank adds the reduction over all ranks' samples
-            reduced = self.world.all_reduce_sum(reduced)
-            if self.reduction == "mean":
-                reduced = reduced / self.world.size
+        running mean over every sample since ``.grad`` was cleared).
+
+        Several processes (``pergrad.distributed``): FSDP2 takes the reduction for its reduce-scatter;
+        under DDP it goes where ``.grad`` would, but into the parameter's place in DDP's bucket (the
+        bucket holds ``.grad`` as autograd left it), which is all-reduced once it is complete."""
         state.written[param] = None
-        if param.grad is None or param in state.overwrite:
+        grad = param.grad
+        if self.world is not None:
+            reduced = self.world.contribution(reduced)
+            if self.world.take(param, reduced, state):
+                return
+            slot = self.world.slot(param, state)
+            if slot is not None:
+                if grad is None or param in state.overwrite:
+                    slot.copy_(reduced)
+                    return
+                grad = slot
+        if grad is None or param in state.overwrite:
             param.grad = reduced.to(param.dtype)
         elif self.running_mean:
             n = state.prior[param] if param in state.prior else self._samples_in_grad(param)
             state.prior[param] = n
             b = state.batch_size or 0
-            param.grad.mul_(n / (n + b)).add_(reduced, alpha=b / (n + b))
+            grad.mul_(n / (n + b)).add_(reduced, alpha=b / (n + b))
         else:
-            param.grad.add_(reduced)
+            grad.add_(reduced)
+
+    def may_write(self, param: nn.Parameter) -> bool:
+        """Whether pergrad may write ``param.grad`` itself in some backward pass: a transform covers it,
+        or it may run detached. The same answer on every rank, whatever the batch."""
+        if param in self.transformed:
+            return True
+        builds = self.keep_grad_sample or self.track_norms or self.track_statistics
+        return self.detach_transformed and builds and param in self.detacher.single

@@ -318,8 +318,8 @@ class LayerHooks:
         self.generation = 0
         self.batch: BatchInfo | None = None  # the batch of the running call of the model
         self._buffer_storages: frozenset[int] | None = None
-        # raw parameters swapped for a call, by the module whose call it is: (holder, name, parameter)
-        self._swapped: dict[nn.Module, list[tuple[nn.Module, str, Tensor]]] = {}
+        # raw parameters swapped for a call, by the module whose call it is: (holder, name, parameter, alias)
+        self._swapped: dict[nn.Module, list[tuple[nn.Module, str, Tensor, Tensor]]] = {}
         self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation), with_kwargs=True)
         self._token_loss_warning = lm_loss.warner()
         self._root_out = model.register_forward_hook(ModuleHook(self, self._model_returned), with_kwargs=True)
@@ -434,8 +434,9 @@ class LayerHooks:
             found = self._detached.get(layer.name)
             if found is None:
                 return None
-            for name, original, _ in found.swaps:
-                module._parameters[name] = original  # type: ignore[assignment]
+            for name, original, replacement in found.swaps:
+                if module._parameters.get(name) is replacement:  # (FSDP2 may have put its shard back)
+                    module._parameters[name] = original  # type: ignore[assignment]
             if not isinstance(output, Tensor):  # the forward raised: the keeper will not run
                 self._detached.pop(layer.name)
                 return None
@@ -586,7 +587,7 @@ class LayerHooks:
             batch = self.batch
             if batch is None or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
                 return
-            saved: list[tuple[nn.Module, str, Tensor]] = []
+            saved: list[tuple[nn.Module, str, Tensor, Tensor]] = []
             for layer in layers:
                 holder = layer.module  # the module itself, or a ParameterDict/ParameterList of it
                 p = holder._parameters.get(layer.param)
@@ -596,7 +597,7 @@ class LayerHooks:
                 origin = Origin(p, self._deliver(kept), Group("shared", batch.size, batch.dim), layer.label)
                 origin.tensor = track(p, [origin])
                 holder._parameters[layer.param] = origin.tensor  # type: ignore[assignment]
-                saved.append((holder, layer.param, p))
+                saved.append((holder, layer.param, p, origin.tensor))
             self._swapped[module] = saved
 
         return swap
@@ -607,8 +608,9 @@ class LayerHooks:
 
     def _untracker(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """Forward hook (also when the forward raised): the module's own parameters back in place."""
-        for holder, name, p in self._swapped.pop(module, []):
-            holder._parameters[name] = p  # type: ignore[assignment]
+        for holder, name, p, alias in self._swapped.pop(module, []):
+            if holder._parameters.get(name) is alias:  # (FSDP2's forward hook may have put its own back)
+                holder._parameters[name] = p  # type: ignore[assignment]
 
     def _model_returned(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         labels = lm_loss.token_labels(kwargs) if self.batch is not None else None

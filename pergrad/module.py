@@ -8,16 +8,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
-from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
-from .engine import Distributed, Engine, Target
+from .distributed import world_for
+from .engine import Engine, Target
 from .errors import NormNotComputedError, PergradError, TargetError, TransformError, UnsupportedLayerError, module_label
 from .hooks import HookedLayer, LayerHooks, owners
 from .loss_scale import GradScalerLike, loss_scale_reader
 from .parametrized import base_type, parametrizations_of, parametrized_spec, sites
-from .registry import RuleRegistry, RuleSpec, default_registry, registration, type_names
+from .registry import RuleRegistry, RuleSpec, default_registry, fsdp_wrapped, registration, type_names
 from .rules.fallback import fallback as fallback_rule
 from .rules.fallback import output_dims as fallback_output_dims
 from .rules.raw import RAW
@@ -51,10 +51,14 @@ def _check_layer_options(name: str, module: nn.Module) -> None:
 FALLBACK = RuleSpec(fallback_rule, all_inputs=True, subtree=True, output_dims=fallback_output_dims)
 
 
+def _same(p: nn.Parameter) -> nn.Parameter:
+    return p
+
+
 def _plain_module(module: nn.Module, registry: RuleRegistry) -> bool:
     """A module of the user's or a library's own (not a ``torch.nn`` layer, nor a subclass of a layer
     with a rule): its own parameters are raw ones it uses in its forward (``pergrad.rules.raw``)."""
-    if type(module).__module__.startswith("torch."):
+    if (fsdp_wrapped(type(module)) or type(module)).__module__.startswith("torch."):
         return False
     return not any(isinstance(module, t) for t in registry.supported_types())
 
@@ -64,11 +68,14 @@ def _inside(name: str, parent: str) -> bool:
     return name != parent and (parent == "" or name.startswith(f"{parent}."))
 
 
-def _layout(modules: list[nn.Module]) -> tuple[object, ...]:
+def _layout(modules: list[nn.Module], canonical: Callable[[nn.Parameter], nn.Parameter]) -> tuple[object, ...]:
     """What the wrapper was built for: every module's children and parameters (by identity) and
     whether each parameter requires grad. Cheap enough to compare at every forward."""
     return tuple(
-        (*map(id, m._modules.values()), *((id(p), p.requires_grad) for p in m._parameters.values() if p is not None))
+        (
+            *map(id, m._modules.values()),
+            *((id(canonical(p)), p.requires_grad) for p in m._parameters.values() if p is not None),
+        )
         for m in modules
     )
 
@@ -289,10 +296,10 @@ class PerSampleModule:
             verify_backwards=1 if verify else 0,
             detach_transformed=detach_transformed,
             loss_scale=loss_scale_reader(grad_scaler),
-            world=Distributed(model.process_group) if isinstance(model, DistributedDataParallel) else None,
         )
-        if self._engine.world is not None and accumulate == "samples":
-            raise ValueError("accumulate='samples' is not supported for DistributedDataParallel models yet")
+        # DDP or FSDP2: how pergrad's part of .grad reaches every rank (pergrad.distributed)
+        self._engine.world = world_for(model, self._engine, accumulate)
+        self._canonical = self._engine.world.canonical if self._engine.world is not None else _same
         self._targets: list[tuple[nn.Module | str, Transform]] = []  # as registered, resolved again on rebinding
         self._layers: list[HookedLayer] = []
         self._accumulators: list[Any] = []
@@ -303,6 +310,8 @@ class PerSampleModule:
         self._hooks = LayerHooks(model, batch_first, self._engine.on_output_grad, on_input, to_detach, self._sync)
         self._hooks.install(self._layers)
         self._install_accumulate_hooks()
+        if self._engine.world is not None:
+            self._engine.world.install()
 
     # -- following the model: its parameters, as they are at each forward ------------------------
 
@@ -311,9 +320,9 @@ class PerSampleModule:
         model = self.module
         self._layers = _discover(model, self._registry, self._fallback)
         self._modules = list(model.modules())
-        self._layout = _layout(self._modules)
+        self._layout = _layout(self._modules, self._canonical)
         engine = self._engine
-        engine.param_names = {p: name for name, p in model.named_parameters() if p.requires_grad}
+        engine.param_names = {self._canonical(p): name for name, p in model.named_parameters() if p.requires_grad}
         engine.layers = self._layers
         engine.detacher.candidates(self._layers, model)
         engine.clear_targets()
@@ -336,7 +345,7 @@ class PerSampleModule:
         for (replaced by ``load_state_dict(assign=True)``, a module swapped in, ``requires_grad``
         switched), wrap the model as it is now -- the registered transforms included -- and check the
         next backward against autograd again (``verify``)."""
-        if self._engine.closed or _layout(self._modules) == self._layout:
+        if self._engine.closed or _layout(self._modules, self._canonical) == self._layout:
             return
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
             return  # torch.func or the compiler runs the model with parameters of its own
@@ -515,7 +524,7 @@ class PerSampleModule:
         it is one parameter, and how to find it again when the model changes (a parameter by its
         qualified name, a module as given)."""
         modules = dict(self.module.named_modules())
-        parameters = dict(self.module.named_parameters())
+        parameters = {n: self._canonical(p) for n, p in self.module.named_parameters()}
         if isinstance(target, str):
             if target in modules:
                 target = modules[target]
@@ -539,7 +548,7 @@ class PerSampleModule:
                     f"the module {type(target).__name__} is not part of the wrapped model (a module replaced after "
                     "its transform was registered? register the transform on the new module, or by name)"
                 )
-            params = {n: p for n, p in target.named_parameters() if p.requires_grad}
+            params = {n: self._canonical(p) for n, p in target.named_parameters() if p.requires_grad}
             label = "the whole model" if name == "" else f"module {name!r}"
             return label, params, False, target
         raise TargetError(
@@ -555,6 +564,8 @@ class PerSampleModule:
     def remove(self) -> None:
         """Remove every hook and every ``grad_sample``: the model is as it was before wrapping."""
         self._engine.closed = True
+        if self._engine.world is not None:
+            self._engine.world.close()
         self._engine.restore_deferred_hooks()
         self._hooks.remove()
         for handle in self._accumulate_handles:

@@ -71,6 +71,20 @@ def _resolve(name: str) -> type[nn.Module] | None:
     return None
 
 
+def fsdp_wrapped(layer_type: type) -> type | None:
+    """The class FSDP2's ``fully_shard`` generated ``layer_type`` from (``FSDPLinear`` -> ``Linear``), or
+    None. FSDP2 makes ``type(f"FSDP{cls.__name__}", (FSDPModule, cls), ...)`` and swaps it in as the
+    module's class; it adds no forward. Nothing is imported: without FSDP2 loaded there is none."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    module_class = getattr(fsdp, "FSDPModule", None)
+    if module_class is None:
+        return None
+    bases = layer_type.__bases__
+    if len(bases) == 2 and bases[0] is module_class and "forward" not in vars(layer_type):
+        return bases[1]
+    return None
+
+
 @dataclass(frozen=True)
 class FusedRule:
     """Per-sample quantities of a layer computed without building ``g_i`` (same arguments as a rule).
@@ -242,7 +256,19 @@ class RuleRegistry:
         return self.lookup_type(type(layer))
 
     def lookup_type(self, layer_type: type) -> RuleSpec | None:
-        """The rule registered for exactly ``layer_type`` (as a class, else by its qualified name), or None."""
+        """The rule registered for exactly ``layer_type`` (as a class, else by its qualified name), or None.
+
+        A class FSDP2's ``fully_shard`` generated (``FSDPLinear``: bases ``FSDPModule`` and the layer's own
+        class, forward unchanged) has the rule of the class it was generated for, exactly that class's.
+        """
+        spec = self._exact(layer_type)
+        if spec is None:
+            wrapped = fsdp_wrapped(layer_type)
+            if wrapped is not None:
+                spec = self._exact(wrapped)
+        return spec
+
+    def _exact(self, layer_type: type) -> RuleSpec | None:
         spec = self._rules.get(layer_type)
         if spec is None and self._named:
             spec = self._named.get(qualified_name(layer_type))

@@ -14,7 +14,7 @@ Both answer the same questions, so the engine computes transforms and statistics
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,13 +140,27 @@ def run_rule(layer: HookedLayer, a: Any, d: Tensor | OutputGrads, scale: float =
 class Fused:
     """Quantities computed from the kept ``(a, d)`` of every call, building ``g_i`` only where needed."""
 
-    def __init__(self, calls: list[Call]) -> None:
+    def __init__(self, calls: list[Call], canonical: Callable[[nn.Parameter], nn.Parameter] | None = None) -> None:
         self.calls = calls
         self._builds: dict[Call, dict[str, Tensor]] = {}
         self.uses: dict[nn.Parameter, list[tuple[Call, str]]] = {}
+        # each call's parameters by the name its rule uses, as the engine keys them (FSDP2 swaps a
+        # layer's sharded parameters for unsharded ones and back; ``canonical`` maps to the sharded)
+        self._params: dict[Call, dict[str, nn.Parameter]] = {}
+        self._canonical = canonical
         for call in calls:
-            for name, p in call.layer.trainable():
+            named = {name: p if canonical is None else canonical(p) for name, p in call.layer.trainable()}
+            self._params[call] = named
+            for name, p in named.items():
                 self.uses.setdefault(p, []).append((call, name))
+
+    def _param(self, call: Call, name: str) -> nn.Parameter:
+        """The parameter a rule's result ``name`` belongs to (a name the layer gives it, maybe not its first)."""
+        found = self._params[call].get(name)
+        if found is None:
+            found = call.layer.module.get_parameter(name)
+            found = found if self._canonical is None else self._canonical(found)
+        return found
 
     def _fused(self, p: nn.Parameter) -> tuple[Call, str, FusedRule] | None:
         """The single call that feeds ``p`` and its fused rule, or None if ``p`` needs building."""
@@ -197,7 +211,7 @@ class Fused:
         out: dict[nn.Parameter, Tensor] = {}
         for call in self._calls_of(wanted):
             for name, g in self._run(call).items():
-                p = call.layer.module.get_parameter(name)
+                p = self._param(call, name)
                 if p in wanted:
                     out[p] = g if p not in out else out[p] + g
         return out
@@ -231,7 +245,7 @@ class Fused:
             module, fused = call.layer.module, call.layer.spec.fused
             if fused is None or call in self._builds:  # weight the built g_i (d may not be laid out by sample)
                 built = self._run(call)
-                grads = {module.get_parameter(k): g for k, g in built.items()}
+                grads = {self._param(call, k): g for k, g in built.items()}
                 per_call = Materialized(grads).summed(grads, weights, drop)
             else:
                 a, d, w = call.a, call.d, weights * call.scale
@@ -243,7 +257,7 @@ class Fused:
                     a = _weighted(a, w)
                 else:
                     d = _weighted(d, w)
-                per_call = {module.get_parameter(k): g for k, g in fused.summed(module, a, d).items()}
+                per_call = {self._param(call, k): g for k, g in fused.summed(module, a, d).items()}
             for p, g in per_call.items():
                 if p in wanted:
                     out[p] = g if p not in out else out[p] + g

@@ -31,6 +31,21 @@ def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> Non
     assert "| pergrad |" in proc.stdout
 
 
+def test_quick_distributed_benchmark_runs_and_pergrad_sends_what_plain_sends(tmp_path: Path) -> None:
+    out = tmp_path / "distributed.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "distributed.py"), "--quick", "--workloads", "mlp", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    methods = json.loads(out.read_text())["results"]["mlp"]
+    assert all("error" not in r for r in methods.values()), methods
+    assert methods["ddp_plain"]["bytes"] == methods["ddp_pergrad"]["bytes"] == methods["ddp_pergrad_keep"]["bytes"]
+    assert methods["ddp_plain"]["bytes"] == methods["ddp_plain"]["gradient_bytes"]
+    assert methods["fsdp_plain"]["bytes"] == methods["fsdp_pergrad"]["bytes"] > 0
+    assert "| ddp_pergrad |" in proc.stdout
+
+
 def test_quick_transformer_workloads_are_correct(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "transformers.json"
