@@ -13,17 +13,20 @@ The shortcut is taken only where it provably gives what autograd would:
   post-accumulate-grad hooks are fine: pergrad calls them once it has written ``.grad``;
 - every call of the layer in one forward runs the same way: the first call decides for the rest,
   so each parameter's ``.grad`` is either all autograd's or all pergrad's;
-- not while the first backward's check still needs autograd's gradients, nor under DDP (its
-  reducer waits for every parameter's gradient), torch.func transforms or torch.compile.
+- not while the first backward's check still needs autograd's gradients, nor under torch.func
+  transforms or torch.compile; under FSDP2 (``pergrad.distributed``) only weights a transform covers
+  (every rank must leave the same unsharded parameters without a gradient).
 
 Which backward passes reach a detached weight is told by an *anchor* that stays attached in the
-same call (see ``Detached``).
+same call (see ``Detached``). Under DDP, whose reducer waits for every parameter's
+``AccumulateGrad``, the anchor is also *touched* with the detached parameters (``touch``): its
+backward hands them a broadcast zero, so their ``AccumulateGrad`` still runs, at no matmul's cost.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,6 +59,28 @@ class Detached:
     on_output: bool = False  # the zero is added to the call's output (else it stands in as the bias)
 
 
+class _Touch(torch.autograd.Function):
+    """``x`` unchanged; in the backward, ``x``'s gradient passes and every other input gets a zero."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, *params: Tensor) -> Tensor:
+        ctx.params = [(p.shape, p.dtype, p.device) for p in params]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, ...]:
+        zeros = (torch.zeros((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in ctx.params)
+        return (grad, *zeros)
+
+
+def touch(x: Tensor, params: tuple[Tensor, ...]) -> Tensor:
+    """``x``, tied to ``params`` so that a backward through it runs their ``AccumulateGrad`` with a
+    zero (a broadcast scalar: no memory of their size until autograd stores it)."""
+    out = _Touch.apply(x, *params)
+    assert isinstance(out, Tensor)
+    return out
+
+
 def positions(module: nn.Module, a: Any, batch_dim: int) -> int:
     """How many positions per sample a Linear or convolution applies its weight at (1 otherwise)."""
     if not isinstance(a, Tensor) or a.dim() <= batch_dim or a.shape[batch_dim] == 0:
@@ -85,14 +110,15 @@ class Detacher:
 
     def candidates(self, layers: list[HookedLayer], model: nn.Module) -> None:
         """Record which parameters may ever run detached: those the model holds once, in a layer
-        whose rule takes its first input alone (not a subtree or all-inputs rule)."""
+        whose rule takes its first input alone (not a subtree or all-inputs rule), and whose weight
+        is a parameter (not computed by a parametrization: its gradient flows back to the originals)."""
         counts: dict[nn.Parameter, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
             counts[p] = counts.get(p, 0) + 1
         self.single = {
             p
             for layer in layers
-            if not (layer.spec.all_inputs or layer.spec.subtree or layer.spec.raw)
+            if not (layer.spec.all_inputs or layer.spec.subtree or layer.spec.raw or layer.spec.parametrized)
             for _, p in layer.module.named_parameters(recurse=False)
             if counts.get(p) == 1
         }
@@ -102,16 +128,16 @@ class Detacher:
         (``for_call`` decides per call); its detaching hooks are installed only then. Registering a
         transform installs them again."""
         engine, module = self.engine, layer.module
-        if not engine.detach_transformed or engine.world is not None:
+        if not engine.detach_transformed or (engine.world is not None and not engine.world.detaches):
             return False
         weight = getattr(module, "weight", None)
-        if not (isinstance(weight, nn.Parameter) and weight in self.single):
+        if not (isinstance(weight, nn.Parameter) and self._canonical(weight) in self.single):
             return False
         conv = isinstance(module, nn.modules.conv._ConvNd)
         return (
             engine.track_statistics
             or engine.keep_grad_sample
-            or weight in engine.transformed
+            or self._canonical(weight) in engine.transformed
             or (engine.track_norms and conv)
         )
 
@@ -119,8 +145,15 @@ class Detacher:
         """Forget the running forward's decisions (the hooks are being installed again)."""
         self._generation, self._decided, self.current = -1, {}, set()
 
+    def _canonical(self, p: nn.Parameter) -> nn.Parameter:
+        """The parameter the engine keys ``p`` by (FSDP2: the shard of an unsharded parameter)."""
+        world = self.engine.world
+        return p if world is None else world.canonical(p)
+
     def _ok(self, p: Any) -> bool:
-        return isinstance(p, nn.Parameter) and p.requires_grad and p in self.single and not has_tensor_hooks(p)
+        if not (isinstance(p, nn.Parameter) and p.requires_grad):
+            return False
+        return self._canonical(p) in self.single and not has_tensor_hooks(p)
 
     def for_call(self, layer: HookedLayer, a: Any, batch_dim: int, generation: int) -> Detached | None:
         """The parameters this call of ``layer`` on input ``a`` runs detached, or None.
@@ -138,10 +171,16 @@ class Detacher:
         engine = self.engine
         if generation != self._generation:
             self._generation, self._decided, self.current = generation, {}, set()
-        if not engine.detach_transformed or engine.closed or engine.verify_backwards > 0 or engine.world is not None:
+        if not engine.detach_transformed or engine.closed or engine.verify_backwards > 0:
+            return None
+        if engine.world is not None and not engine.world.detaches:
             return None
         first = self._decided.get(layer.name)
         found = self._detach(layer, a, batch_dim, decided=first)
+        if found is not None and engine.world is not None:
+            if engine.world.touches:  # DDP: its reducer waits for every parameter
+                found = self._touched(found)
+            found = replace(found, params=tuple(map(self._canonical, found.params)))
         if first is None:
             self._decided[layer.name] = found is not None
         if found is not None:
@@ -159,10 +198,13 @@ class Detacher:
         if decided is None:
             many = positions(module, a, batch_dim) >= MANY
             # with statistics, the mean of a detached weight comes from its built g_i (many positions)
-            owned = (
-                many if engine.track_statistics else weight in engine.transformed or (engine.keep_grad_sample and many)
-            )
+            key = self._canonical(weight)
+            owned = many if engine.track_statistics else key in engine.transformed or (engine.keep_grad_sample and many)
             owned = owned or (engine.track_norms and many and isinstance(module, nn.modules.conv._ConvNd))
+            if engine.world is not None and not engine.world.touches:
+                # FSDP2 reduce-scatters what has a gradient: detach alike on every rank, whatever
+                # its batch (an empty one has "few" positions), so only the weights a transform covers
+                owned = key in engine.transformed
             if not owned:
                 return None
         swaps: list[tuple[str, Tensor | None, Tensor]] = [("weight", weight, weight.detach())]
@@ -173,7 +215,9 @@ class Detacher:
             if not trainable_bias:
                 return Detached(self.probe(weight), (weight,), tuple(swaps), probe=True, on_output=True)
             assert isinstance(bias, nn.Parameter)
-            writes_bias = bias in engine.transformed or engine.keep_grad_sample or engine.track_norms
+            writes_bias = self._canonical(bias) in engine.transformed
+            if engine.world is None or engine.world.touches:
+                writes_bias = writes_bias or engine.keep_grad_sample or engine.track_norms
             if writes_bias and self._ok(bias):
                 swaps.append(("bias", bias, bias.detach()))
                 return Detached(self.probe(weight), (weight, bias), tuple(swaps), probe=True, on_output=True)
@@ -185,6 +229,21 @@ class Detacher:
             swaps.append(("bias", None, probe.expand(module.out_features)))
             return Detached(probe, (weight,), tuple(swaps), probe=True)
         return None  # a frozen bias, or one the module does not keep as `bias`
+
+    @staticmethod
+    def _touched(found: Detached) -> Detached:
+        """``found`` with its anchor touched by the detached parameters: where the anchor stands in as
+        the bias, the swapped-in bias; where it is added to the output, the anchor itself."""
+        if found.on_output:
+            return replace(found, anchor=touch(found.anchor, found.params))
+        swaps = list(found.swaps)
+        index = next(i for i, (name, _, _) in enumerate(swaps) if name == "bias") if found.probe else None
+        if index is None:  # the layer's own bias is the anchor: swap in a touched view of it
+            swaps.append(("bias", found.anchor, touch(found.anchor, found.params)))
+        else:
+            name, original, replacement = swaps[index]
+            swaps[index] = (name, original, touch(replacement, found.params))
+        return replace(found, swaps=tuple(swaps))
 
     def probe(self, like: Tensor) -> Tensor:
         """pergrad's zero anchor for ``like``'s dtype and device (see ``Detached``)."""

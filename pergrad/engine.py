@@ -17,27 +17,35 @@ Per-sample gradients are those of each sample's OWN loss ``f_i``, where the loss
 ``(1/B) sum_i f_i`` (``loss_reduction="mean"``) or ``sum_i f_i`` (``"sum"``): for ``"mean"`` each
 sample's output gradient is B times the one autograd delivers, and that factor goes on whichever
 is smaller (``d``, or the rule's results; see ``sources.run_rule``).
+
+Under loss scaling (``grad_scaler=``, see ``loss_scale``) autograd delivers ``S`` times every
+gradient: each output gradient is divided by ``S`` as it arrives (so per-sample gradients, norms,
+statistics and activation gradients are those of the samples' own losses, and the transforms see
+them), and what pergrad writes into ``.grad`` is multiplied by ``S`` (the scaler's units).
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from .detach import Detached, Detacher
-from .errors import BatchSizeError, HookStateError, TransformError
-from .hooks import Kept
-from .layout import allocating_from, fresh_buffer, may_hold_true
+from .errors import BatchSizeError, HookStateError, TransformError, module_label
+from .hooks import HookedLayer, Kept
+from .layout import allocating_from, may_hold_true
+from .loss_scale import LossScale, on_device
+from .pool import BufferPool
 from .sources import Call, Fused, Materialized, run_rule
 from .statistics import Statistics, compute_statistics
 from .transforms import Scaling, Transform, check_output
 
-_Key = tuple[tuple[int, ...], torch.dtype, torch.device]  # a buffer's shape, dtype and device
+if TYPE_CHECKING:
+    from .distributed import World
 
 
 def _no_autocast(device_type: str) -> contextlib.AbstractContextManager[Any]:
@@ -52,25 +60,23 @@ def _no_grad() -> contextlib.AbstractContextManager[Any]:
     return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
 
 
+def _nonzero(grad: Tensor) -> bool:
+    """Whether ``grad`` has a nonzero element; one read for a broadcast scalar (the zero a detached
+    weight gets under DDP, see ``detach.touch``), a sync otherwise (a rare path)."""
+    if grad.dim() > 0 and grad.numel() > 0 and not any(grad.stride()):
+        return bool(grad.reshape(-1)[0] != 0)
+    return bool(grad.any())
+
+
 def _shape(a: object) -> object:
     return tuple(a.shape) if isinstance(a, Tensor) else "several inputs"
 
 
-class Distributed:
-    """The process group of a ``DistributedDataParallel`` model: pergrad reduces its transformed
-    gradients over it the way DDP reduces the others (mean over ranks of each rank's mean)."""
-
-    def __init__(self, group: Any) -> None:
-        import torch.distributed as dist
-
-        self.group, self.size = group, dist.get_world_size(group)
-
-    def all_reduce_sum(self, t: Tensor) -> Tensor:
-        import torch.distributed as dist
-
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        return t
+def _all_finite(grads: Iterable[Tensor]) -> Tensor:
+    """Whether every value of ``grads`` is finite, as a tensor on their device (one read of each, no
+    temporary of their size: the inf-norm propagates NaN and Inf)."""
+    found = [torch.isfinite(torch.linalg.vector_norm(g, float("inf"))) for g in grads if g.numel()]
+    return torch.stack(found).all() if found else torch.tensor(True)
 
 
 @dataclass
@@ -92,15 +98,19 @@ class _Backward:
     first_layer: str = ""
     grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # keep_grad_sample=True
     calls: list[Call] = field(default_factory=list)  # keep_grad_sample=False
+    outputs: dict[int, tuple[Kept, list[Tensor | None]]] = field(default_factory=dict)  # id(kept): each output's d
     reached: dict[nn.Parameter, None] = field(default_factory=dict)  # ordered set
     batch_grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # autograd's, before accumulation
     overwrite: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad holds autograd's sum only
-    prior: dict[nn.Parameter, int] = field(default_factory=dict)  # samples already averaged into .grad
+    prior: dict[nn.Parameter, float] = field(default_factory=dict)  # samples already averaged into .grad
     activation_grads: dict[str, Tensor] = field(default_factory=dict)
     detached: list[Detached] = field(default_factory=list)  # of the calls whose output gradient arrived
     probed: bool = False  # a probe anchor's AccumulateGrad ran
     written: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad written by pergrad, in order
     accumulated: dict[nn.Parameter, None] = field(default_factory=dict)  # AccumulateGrad ran (autograd's part)
+    computed: bool = False  # the end-of-backward work ran (see ``Engine._graph_done``)
+    error: BaseException | None = None  # what it raised, re-raised once the wrapper's communication is done
+    loss_scale: Tensor | None = None  # the scale the loss was multiplied by (grad_scaler=); None: unscaled
 
 
 class Engine:
@@ -117,18 +127,21 @@ class Engine:
         track_statistics: bool = False,
         accumulate: str = "backward",
         keep_activation_grads: bool = False,
-        world: Distributed | None = None,
+        world: World | None = None,
         verify_backwards: int = 1,
         detach_transformed: bool = False,
+        loss_scale: LossScale | None = None,
     ) -> None:
         self.world = world
+        self.loss_scale = loss_scale
         self.detach_transformed = detach_transformed
         self.verify_backwards = verify_backwards
         self.param_names = param_names
+        self.layers: list[HookedLayer] = []  # the hooked layers (for messages)
         self.keep_activation_grads = keep_activation_grads
         self.last_activation_grads: dict[str, Tensor] = {}
         self.running_mean = accumulate == "samples" and reduction == "mean"
-        self._seen: dict[nn.Parameter, tuple[int, int, int]] = {}  # samples in .grad, id and version of .grad
+        self._seen: dict[nn.Parameter, tuple[float, int, int]] = {}  # samples in .grad, id and version of .grad
         self.loss_reduction = loss_reduction
         self.reduction = reduction
         self.keep_grad_sample = keep_grad_sample
@@ -143,10 +156,7 @@ class Engine:
         self.last_dropped: dict[str, Tensor] = {}  # target label -> [B] mask of the samples left out
         self._current: _Backward | None = None
         self._grad_sample_generation: dict[nn.Parameter, int] = {}
-        self._pool: dict[_Key, list[Tensor]] = {}
-        self._lent: list[Tensor] = []
-        self._taken: dict[_Key, int] = {}  # buffers handed out in the running backward, by shape
-        self._wanted: dict[_Key, int] = {}  # the most of them one backward took
+        self.pool = BufferPool()  # memory of per-sample tensors, reused across backward passes
         self.detacher = Detacher(self)
         self._deferred: dict[nn.Parameter, dict[Any, Any]] = {}  # post-accumulate-grad hooks held back
 
@@ -164,15 +174,28 @@ class Engine:
         if self._current is None or self._current.task_id != task:
             # A new backward pass. A previous one that failed midway left its state here: drop it.
             self.restore_deferred_hooks()
-            state = _Backward(task)
+            state = _Backward(task, loss_scale=None if self.loss_scale is None else self.loss_scale())
             self._current = state
-            # Run after every callback queued during this backward (DDP's gradient all-reduce among
-            # them): a callback queued from a callback goes to the end of the queue.
-            engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(lambda: engine.queue_callback(lambda: self._finish(state)))
+            # Queued by the first hook of the backward, so before the callbacks DDP and FSDP queue
+            # later in it (DDP's waits for its buckets' all-reduce).
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._graph_done(state))
         return self._current
 
-    def on_output_grad(self, kept: Kept, d: Tensor) -> None:
+    def backward_state(self) -> _Backward:
+        """The state of the running backward pass (for ``pergrad.distributed``)."""
+        return self._backward_state()
+
+    def _graph_done(self, state: _Backward) -> None:
+        """The graph of the backward has run. Under DDP pergrad's part of ``.grad`` is computed now and
+        goes into DDP's buckets before DDP waits for them; everything else runs after every callback
+        queued during this backward (a callback queued from a callback goes to the end of the queue)."""
+        if self.world is not None and self.world.finish_early:
+            self._compute(state)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish(state))
+
+    def on_output_grad(self, kept: Kept, d: Tensor, part: int | None = None) -> None:
+        """The gradient ``d`` of a layer call's output (of its output tensor number ``part``, for a rule
+        that takes every output: see ``RuleSpec.output_dims``), batch on dim 0."""
         if self.closed:
             return
         if not (self.keep_grad_sample or self.keep_activation_grads or torch.is_grad_enabled()):
@@ -180,31 +203,31 @@ class Engine:
             return
         # rules compute in the parameters' dtype, and build no graph
         with _no_autocast(d.device.type), torch.no_grad():
-            self._on_output_grad(kept, d)
+            self._on_output_grad(kept, d, part)
 
-    def _on_output_grad(self, kept: Kept, d: Tensor) -> None:
+    def _on_output_grad(self, kept: Kept, d: Tensor, part: int | None = None) -> None:
         state = self._backward_state()
         layer = kept.layer
         if state.generation is None:
             state.generation, state.batch_size, state.first_layer = kept.generation, kept.batch_size, layer.name
-            if self.keep_grad_sample:
-                self._recycle_stale(kept.generation)
+            self._recycle_stale(kept.generation)
         elif kept.generation != state.generation:
             raise HookStateError(
-                f"one backward pass reached layer {layer.name!r} through two different forward calls of the model; "
+                f"one backward pass reached {module_label(layer.name)} through two different forward calls of the model; "
                 "per-sample gradients would mix samples of different batches. Run backward once per forward, "
                 "or concatenate the batches into one forward."
             )
         elif kept.batch_size != state.batch_size:
             raise BatchSizeError(
-                f"layer {layer.name!r} ({type(layer.module).__name__}) saw a batch of {kept.batch_size} samples "
-                f"(input shape {_shape(kept.a)}), but layer {state.first_layer!r} saw {state.batch_size} "
+                f"{layer.label} saw a batch of {kept.batch_size} samples "
+                f"(input shape {_shape(kept.a)}), but {module_label(state.first_layer)} saw {state.batch_size} "
                 "in the same forward. Every hooked layer must see the batch on the same dim "
                 "(check reshapes that fold the batch into other dims, and batch_first)."
             )
-        if d.shape[0] != kept.batch_size and not kept.packed:
+        batched = not kept.packed if part is None else kept.a.output_dims[part] is not None
+        if batched and d.shape[0] != kept.batch_size:
             raise BatchSizeError(
-                f"layer {layer.name!r}: output gradient of shape {tuple(d.shape)} does not match the "
+                f"{layer.label}: output gradient of shape {tuple(d.shape)} does not match the "
                 f"batch of {kept.batch_size} samples of its input"
             )
         # each sample's own output gradient is scale * d: the loss averaged over the batch
@@ -214,23 +237,53 @@ class Engine:
             d = d.to(dtype)
             if isinstance(kept.a, Tensor) and kept.a.is_floating_point() and kept.a.dtype != dtype:
                 kept = replace(kept, a=kept.a.to(dtype))
+            if state.loss_scale is not None:  # unscale after the cast: no underflow in float16
+                d.div_(on_device(state.loss_scale, d))  # our own copy
+        elif state.loss_scale is not None:
+            d = d / on_device(state.loss_scale, d)
         if self.keep_activation_grads and not layer.spec.raw:
-            state.activation_grads[kept.key] = d * scale
+            state.activation_grads[kept.key if not part else f"{kept.key}[{part}]"] = d * scale
         if kept.detached is not None:
             state.detached.append(kept.detached)
+        if part is not None:
+            # the rule runs once per call with every output's gradient, at the end of the backward:
+            # they may arrive at different nodes (``_flush_outputs``)
+            _, grads = state.outputs.setdefault(id(kept), (kept, [None] * len(kept.a.output_dims)))
+            previous = grads[part]
+            grads[part] = d if previous is None else previous + d
+            return
+        self._use(state, kept, d, scale)
+
+    def _flush_outputs(self, state: _Backward) -> None:
+        """Run the rules that take every output's gradient, once per call (see ``RuleSpec.output_dims``)."""
+        for kept, grads in state.outputs.values():
+            scale = float(kept.batch_size) if self.loss_reduction == "mean" else 1.0
+            self._use(state, kept, tuple(grads), scale)
+        state.outputs.clear()
+
+    def _use(self, state: _Backward, kept: Kept, d: Any, scale: float) -> None:
+        """Turn one call's output gradient into per-sample gradients (or keep it for the end)."""
+        layer = kept.layer
         if not self.keep_grad_sample:
-            state.calls.append(Call(layer, kept.a, d, scale))
+            built = None
+            if layer.spec.parametrized and kept.batch_size > 0:  # it needs the forward's graph: now, not at the end
+                with allocating_from(self.pool.take):
+                    built = run_rule(layer, kept.a, d, scale)
+            state.calls.append(Call(layer, kept.a, d, scale, built))
             return
         if kept.batch_size == 0:  # an empty batch: no rule needs to run
-            per_sample = {n: d.new_zeros((0, *p.shape)) for n, p in layer.trainable()}
+            like = d if isinstance(d, Tensor) else next(g for g in d if g is not None)
+            per_sample = {n: like.new_zeros((0, *p.shape)) for n, p in layer.trainable()}
         else:
-            with allocating_from(self._take):
+            with allocating_from(self.pool.take):
                 per_sample = run_rule(layer, kept.a, d, scale)
         for name, g in per_sample.items():
             param = layer.module.get_parameter(name)
+            if self.world is not None:  # FSDP: the layer holds the unsharded parameter now
+                param = self.world.canonical(param)
             if g.shape != (kept.batch_size, *param.shape):
                 raise HookStateError(
-                    f"the rule {layer.spec.fn.__qualname__} for layer {layer.name!r} returned shape "
+                    f"the rule {layer.spec.fn.__qualname__} for {layer.label} returned shape "
                     f"{tuple(g.shape)} for {name!r}; expected {(kept.batch_size, *param.shape)}"
                 )
             previous = state.grads.get(param)
@@ -244,6 +297,8 @@ class Engine:
         if state.generation not in (None, generation):
             return  # the mixed-forward error is raised by the layers' hook
         scale = d.shape[0] if self.loss_reduction == "mean" else 1
+        if state.loss_scale is not None:
+            d = d / on_device(state.loss_scale, d)
         state.activation_grads["input"] = d * scale
 
     def on_accumulate(self, param: nn.Parameter, grad: Tensor) -> Tensor | None:
@@ -254,14 +309,14 @@ class Engine:
         state.reached[param] = None
         state.accumulated[param] = None
         if self.track_statistics or self.verify_backwards > 0:
-            state.batch_grads[param] = grad
+            state.batch_grads[param] = self._unscaled(grad, state)  # the units of the per-sample gradients
         if self.running_mean:
             state.prior[param] = self._samples_in_grad(param)
         transformed = param in self.transformed
         if param._post_accumulate_grad_hooks and (transformed or param in self.detacher.current):
             self._defer_post_accumulate_hooks(param)
         if transformed:  # .grad is written at the end of the backward
-            if param in self.detacher.current and bool(grad.any()):  # (a rare path: a sync is fine)
+            if param in self.detacher.current and _nonzero(grad):
                 raise HookStateError(
                     self._unattributable(
                         param, "it arrived although every call of its layer ran with the weight detached"
@@ -286,7 +341,7 @@ class Engine:
         n = state.prior[param]
         return (batch_mean - param.grad) * (b / (n + b)) if n + b else None
 
-    def _samples_in_grad(self, param: nn.Parameter) -> int:
+    def _samples_in_grad(self, param: nn.Parameter) -> float:
         """How many samples the running mean in ``param.grad`` holds: 0 once ``.grad`` was set to
         None, replaced, or changed in place (``zero_grad(set_to_none=False)``) since pergrad wrote it."""
         seen, grad = self._seen.get(param), param.grad
@@ -299,16 +354,46 @@ class Engine:
     def _finish(self, state: _Backward) -> None:
         if self._current is state:
             self._current = None
+        try:
+            self._compute(state)  # unless it ran before DDP's communication
+            if state.error is not None:
+                raise state.error
+            self._count_samples(state)
+        finally:
+            state.calls.clear()  # the kept inputs and output gradients, before the buffers go back
+            self.pool.end()
+            deferred = self.restore_deferred_hooks()
+        self._run_post_accumulate_hooks(state, deferred)
+
+    def _compute(self, state: _Backward) -> None:
+        """Transforms, reductions, norms, statistics of this backward, and the world's communication of
+        pergrad's part, which runs even when the rest raised (every rank takes part in every collective);
+        an error is kept in ``state.error`` and raised by ``_finish``."""
+        if state.computed:
+            return
+        state.computed = True
         first = next(iter(state.reached), None)
         device = "cpu" if first is None else first.device.type
         try:
-            with _no_autocast(device), _no_grad(), allocating_from(self._lend):
+            with _no_autocast(device), _no_grad(), allocating_from(self.pool.take):
                 self._finish_backward(state)
-        finally:
-            state.calls.clear()  # the kept inputs and output gradients, before the buffers go back
-            self._take_back()
-            deferred = self.restore_deferred_hooks()
-        self._run_post_accumulate_hooks(state, deferred)
+        except Exception as err:
+            state.error = err
+        if self.world is not None:
+            with torch.no_grad():
+                self.world.flush(state, failed=state.error is not None)
+
+    def _count_samples(self, state: _Backward) -> None:
+        """``accumulate="samples"``: how many samples each ``.grad`` now averages, recorded once ``.grad``
+        is final (under DDP: after DDP wrote it, averaged over every rank's samples)."""
+        if not self.running_mean or self.closed or state.batch_size is None:
+            return
+        for p, n in state.prior.items():
+            if p.grad is not None:
+                count = n + state.batch_size
+                if self.world is not None:
+                    count = self.world.samples(p, count, state)
+                self._seen[p] = (count, id(p.grad), p.grad._version)
 
     def _finish_backward(self, state: _Backward) -> None:
         if self.closed:
@@ -317,20 +402,25 @@ class Engine:
             self.last_activation_grads = state.activation_grads
         if state.batch_size is None and not state.reached:
             return
+        canonical = None if self.world is None else self.world.canonical
+        self._flush_outputs(state)
         owned: dict[nn.Parameter, None] = {}  # detached, no transform: .grad is the plain reduction
         for detached in state.detached:  # reached in the backward passes that reach their anchor
-            if state.probed if detached.probe else detached.anchor in state.reached:
+            anchor = (
+                detached.anchor
+                if canonical is None or detached.probe
+                else canonical(cast(nn.Parameter, detached.anchor))
+            )
+            if state.probed if detached.probe else anchor in state.reached:
                 state.reached.update(dict.fromkeys(detached.params))
                 owned.update(dict.fromkeys(p for p in detached.params if p not in self.transformed))
-        source: Materialized | Fused = Materialized(state.grads) if self.keep_grad_sample else Fused(state.calls)
+        source: Materialized | Fused = (
+            Materialized(state.grads) if self.keep_grad_sample else Fused(state.calls, canonical)
+        )
         known = state.grads if isinstance(source, Materialized) else source.uses
         missing = [p for p in state.reached if p not in known]
         if missing:
-            raise HookStateError(
-                f"parameter {self.param_names[missing[0]]!r} received a gradient in this backward pass, but none of "
-                "its layers' outputs did through a forward that pergrad saw. Was the loss computed from a forward "
-                "run before wrapping, or does a module use this parameter outside its own forward?"
-            )
+            raise HookStateError(self._unreached(missing[0]))
         assert state.batch_size is not None
         reached = list(state.reached)
         self.last_dropped = {}
@@ -360,6 +450,7 @@ class Engine:
             needs = self._needs_norms
             wanted = reached if self.track_norms else [p for p in reached if p in needs] if needs else []
             sq_norms = source.sq_norms(wanted) if wanted else {}
+        self.last_sq_norms = sq_norms  # those a norm-based transform needs; every parameter's with track_norms
         for target in self.targets:
             self._reduce_target(target, source, state, sq_norms)
         if owned:
@@ -367,17 +458,12 @@ class Engine:
             stats = self.last_statistics if self.track_statistics else None
             if stats is not None:  # the means are there already
                 size = 1.0 if self.reduction == "mean" else float(state.batch_size)
-                totals = {p: stats.params[self.param_names[p]].mean * size for p in owned}
+                totals = {p: self._scaled(stats.params[self.param_names[p]].mean * size, state) for p in owned}
             else:
-                totals = source.summed(owned, next(iter(owned)).new_full((state.batch_size,), weight))
+                weights = self._scaled(next(iter(owned)).new_full((state.batch_size,), weight), state)
+                totals = source.summed(owned, weights)
             for param, reduced in totals.items():
                 self._add_grad(param, reduced, state)
-        if self.track_norms:
-            self.last_sq_norms = sq_norms
-        if self.running_mean:
-            for p, n in state.prior.items():
-                if p.grad is not None:
-                    self._seen[p] = (n + state.batch_size, id(p.grad), p.grad._version)
 
     # -- post-accumulate-grad hooks of the parameters whose .grad pergrad writes -----------------
 
@@ -419,7 +505,8 @@ class Engine:
         weight = 1.0 / state.batch_size if self.loss_reduction == "mean" else 1.0
         totals = source.summed(params, first.new_full((state.batch_size,), weight))
         for p in params:
-            autograd, ours = state.batch_grads[p], totals[p].to(state.batch_grads[p].dtype)
+            autograd = state.batch_grads[p]  # in the units of the per-sample gradients
+            ours = totals[p].to(autograd.dtype)
             if not torch.isfinite(autograd).all():
                 continue  # non-finite values: nothing to compare; a poisoned sample is handled elsewhere
             # round-off of two summation orders, relative to the larger side, plus a floor for sums
@@ -431,6 +518,33 @@ class Engine:
                     self._unattributable(p, f"max difference {float((autograd - ours).abs().max()):.3g}")
                     + " Or pass verify=False to PerSampleModule if dropping that part is intended."
                 )
+
+    def _unreached(self, param: nn.Parameter) -> str:
+        """What pergrad saw when a parameter got a gradient that none of its layers' outputs passed on."""
+        key = (lambda p: p) if self.world is None else self.world.canonical
+        holders = [layer for layer in self.layers if any(key(p) is param for _, p in layer.trainable())]
+
+        def caught(layer: HookedLayer) -> str:
+            if layer.spec.raw:
+                return f"the uses of {layer.label} in its forward"
+            if layer.spec.output_dims is not None:
+                return f"any tensor returned by {layer.label}"
+            return (
+                f"the first tensor returned by {layer.label}"
+                if layer.spec.all_inputs
+                else f"the output of {layer.label}"
+            )
+
+        where = " or ".join(caught(layer) for layer in holders)
+        return (
+            f"parameter {self.param_names[param]!r} received a gradient in this backward pass, but pergrad caught "
+            f"no gradient on {where or 'the output of a hooked layer holding it'} in a forward of the wrapped "
+            "model: the gradient reached the parameter another way, which pergrad cannot split into samples. "
+            "Such a way is a loss computed from a forward run before wrapping (or through another wrapper), a "
+            "module using the parameter outside the layer's own forward (e.g. F.linear(x, self.emb.weight)), or "
+            "an output of the layer that its rule does not take (a rule registered without output_dims takes "
+            "the first tensor the layer returns)."
+        )
 
     def _unattributable(self, param: nn.Parameter, seen: str) -> str:
         return (
@@ -452,59 +566,20 @@ class Engine:
         if isinstance(target.transform, Scaling) and target.transform.needs_norms:
             self._needs_norms.update(target.params.values())
 
-    # -- grad_sample buffers: the previous step's memory, reused when nobody else holds it ----------
+    # -- grad_sample: the last forward's, its memory reused by the next (pool.py) ------------------
 
     def _recycle_stale(self, generation: int) -> None:
-        """A backward of a new forward replaces every ``grad_sample``: release the old ones now, so
+        """A backward of a new forward replaces every ``grad_sample``: drop the old ones now, so
         the rules can write into their memory instead of allocating as much again."""
         for param, gen in list(self._grad_sample_generation.items()):
             if gen != generation:
                 self.recycle(param)
+        self.pool.begin()
 
     def recycle(self, param: nn.Parameter) -> None:
-        """Drop ``param.grad_sample``; keep its buffer for reuse if no one else refers to it."""
+        """Drop ``param.grad_sample`` (the pool takes its memory back once no one else refers to it)."""
         self._grad_sample_generation.pop(param, None)
-        old = param.__dict__.pop("grad_sample", None)
-        if old is None:
-            return
-        # references: `old`, getrefcount's argument; storage: `old`, the temporary storage object
-        if sys.getrefcount(old) == 2 and torch._C._storage_Use_Count(old.untyped_storage()._cdata) == 2:
-            self._keep_for_reuse(old)
-
-    def _keep_for_reuse(self, buffer: Tensor) -> None:
-        """Pool ``buffer`` if a backward asks for that many buffers of its shape (the others go)."""
-        key = (tuple(buffer.shape), buffer.dtype, buffer.device)
-        free = self._pool.setdefault(key, [])
-        if len(free) < self._wanted.get(key, 0):
-            free.append(buffer)
-
-    def _take(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
-        key = (tuple(shape), like.dtype, like.device)
-        self._taken[key] = self._taken.get(key, 0) + 1
-        free = self._pool.get(key)
-        return free.pop() if free else fresh_buffer(shape, like)
-
-    def _lend(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
-        """A buffer for a per-sample tensor built at the end of the backward and dropped there
-        (``keep_grad_sample=False``); ``_take_back`` returns it to the pool afterwards."""
-        buffer = self._take(shape, like)
-        self._lent.append(buffer)
-        return buffer
-
-    def _take_back(self) -> None:
-        """Return the lent buffers nothing refers to any more to the pool: the next backward writes
-        into memory the process holds instead of faulting in fresh pages (several times slower)."""
-        for key, count in self._taken.items():  # the most buffers of a shape one backward asked for
-            self._wanted[key] = max(self._wanted.get(key, 0), count)
-        self._taken.clear()
-        while self._lent:
-            buffer = self._lent.pop()
-            # references: `buffer`, getrefcount's argument; storage: `buffer`, the temporary object
-            if sys.getrefcount(buffer) == 2 and torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) == 2:
-                self._keep_for_reuse(buffer)
-
-    def clear_pool(self) -> None:
-        self._pool.clear()
+        param.__dict__.pop("grad_sample", None)
 
     def _store_grad_sample(self, grads: dict[nn.Parameter, Tensor], generation: int | None) -> None:
         for param, g in grads.items():
@@ -533,20 +608,27 @@ class Engine:
         if isinstance(transform, Scaling):
             # T(g_i) = c_i g_i: sum_i c_i g_i without building g_i where the source allows it.
             # A parameter of the target that this backward did not reach has g_i = 0: it adds 0.
+            # The norms are those of the samples' own losses (unscaled): a bound means the same under a scaler.
             norms = torch.stack([sq_norms[p] for p in params]).sum(0).sqrt() if transform.needs_norms else None
             factors = transform.factors(norms, batch_size, params[0].detach())
-            drop = None
+            drop = overflow = None
             if norms is not None:
                 # a sample whose gradient holds NaN or Inf has no finite clipped/normalised value:
-                # it contributes nothing (on the device: no branch on its values), and is reported
-                # by dropped_samples()
+                # it contributes nothing (on the device: no branch on its values), and is reported by
+                # dropped_samples(). Under loss scaling it is an overflow, which must reach .grad so
+                # that the scaler skips the step and lowers its scale: the sample's factor is NaN
                 bad = ~torch.isfinite(norms)
                 factors = factors.masked_fill(bad, 0)
-                self.last_dropped[target.label] = bad
-                drop = bad if may_hold_true(bad) else None
+                if state.loss_scale is not None:
+                    overflow = bad
+                else:
+                    self.last_dropped[target.label] = bad
+                    drop = bad if may_hold_true(bad) else None
             if not transform.finite_factors and not bool(torch.isfinite(factors).all()):  # a host sync
                 raise TransformError(f"the transform registered for {target.label} produced non-finite scale factors")
-            weights = factors / batch_size if self.reduction == "mean" else factors
+            if overflow is not None:
+                factors = factors.masked_fill(overflow, torch.nan)
+            weights = self._scaled(factors / batch_size if self.reduction == "mean" else factors, state)
             for param, reduced in source.summed(params, weights, drop).items():
                 self._add_grad(param, reduced, state)
             return
@@ -558,28 +640,64 @@ class Engine:
         }
         result = transform.apply(batch)
         check_output(target.label, batch, result)
+        inputs_finite = _all_finite(batch.values()) if state.loss_scale is not None else None
         for key, param in target.params.items():
             reduced = result[key].sum(0) if self.reduction == "sum" else result[key].mean(0)
-            if not torch.isfinite(reduced).all() and torch.isfinite(batch[key]).all():
+            if not torch.isfinite(reduced).all() and (
+                _all_finite(batch.values()) if inputs_finite is None else inputs_finite
+            ):
                 raise TransformError(
                     f"the transform registered for {target.label} produced non-finite values for {key!r}"
                 )
+            if inputs_finite is not None:
+                # T(g_i) in the scaler's units; an overflow in the target's g_i reaches .grad as NaN
+                # whatever T made of it (a clamp would hide it from the scaler)
+                reduced = torch.where(inputs_finite, self._scaled(reduced, state), torch.nan)
             self._add_grad(param, reduced, state)
+
+    @staticmethod
+    def _scaled(t: Tensor, state: _Backward) -> Tensor:
+        """``t`` (in the samples' own units) in the units of ``.grad``: times the loss scale."""
+        return t if state.loss_scale is None else t * on_device(state.loss_scale, t)
+
+    @staticmethod
+    def _unscaled(t: Tensor, state: _Backward) -> Tensor:
+        """A gradient autograd delivered (times the loss scale) in the samples' own units."""
+        return t if state.loss_scale is None else t / on_device(state.loss_scale, t)
 
     def _add_grad(self, param: nn.Parameter, reduced: Tensor, state: _Backward) -> None:
         """Add this batch's reduction to ``.grad`` (with ``accumulate="samples"``, fold it into the
-        running mean over every sample since ``.grad`` was cleared)."""
-        if self.world is not None:  # every rank adds the reduction over all ranks' samples
-            reduced = self.world.all_reduce_sum(reduced)
-            if self.reduction == "mean":
-                reduced = reduced / self.world.size
+        running mean over every sample since ``.grad`` was cleared).
+
+        Several processes (``pergrad.distributed``): FSDP2 takes the reduction for its reduce-scatter;
+        under DDP it goes where ``.grad`` would, but into the parameter's place in DDP's bucket (the
+        bucket holds ``.grad`` as autograd left it), which is all-reduced once it is complete."""
         state.written[param] = None
-        if param.grad is None or param in state.overwrite:
+        grad = param.grad
+        if self.world is not None:
+            reduced = self.world.contribution(reduced)
+            if self.world.take(param, reduced, state):
+                return
+            slot = self.world.slot(param, state)
+            if slot is not None:
+                if grad is None or param in state.overwrite:
+                    slot.copy_(reduced)
+                    return
+                grad = slot
+        if grad is None or param in state.overwrite:
             param.grad = reduced.to(param.dtype)
         elif self.running_mean:
             n = state.prior[param] if param in state.prior else self._samples_in_grad(param)
             state.prior[param] = n
             b = state.batch_size or 0
-            param.grad.mul_(n / (n + b)).add_(reduced, alpha=b / (n + b))
+            grad.mul_(n / (n + b)).add_(reduced, alpha=b / (n + b))
         else:
-            param.grad.add_(reduced)
+            grad.add_(reduced)
+
+    def may_write(self, param: nn.Parameter) -> bool:
+        """Whether pergrad may write ``param.grad`` itself in some backward pass: a transform covers it,
+        or it may run detached. The same answer on every rank, whatever the batch."""
+        if param in self.transformed:
+            return True
+        builds = self.keep_grad_sample or self.track_norms or self.track_statistics
+        return self.detach_transformed and builds and param in self.detacher.single

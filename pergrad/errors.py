@@ -7,6 +7,12 @@ what was seen (types, shapes) and what to do about it.
 from __future__ import annotations
 
 
+def module_label(name: str) -> str:
+    """How messages name a module of the wrapped model by its qualified name: ``layer 'a.b'``, or
+    ``the root module`` for the model itself (name ``""``)."""
+    return "the root module" if name == "" else f"layer {name!r}"
+
+
 class PergradError(Exception):
     """Base class of every error pergrad raises on purpose."""
 
@@ -35,6 +41,18 @@ class HookStateError(PergradError, RuntimeError):
     """A backward pass reached parameters in a way pergrad cannot attribute to samples."""
 
 
+class NormNotComputedError(PergradError, KeyError):
+    """``per_sample_norms()[name]`` for a parameter whose norm the last backward did not compute."""
+
+    def __str__(self) -> str:  # the message as it is (KeyError would quote it)
+        return str(self.args[0]) if self.args else ""
+
+
 class SharedInputError(PergradError, RuntimeError):
     """A tensor shared by the batch (a layer output computed without the batch, a raw parameter)
     meets the batch in a way pergrad cannot split per sample."""
+
+
+class TokenLossWarning(UserWarning):
+    """The loss of a backward is a mean over the batch's tokens, not a sum of per-sample losses
+    (a HuggingFace ``labels=`` loss with padding): per-sample gradients are not the samples' own."""

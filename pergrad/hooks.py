@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -24,10 +24,12 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
+from . import lm_loss
 from .detach import Detached
-from .errors import BatchMixingError, BatchSizeError, SharedInputError
+from .errors import BatchMixingError, BatchSizeError, SharedInputError, module_label
 from .layout import batch_to_front
-from .registry import LayerCall, RuleSpec
+from .parametrized import Capture, Computed, parametrizations_of, sites
+from .registry import LayerCall, RuleSpec, output_tensors
 from .shared import (
     BatchInfo,
     Group,
@@ -49,6 +51,9 @@ class HookedLayer:
     module: nn.Module
     spec: RuleSpec
     param: str = ""  # for a raw parameter (``spec.raw``): its name in the module
+    # for a raw parameter held in a ParameterDict or ParameterList (never called itself): the module
+    # whose forward reads it (peft's LoRA on an embedding reads lora_embedding_A/B this way)
+    host: nn.Module | None = None
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters the rule computes per-sample gradients for, named as the rule names them."""
@@ -59,15 +64,18 @@ class HookedLayer:
             return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         params = self.module._parameters
         found = [(n, p) for n, p in params.items() if p is not None and p.requires_grad]
-        if len(found) < 2 or (len(found) == 2 and found[0][1] is not found[1][1]):
-            return found  # one parameter, or a weight and a bias
-        own = {id(p): (n, p) for n, p in reversed(params.items()) if p is not None}
-        return [(n, p) for n, p in reversed(own.values()) if p.requires_grad]  # first name of each, in order
+        if len(found) > 2 or (len(found) == 2 and found[0][1] is found[1][1]):  # a parameter under two names
+            own = {id(p): (n, p) for n, p in reversed(params.items()) if p is not None}
+            found = [(n, p) for n, p in reversed(own.values()) if p.requires_grad]  # first name of each, in order
+        if self.spec.parametrized:  # the original tensors its parametrized ones are computed from
+            plists = parametrizations_of(self.module)
+            found += [(f"parametrizations.{n}", p) for n, p in plists.named_parameters() if p.requires_grad]
+        return found
 
     @functools.cached_property
     def label(self) -> str:
         """How messages name it."""
-        where = "the root module" if self.name == "" else f"layer {self.name!r}"
+        where = module_label(self.name)
         if self.param:
             return f"parameter {self.param!r} of {where} ({type(self.module).__name__})"
         return f"{where} ({type(self.module).__name__})"
@@ -75,7 +83,7 @@ class HookedLayer:
     @property
     def dtype(self) -> torch.dtype | None:
         """The dtype of the layer's parameters: per-sample gradients are computed in it."""
-        if self.param or self.spec.subtree:
+        if self.param or self.spec.subtree or self.spec.parametrized:
             return next((p.dtype for _, p in self.trainable()), None)
         return next((p.dtype for p in self.module._parameters.values() if p is not None and p.requires_grad), None)
 
@@ -93,7 +101,7 @@ class Kept:
     detached: Detached | None = None  # parameters this call ran with detached (see ``Detached``)
 
 
-OnOutputGrad = Callable[[Kept, Tensor], None]
+OnOutputGrad = Callable[..., None]  # (kept, d) or, for a rule with output_dims, (kept, d, k): output k's gradient
 ToDetach = Callable[[HookedLayer, Any, int, int], "Detached | None"]
 
 
@@ -143,7 +151,7 @@ def _refuse_batch_statistics(name: str) -> Callable[[nn.Module, tuple[Any, ...]]
         assert isinstance(module, nn.modules.batchnorm._BatchNorm)
         if torch.is_grad_enabled() and (module.training or module.running_mean is None):
             raise BatchMixingError(
-                f"layer {name!r} ({type(module).__name__}) normalises with the statistics of the whole batch "
+                f"{module_label(name)} ({type(module).__name__}) normalises with the statistics of the whole batch "
                 f"({'training mode' if module.training else 'track_running_stats=False'}), so each sample's output "
                 "depends on every other sample and per-sample gradients are undefined, for every layer before it too. "
                 "Put it in eval mode with running statistics (model.eval(), or module.eval()), or use nn.GroupNorm "
@@ -170,6 +178,123 @@ def _producer(output: Tensor) -> Tensor:
     ):
         return base
     return output
+
+
+def _output_dims(layer: HookedLayer, returned: Any, batch_dim: int) -> tuple[int | None, ...]:
+    """Where the batch is in each tensor the call returned, as the layer's ``output_dims`` says."""
+    assert layer.spec.output_dims is not None
+    dims = tuple(layer.spec.output_dims(layer.module, returned, batch_dim))
+    found = len(output_tensors(returned))
+    if len(dims) != found:
+        raise TypeError(
+            f"pergrad: output_dims of the rule {layer.spec.fn.__qualname__} gave {len(dims)} batch dims for layer "
+            f"{layer.name!r}, which returned {found} tensors"
+        )
+    return dims
+
+
+def _first_tensor(output: Any, nested: bool) -> Tensor | None:
+    """The first tensor a layer returned: the first item of a tuple or list that is one, or, for a rule
+    that takes every output (``nested``), the first of ``output_tensors`` (dicts and nesting walked)."""
+    if nested:
+        tensors = output_tensors(output)
+    else:
+        tensors = tuple(o for o in output if isinstance(o, Tensor)) if isinstance(output, tuple | list) else ()
+    return tensors[0] if tensors else None
+
+
+Edge = tuple[Any, int]  # an autograd node and the index of one of its outputs
+
+
+def _consumers(starts: set[Any], stop: set[Any], wanted: set[Edge]) -> dict[Edge, list[Edge]]:
+    """The nodes of a layer call's own graph that use each ``wanted`` node output, with the index of
+    the edge they use it by: the graph backward from ``starts`` (the nodes of its outputs) down to
+    ``stop`` (the nodes of its inputs, left out)."""
+    found: dict[Edge, list[Edge]] = {}
+    seen, stack = set(starts), list(starts)
+    while stack:
+        node = stack.pop()
+        if node in stop:
+            continue
+        for e, (used, nr) in enumerate(node.next_functions):
+            if used is None:
+                continue
+            if (used, nr) in wanted:
+                found.setdefault((used, nr), []).append((node, e))
+            if used not in seen:
+                seen.add(used)
+                stack.append(used)
+    return found
+
+
+def _catch_outputs(kept: Kept, returned: Any, inputs: Any, on_output_grad: OnOutputGrad) -> None:
+    """Catch the gradient of every tensor the call returned (``output_tensors``) and hand output k's,
+    batch on dim 0 (``kept.a.output_dims``), to ``on_output_grad(kept, d, k)``.
+
+    Each is caught on the node that computed it (the first one where ``_producer`` finds it, so that
+    in-place operations on it later do not hide it). A node's gradient is the tensor's whole
+    gradient: where the layer itself computed another output from it (``h, h.sum()``; hidden
+    states returned with the last of them), what the nodes inside the layer send back into it is
+    taken out again (post-hooks on them), so that each output's gradient is the one that reached it
+    from outside the layer and no path is counted twice. A tensor returned twice is caught once.
+    """
+    assert isinstance(kept.a, LayerCall)
+    tensors, dims = output_tensors(returned), kept.a.output_dims
+    own: list[Edge | None] = [None if t.grad_fn is None else (t.grad_fn, t.output_nr) for t in tensors]
+    caught = list(own)
+    if own and own[0] is not None:
+        produced = _producer(tensors[0])
+        caught[0] = (produced.grad_fn, produced.output_nr)
+    starts = {edge[0] for edge in [*own, *caught] if edge is not None}
+    stop = {t.grad_fn for t in output_tensors(inputs) if t.grad_fn is not None} - starts
+    used_by = _consumers(starts, stop, {edge for edge in [*own, *caught] if edge is not None})
+    view = own[0][0] if own and own[0] is not None and caught[0] != own[0] else None
+    base = caught[0] if view is not None else None
+    if base is not None and any(node is not view for node, _ in used_by.get(base, [])):
+        caught[0], view = own[0], None  # the view's base is used inside the layer too: catch the view
+    done: set[Edge] = set()
+    for k, edge in enumerate(caught):
+        if edge is None or edge in done:
+            continue
+        done.add(edge)
+        inside = [(node, e) for node, e in used_by.get(edge, []) if node is not view]
+        _catch(kept, k, edge, tuple(tensors[k].shape), dims[k], inside, on_output_grad)
+
+
+def _catch(
+    kept: Kept,
+    k: int,
+    edge: Edge,
+    shape: tuple[int, ...],
+    dim: int | None,
+    inside: list[Edge],
+    on_output_grad: OnOutputGrad,
+) -> None:
+    """Hand the gradient of output k, less what ``inside`` sent back into it, to ``on_output_grad``."""
+    node, index = edge
+    taken: dict[int, Tensor] = {}  # per backward pass (graph task): what the layer's own nodes sent
+
+    def take(position: int) -> Callable[[tuple[Tensor | None, ...], tuple[Tensor | None, ...]], None]:
+        def hook(grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
+            g = grad_inputs[position]
+            if g is not None and not pulling():
+                task = torch._C._current_graph_task_id()
+                taken[task] = g if task not in taken else taken[task] + g
+
+        return hook
+
+    for consumer, position in inside:
+        consumer.register_hook(take(position))
+
+    def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
+        d, inner = grad_outputs[index], taken.pop(torch._C._current_graph_task_id(), None)
+        taken.clear()  # left by a backward pass that failed midway
+        if d is None or pulling():
+            return
+        d = (d if inner is None else d - inner).reshape(shape)
+        on_output_grad(kept, d if dim is None else d.movedim(dim, 0), k)
+
+    node.register_prehook(catch)
 
 
 class LayerHooks:
@@ -201,9 +326,13 @@ class LayerHooks:
         self.generation = 0
         self.batch: BatchInfo | None = None  # the batch of the running call of the model
         self._buffer_storages: frozenset[int] | None = None
-        self._swapped: dict[nn.Module, list[tuple[str, Tensor]]] = {}  # raw parameters swapped for a call
+        # raw parameters swapped for a call, by the module whose call it is: (holder, name, parameter, alias)
+        self._swapped: dict[nn.Module, list[tuple[nn.Module, str, Tensor, Tensor]]] = {}
         self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation), with_kwargs=True)
+        self._token_loss_warning = lm_loss.warner()
+        self._root_out = model.register_forward_hook(ModuleHook(self, self._model_returned), with_kwargs=True)
         self._handles: list[RemovableHandle] = []
+        self._captures: dict[str, Capture] = {}  # parametrized layers: what their parametrizations computed
 
     def install(self, layers: list[HookedLayer]) -> None:
         """Hook ``layers`` (and refuse batch statistics in every BatchNorm of the model)."""
@@ -211,14 +340,17 @@ class LayerHooks:
         raw: dict[nn.Module, list[HookedLayer]] = {}
         for layer in layers:
             if layer.spec.raw:
-                raw.setdefault(layer.module, []).append(layer)
+                raw.setdefault(layer.module if layer.host is None else layer.host, []).append(layer)
                 continue
-            detachable = not layer.spec.all_inputs and not layer.spec.subtree
+            spec = layer.spec
+            detachable = not (spec.all_inputs or spec.subtree or spec.parametrized)
             if self._to_detach is not None and detachable and (self._may_detach is None or self._may_detach(layer)):
                 # before the keeper: the output it keeps is the one with the probe added
                 pre, post = ModuleHook(self, self._detacher(layer)), ModuleHook(self, self._reattacher(layer))
                 self._handles.append(layer.module.register_forward_pre_hook(pre))
                 self._handles.append(layer.module.register_forward_hook(post, always_call=True))
+            if layer.spec.parametrized:
+                self._capture(layer)
             hook = ModuleHook(self, self._keeper(layer))
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
         for module, own in raw.items():
@@ -229,10 +361,23 @@ class LayerHooks:
                 hook = ModuleHook(self, _refuse_batch_statistics(name))
                 self._handles.append(module.register_forward_pre_hook(hook))
 
+    def _capture(self, layer: HookedLayer) -> None:
+        """Keep what each parametrization of ``layer`` computes during a call (``pergrad.parametrized``)."""
+        capture = self._captures[layer.name] = Capture(sites(layer.module, layer.spec.subtree))
+        self._handles.append(layer.module.register_forward_pre_hook(ModuleHook(self, lambda m, args: capture.start())))
+        for site in capture.sites:
+
+            def record(m: nn.Module, args: tuple[Any, ...], out: Any, key: str = site.key) -> None:
+                capture.record(key, out)
+
+            plist = parametrizations_of(site.owner)[site.tensor]
+            self._handles.append(plist.register_forward_hook(ModuleHook(self, record)))
+
     def uninstall(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._captures.clear()
         self._detached.clear()
         for module in list(self._swapped):
             self._untracker(module, (), None)
@@ -298,8 +443,9 @@ class LayerHooks:
             found = self._detached.get(layer.name)
             if found is None:
                 return None
-            for name, original, _ in found.swaps:
-                module._parameters[name] = original  # type: ignore[assignment]
+            for name, original, replacement in found.swaps:
+                if module._parameters.get(name) is replacement:  # (FSDP2 may have put its shard back)
+                    module._parameters[name] = original  # type: ignore[assignment]
             if not isinstance(output, Tensor):  # the forward raised: the keeper will not run
                 self._detached.pop(layer.name)
                 return None
@@ -309,53 +455,64 @@ class LayerHooks:
 
     def _keeper(self, layer: HookedLayer) -> Callable[..., Tensor | None]:
         # fixed for the layer: looked up once here, not at every call (this runs at every forward)
-        name, all_inputs = layer.name, layer.spec.all_inputs
-        batch_first = self._batch_first or layer.spec.batch_dim_fixed
+        name, spec = layer.name, layer.spec
+        all_inputs, every = spec.all_inputs, spec.output_dims is not None  # every: the rule takes every output
+        batch_first = self._batch_first or spec.batch_dim_fixed
         batch_dim = 0 if batch_first else 1
-        on_output_grad, detached_calls = self._on_output_grad, self._detached
+        on_output_grad, detached_calls, captures = self._on_output_grad, self._detached, self._captures
         grad_enabled, transforming = torch.is_grad_enabled, torch._C._are_functorch_transforms_active
 
         def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Tensor | None:
             detached = detached_calls.pop(name, None) if detached_calls else None
+            returned = output
             packed_batch = None
-            if all_inputs and isinstance(output, tuple | list):
-                if output and isinstance(output[0], PackedSequence):  # a recurrent layer on packed input
-                    packed_batch, output = int(output[0].batch_sizes[0]), output[0].data
+            if all_inputs and not isinstance(output, Tensor):
+                if isinstance(output, tuple | list) and output and isinstance(output[0], PackedSequence):
+                    packed_batch, output = int(output[0].batch_sizes[0]), output[0].data  # a recurrent layer, packed
                 else:
-                    output = next((o for o in output if isinstance(o, Tensor)), None)  # its first tensor output
+                    output = _first_tensor(output, every)
             if not (grad_enabled() and isinstance(output, Tensor)):
                 return None
-            node = output.grad_fn
-            if node is None:
-                return None  # nothing will flow back through this call: keep nothing
+            if every:
+                if not any(t.grad_fn is not None for t in output_tensors(returned)):
+                    return None  # nothing will flow back through this call: keep nothing
+            elif output.grad_fn is None:
+                return None
             if transforming():
                 return None  # torch.func is differentiating the model itself (vmap/grad): not ours to track
+            capture = captures.get(name) if captures else None
+            computed = None if capture is None else capture.take(layer.label)
             a = LayerCall(args, kwargs, batch_dim) if all_inputs else (args[0] if args else _first_input(args, kwargs))
             batched = output if all_inputs else a
             if not isinstance(batched, Tensor):
-                raise TypeError(f"pergrad: layer {name!r} ({type(module).__name__}) was called without a tensor input")
+                raise TypeError(f"pergrad: {layer.label} was called without a tensor input")
             if self.batch is not None and not all_inputs:
                 group = classify(a, output, batch_dim, self.batch, layer.label)
                 if group is not None:
                     assert isinstance(a, Tensor)
-                    return self._keep_shared(layer, a, output, batch_dim, group, detached)
-            produced = _producer(output)
-            if produced is not output:
-                node = produced.grad_fn
-                assert node is not None
+                    return self._keep_shared(layer, a, output, batch_dim, group, detached, computed)
             shape = output.shape
             if packed_batch is None and (batched.dim() <= batch_dim or len(shape) <= batch_dim):
                 raise BatchSizeError(
-                    f"layer {name!r} ({type(module).__name__}) got input of shape {tuple(batched.shape)}, which has "
+                    f"{layer.label} got input of shape {tuple(batched.shape)}, which has "
                     f"no batch dim {batch_dim}; pergrad needs batched inputs"
                     + ("" if batch_first else " (batch_first=False puts the batch on dim 1)")
                 )
-            kept_input = a if isinstance(a, LayerCall) or batch_first else batch_to_front(a, False)
             batch_size = batched.shape[batch_dim] if packed_batch is None else packed_batch
+            if isinstance(a, LayerCall) and every:
+                a = replace(a, output_dims=_output_dims(layer, returned, batch_dim), batch_size=batch_size)
+            kept_input: Any = a if isinstance(a, LayerCall) or batch_first else batch_to_front(a, False)
+            if computed is not None:
+                kept_input = Computed(kept_input, computed)
             kept = Kept(
                 layer, kept_input, self.generation, batch_size, self._key(name), packed_batch is not None, detached
             )
-            index, turn = produced.output_nr, not (kept.packed or batch_first)
+            if isinstance(a, LayerCall) and a.output_dims:  # the rule takes every output's gradient
+                _catch_outputs(kept, returned, (args, kwargs), on_output_grad)
+                return None
+            produced = _producer(output)
+            node, index, turn = produced.grad_fn, produced.output_nr, not (kept.packed or batch_first)
+            assert node is not None
 
             def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
                 d = grad_outputs[index]
@@ -376,7 +533,14 @@ class LayerHooks:
         return name if call == 0 else f"{name}:{call}"
 
     def _keep_shared(
-        self, layer: HookedLayer, a: Tensor, output: Tensor, dim: int, group: Group, detached: Detached | None
+        self,
+        layer: HookedLayer,
+        a: Tensor,
+        output: Tensor,
+        dim: int,
+        group: Group,
+        detached: Detached | None,
+        computed: dict[str, Tensor] | None,
     ) -> Tensor:
         """A call whose output is (or may be) shared by the batch (see ``pergrad.shared``): the model
         goes on with a tracked alias of the output, whose meetings with the batch deliver each
@@ -386,7 +550,11 @@ class LayerHooks:
         size = group.batch
         key = self._key(layer.name)
         a_shared, per_sample = per_sample_input(plain, output, dim, size)
-        shared = Kept(layer, a_shared, self.generation, size, key, detached=detached)
+
+        def kept_input(x: Tensor) -> Any:
+            return x if computed is None else Computed(x, computed)
+
+        shared = Kept(layer, kept_input(a_shared), self.generation, size, key, detached=detached)
         on_output_grad = self._on_output_grad
         origin = Origin(output, lambda g: on_output_grad(shared, per_sample(g)), group, layer.label)
         before = a.origins if isinstance(a, Shared) else ()
@@ -395,7 +563,9 @@ class LayerHooks:
         # the batched reading of the same call, for a group that turns out batched after all
         batched = None
         if group.state == "maybe":
-            batched = Kept(layer, batch_to_front(plain, dim == 0), self.generation, size, key, detached=detached)
+            batched = Kept(
+                layer, kept_input(batch_to_front(plain, dim == 0)), self.generation, size, key, detached=detached
+            )
         produced = _producer(output)
         node, index, shape = produced.grad_fn, produced.output_nr, output.shape
         assert node is not None
@@ -428,16 +598,17 @@ class LayerHooks:
             batch = self.batch
             if batch is None or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
                 return
-            saved: list[tuple[str, Tensor]] = []
+            saved: list[tuple[nn.Module, str, Tensor, Tensor]] = []
             for layer in layers:
-                p = module._parameters.get(layer.param)
+                holder = layer.module  # the module itself, or a ParameterDict/ParameterList of it
+                p = holder._parameters.get(layer.param)
                 if not (isinstance(p, nn.Parameter) and p.requires_grad):
                     continue
                 kept = Kept(layer, layer.param, self.generation, batch.size, self._key(layer.name))
                 origin = Origin(p, self._deliver(kept), Group("shared", batch.size, batch.dim), layer.label)
                 origin.tensor = track(p, [origin])
-                module._parameters[layer.param] = origin.tensor  # type: ignore[assignment]
-                saved.append((layer.param, p))
+                holder._parameters[layer.param] = origin.tensor  # type: ignore[assignment]
+                saved.append((holder, layer.param, p, origin.tensor))
             self._swapped[module] = saved
 
         return swap
@@ -448,9 +619,16 @@ class LayerHooks:
 
     def _untracker(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """Forward hook (also when the forward raised): the module's own parameters back in place."""
-        for name, p in self._swapped.pop(module, []):
-            module._parameters[name] = p  # type: ignore[assignment]
+        for holder, name, p, alias in self._swapped.pop(module, []):
+            if holder._parameters.get(name) is alias:  # (FSDP2's forward hook may have put its own back)
+                holder._parameters[name] = p  # type: ignore[assignment]
+
+    def _model_returned(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        labels = lm_loss.token_labels(kwargs) if self.batch is not None else None
+        if labels is not None:
+            lm_loss.watch(labels, output, self._token_loss_warning)
 
     def remove(self) -> None:
         self.uninstall()
         self._root.remove()
+        self._root_out.remove()

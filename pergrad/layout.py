@@ -6,7 +6,8 @@ import ctypes
 import functools
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar, Token
 
 import torch
@@ -14,6 +15,7 @@ from torch import Tensor
 
 Allocator = Callable[[tuple[int, ...], Tensor], Tensor]
 _allocator: ContextVar[Allocator | None] = ContextVar("pergrad_allocator", default=None)
+_made: ContextVar[list[Tensor] | None] = ContextVar("pergrad_made", default=None)
 
 
 _HUGE_PAGE = 2 << 20
@@ -57,7 +59,11 @@ def new_buffer(shape: tuple[int, ...], like: Tensor) -> Tensor:
     times faster than into fresh pages, which the kernel must fault in and zero first.
     """
     alloc = _allocator.get()
-    return fresh_buffer(shape, like) if alloc is None else alloc(shape, like)
+    out = fresh_buffer(shape, like) if alloc is None else alloc(shape, like)
+    made = _made.get()
+    if made is not None:
+        made.append(out)
+    return out
 
 
 class allocating_from:
@@ -87,6 +93,17 @@ def may_hold_true(mask: Tensor) -> bool:
     yes there, and the caller takes the path that is exact whatever the mask holds.
     """
     return mask.device.type not in READ_FREELY or bool(mask.any())
+
+
+@contextmanager
+def recording_buffers() -> Iterator[list[Tensor]]:
+    """The buffers ``new_buffer`` hands out inside the block, in a list: memory no one else holds."""
+    made: list[Tensor] = []
+    token = _made.set(made)
+    try:
+        yield made
+    finally:
+        _made.reset(token)
 
 
 def batch_to_front(t: Tensor, batch_first: bool) -> Tensor:

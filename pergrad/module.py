@@ -8,14 +8,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
-from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
-from .engine import Distributed, Engine, Target
-from .errors import PergradError, TargetError, TransformError, UnsupportedLayerError
+from .distributed import world_for
+from .engine import Engine, Target
+from .errors import NormNotComputedError, PergradError, TargetError, TransformError, UnsupportedLayerError, module_label
 from .hooks import HookedLayer, LayerHooks, owners
-from .registry import RuleRegistry, RuleSpec, default_registry, type_names
+from .loss_scale import GradScalerLike, loss_scale_reader
+from .parametrized import base_type, parametrizations_of, parametrized_spec, sites
+from .registry import RuleRegistry, RuleSpec, default_registry, fsdp_wrapped, registration, type_names
 from .rules.fallback import fallback as fallback_rule
+from .rules.fallback import output_dims as fallback_output_dims
 from .rules.raw import RAW
 from .sources import Materialized
 from .statistics import Statistics, compute_statistics
@@ -33,24 +37,28 @@ def _check_layer_options(name: str, module: nn.Module) -> None:
     if isinstance(module, nn.Embedding):
         if module.scale_grad_by_freq:
             raise UnsupportedLayerError(
-                f"layer {name!r} (nn.Embedding) has scale_grad_by_freq=True: autograd then divides each row's "
+                f"{module_label(name)} (nn.Embedding) has scale_grad_by_freq=True: autograd then divides each row's "
                 "gradient by the row's frequency in the whole batch, which is not the gradient of any one "
                 "sample's loss. Construct it with scale_grad_by_freq=False."
             )
         if module.sparse:
             raise UnsupportedLayerError(
-                f"layer {name!r} (nn.Embedding) has sparse=True: pergrad writes dense per-sample gradients and a "
+                f"{module_label(name)} (nn.Embedding) has sparse=True: pergrad writes dense per-sample gradients and a "
                 "dense .grad. Construct it with sparse=False (and use a dense optimizer)."
             )
 
 
-FALLBACK = RuleSpec(fallback_rule, all_inputs=True, subtree=True)
+FALLBACK = RuleSpec(fallback_rule, all_inputs=True, subtree=True, output_dims=fallback_output_dims)
+
+
+def _same(p: nn.Parameter) -> nn.Parameter:
+    return p
 
 
 def _plain_module(module: nn.Module, registry: RuleRegistry) -> bool:
     """A module of the user's or a library's own (not a ``torch.nn`` layer, nor a subclass of a layer
     with a rule): its own parameters are raw ones it uses in its forward (``pergrad.rules.raw``)."""
-    if type(module).__module__.startswith("torch."):
+    if (fsdp_wrapped(type(module)) or type(module)).__module__.startswith("torch."):
         return False
     return not any(isinstance(module, t) for t in registry.supported_types())
 
@@ -60,17 +68,88 @@ def _inside(name: str, parent: str) -> bool:
     return name != parent and (parent == "" or name.startswith(f"{parent}."))
 
 
-def _layout(modules: list[nn.Module]) -> tuple[object, ...]:
+def _layout(modules: list[nn.Module], canonical: Callable[[nn.Parameter], nn.Parameter]) -> tuple[object, ...]:
     """What the wrapper was built for: every module's children and parameters (by identity) and
     whether each parameter requires grad. Cheap enough to compare at every forward."""
     return tuple(
         (
-            tuple(map(id, m._modules.values())),
-            tuple(map(id, m._parameters.values())),
-            tuple([p is not None and p.requires_grad for p in m._parameters.values()]),
+            *map(id, m._modules.values()),
+            *((id(canonical(p)), p.requires_grad) for p in m._parameters.values() if p is not None),
         )
         for m in modules
     )
+
+
+def _advice(cls: type[nn.Module], registry: RuleRegistry) -> str:
+    """What to do about a module of type ``cls`` without a rule. For a subclass of a class with a
+    rule: register that rule for it if the subclass keeps the parent's ``forward``; if it overrides
+    ``forward`` (timm's ``BatchNormAct2d``, a ``LayerNorm2d`` that permutes channels), the parent's
+    rule computes the wrong thing, so the advice is the fallback or a rule of its own."""
+    mro = cls.__mro__
+    found = next(((i, t, s) for i, t in enumerate(mro[1:], 1) if (s := registry.lookup_type(t)) is not None), None)
+    fallback = "pass fallback=True to compute it with torch.func (exact, slower)"
+    own_rule = f"write a rule for it with @pergrad.register_rule({cls.__name__})"
+    if found is None:
+        return f"{own_rule} (a function (layer, a, d) -> {{name: per-sample gradients}}), or {fallback}."
+    index, parent, spec = found
+    overriding = next((t for t in mro[:index] if "forward" in vars(t)), None)
+    if overriding is not None:
+        return (
+            f"it subclasses {parent.__qualname__}, but {overriding.__qualname__} overrides forward, so the "
+            f"{parent.__qualname__} rule does not compute its gradients: {fallback}, or {own_rule}."
+        )
+    return (
+        f"it subclasses {parent.__qualname__} and keeps its forward; rules apply to their exact type only (a subclass "
+        f"may change what forward computes). If nothing else it overrides changes the computation, register the "
+        f"parent's rule: {registration(cls, spec)}. Or {fallback}."
+    )
+
+
+def _through_parametrizations(name: str, module: nn.Module, spec: RuleSpec) -> RuleSpec:
+    """``spec``, or where the tensors it covers include parametrized ones (``torch.nn.utils.parametrize``,
+    of the module or, for a rule covering its subtree, of a submodule), ``spec`` on the computed
+    tensors pulled back to the original ones (``pergrad.parametrized``)."""
+    return parametrized_spec(spec) if sites(module, spec.subtree) else spec
+
+
+def _in_parametrizations(model: nn.Module, name: str) -> bool:
+    """Whether module ``name`` is part of a parametrized module's ``parametrizations`` (the
+    ParametrizationLists holding the original tensors, and the parametrizations themselves)."""
+    parts = name.split(".")
+    return any(
+        part == "parametrizations" and parametrize.is_parametrized(model.get_submodule(".".join(parts[:i])))
+        for i, part in enumerate(parts)
+    )
+
+
+_CONTAINERS = (nn.ParameterDict, nn.ParameterList)  # hold parameters; never called
+_UNCALLED = (*_CONTAINERS, nn.ModuleDict, nn.ModuleList)
+
+
+def _hold_container(
+    model: nn.Module, name: str, container: nn.Module, trainable: list[str], layers: list[HookedLayer], fallback: bool
+) -> None:
+    """Parameters in a ``ParameterDict``/``ParameterList`` are raw parameters of the nearest
+    enclosing module that is called (its *host*, e.g. peft's LoRA ``Embedding`` reading
+    ``lora_embedding_A[adapter]``): tracked from the host's call to where they meet the batch. With
+    ``fallback=True`` the host is computed with torch.func as one unit instead."""
+    host_name = name
+    while True:
+        if host_name == "":
+            raise UnsupportedLayerError(
+                f"{module_label(name)} ({type(container).__name__}) holds trainable parameters {trainable}, but no "
+                "module of the model that is called encloses it, so nothing uses them in a forward pergrad sees. "
+                "Wrap the module whose forward reads them."
+            )
+        host_name = host_name.rpartition(".")[0]
+        host = model.get_submodule(host_name)
+        if not isinstance(host, _UNCALLED):
+            break
+    if fallback:
+        layers[:] = [layer for layer in layers if layer.name != host_name and not _inside(layer.name, host_name)]
+        layers.append(HookedLayer(host_name, host, _through_parametrizations(host_name, host, FALLBACK)))
+        return
+    layers.extend(HookedLayer(name, container, RAW, param=p, host=host) for p in trainable)
 
 
 def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[HookedLayer]:
@@ -78,32 +157,34 @@ def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[
     for name, module in model.named_modules():
         if any(layer.spec.subtree and _inside(name, layer.name) for layer in layers):
             continue  # inside a module whose rule covers its whole subtree
+        if _in_parametrizations(model, name):
+            continue  # the original tensors of a parametrized module: its rule covers them
+        parametrized = parametrize.is_parametrized(module)
         trainable = _own_trainable(module)
+        if parametrized:  # its parametrized tensors are computed from these
+            plists = parametrizations_of(module).named_parameters()
+            trainable += [f"parametrizations.{n}" for n, p in plists if p.requires_grad]
         if not trainable:
             continue
-        spec = registry.lookup(module)
+        if isinstance(module, _CONTAINERS):
+            _hold_container(model, name, module, trainable, layers, fallback)
+            continue
+        layer_type = base_type(module)
+        spec = registry.lookup_type(layer_type)
         if spec is None and fallback:
             spec = FALLBACK
-        if spec is None and _plain_module(module, registry):
+        if spec is None and not parametrized and _plain_module(module, registry):
             layers.extend(HookedLayer(name, module, RAW, param=p) for p in trainable)
             continue
         if spec is None:
-            parent = next((t for t in registry.supported_types() if isinstance(module, t)), None)
-            why = (
-                f"it subclasses {parent.__qualname__}, whose rule is only used for that exact type because a "
-                f"subclass may change forward. If its forward is unchanged, register the parent's rule: "
-                f"pergrad.register_rule({type(module).__name__})(<the {parent.__qualname__} rule>)."
-                if parent is not None
-                else f"register a rule for it with @pergrad.register_rule({type(module).__name__})."
-            )
-            why += " Or pass fallback=True to compute it with torch.func (exact, slower)."
+            kind = ", parametrized" if parametrized else ""
             raise UnsupportedLayerError(
-                f"layer {name!r} ({type(module).__module__}.{type(module).__qualname__}) has trainable parameters "
-                f"{trainable} but no per-sample rule: {why} Supported types: {type_names(registry.supported_types())}. "
-                "Or freeze its parameters with requires_grad_(False)."
+                f"{module_label(name)} ({layer_type.__module__}.{layer_type.__qualname__}{kind}) has trainable "
+                f"parameters {trainable} but no per-sample rule: {_advice(layer_type, registry)} Supported types: "
+                f"{type_names(registry.supported_types())}. Or freeze its parameters with requires_grad_(False)."
             )
         _check_layer_options(name, module)
-        layers.append(HookedLayer(name, module, spec))
+        layers.append(HookedLayer(name, module, _through_parametrizations(name, module, spec)))
     return layers
 
 
@@ -130,7 +211,8 @@ class PerSampleModule:
             ``B x #params`` is built where a fused path exists: scaling transforms (``clip_norm``,
             ``normalize``, ``scale``) and norms come from each layer's input and output gradient.
         track_norms: compute every parameter's per-sample gradient norms in each backward
-            (``per_sample_norms()``); needed only with ``keep_grad_sample=False``.
+            (``per_sample_norms()``); needed only with ``keep_grad_sample=False``, where without it
+            only the norms that norm-based transforms use are computed (and kept).
         track_statistics: compute ``statistics()`` in each backward; needed only with
             ``keep_grad_sample=False``.
         accumulate: how ``.grad`` combines several backward passes before it is cleared:
@@ -152,6 +234,17 @@ class PerSampleModule:
             gradient that pergrad replaces anyway: one matmul or convolution backward less per
             layer. ``torch.autograd.grad`` with respect to such a weight then raises (it is not in
             the graph); pass False if you need that.
+        grad_scaler: the ``torch.amp.GradScaler`` whose ``scaler.scale(loss)`` the backward passes
+            run on (mixed precision). Its scale is read, as a tensor, at each backward; the
+            transforms see the per-sample gradients of the samples' own (unscaled) losses, so a
+            clipping bound means the same with and without it, and ``.grad`` gets ``S`` times the
+            reduction (the scaler's units: ``scaler.unscale_`` and ``scaler.step`` work unchanged).
+            ``grad_sample``, ``per_sample_norms()``, ``statistics()`` and ``activation_grads()``
+            are unscaled. A NaN or Inf (an overflow) reaches ``.grad`` instead of being left out of
+            a norm-based transform, so the scaler skips the step and lowers its scale. Also
+            accepted: the loss scale itself (a number, or a one-element tensor read at each
+            backward) or a callable returning it (or None for an unscaled backward). A disabled
+            scaler, or one before its first ``scale()``, means an unscaled backward.
     """
 
     def __init__(
@@ -170,6 +263,7 @@ class PerSampleModule:
         fallback: bool = False,
         rules: RuleRegistry | None = None,
         detach_transformed: bool = True,
+        grad_scaler: GradScalerLike = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleModule wraps an nn.Module, got {type(model).__name__}")
@@ -201,10 +295,11 @@ class PerSampleModule:
             keep_activation_grads=keep_activation_grads,
             verify_backwards=1 if verify else 0,
             detach_transformed=detach_transformed,
-            world=Distributed(model.process_group) if isinstance(model, DistributedDataParallel) else None,
+            loss_scale=loss_scale_reader(grad_scaler),
         )
-        if self._engine.world is not None and accumulate == "samples":
-            raise ValueError("accumulate='samples' is not supported for DistributedDataParallel models yet")
+        # DDP or FSDP2: how pergrad's part of .grad reaches every rank (pergrad.distributed)
+        self._engine.world = world_for(model, self._engine, accumulate)
+        self._canonical = self._engine.world.canonical if self._engine.world is not None else _same
         self._targets: list[tuple[nn.Module | str, Transform]] = []  # as registered, resolved again on rebinding
         self._layers: list[HookedLayer] = []
         self._accumulators: list[Any] = []
@@ -218,6 +313,8 @@ class PerSampleModule:
         )
         self._install_hooks()
         self._install_accumulate_hooks()
+        if self._engine.world is not None:
+            self._engine.world.install()
 
     # -- following the model: its parameters, as they are at each forward ------------------------
 
@@ -226,9 +323,10 @@ class PerSampleModule:
         model = self.module
         self._layers = _discover(model, self._registry, self._fallback)
         self._modules = list(model.modules())
-        self._layout = _layout(self._modules)
+        self._layout = _layout(self._modules, self._canonical)
         engine = self._engine
-        engine.param_names = {p: name for name, p in model.named_parameters() if p.requires_grad}
+        engine.param_names = {self._canonical(p): name for name, p in model.named_parameters() if p.requires_grad}
+        engine.layers = self._layers
         engine.detacher.candidates(self._layers, model)
         engine.clear_targets()
         for target, transform in self._targets:
@@ -255,7 +353,7 @@ class PerSampleModule:
         for (replaced by ``load_state_dict(assign=True)``, a module swapped in, ``requires_grad``
         switched), wrap the model as it is now -- the registered transforms included -- and check the
         next backward against autograd again (``verify``)."""
-        if self._engine.closed or _layout(self._modules) == self._layout:
+        if self._engine.closed or _layout(self._modules, self._canonical) == self._layout:
             return
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
             return  # torch.func or the compiler runs the model with parameters of its own
@@ -324,14 +422,39 @@ class PerSampleModule:
         return Materialized(grads), names, next(iter(grads.values())).shape[0]
 
     def per_sample_norms(self) -> dict[str, Tensor]:
-        """``{qualified param name: Tensor[B]}``: ``||g_i||`` of each parameter, before any transform.
+        """``{qualified param name: Tensor[B]}``: ``||g_i||`` of each parameter in the last backward,
+        before any transform (the norms clipping compared with its bound; unscaled under
+        ``grad_scaler``). The norm of a module's or the model's gradient is ``sqrt(sum of squares)``
+        of these. Which parameters it holds:
 
-        The norm of a module's or the model's gradient is ``sqrt(sum of squares)`` of these.
+        - ``track_norms=True`` (or ``track_statistics=True``): every parameter the backward reached;
+        - ``keep_grad_sample=True``: every parameter with a ``grad_sample`` (read off it);
+        - otherwise: those the backward computed anyway, the parameters a norm-based transform
+          (``clip_norm``, ``normalize``) covers and the backward reached.
+
+        Looking up another parameter raises ``NormNotComputedError`` (a ``KeyError``) saying why.
         """
-        if self._engine.track_norms:
-            return {self._engine.param_names[p]: sq.sqrt() for p, sq in self._engine.last_sq_norms.items()}
-        source, names, _ = self._materialized()
-        return {names[p]: sq.sqrt() for p, sq in source.sq_norms(names).items()}
+        engine = self._engine
+        trainable = sorted(engine.param_names.values())
+        if engine.track_norms or (not engine.keep_grad_sample and engine.last_sq_norms):
+            found = {engine.param_names[p]: sq.sqrt() for p, sq in engine.last_sq_norms.items()}
+        elif engine.keep_grad_sample:
+            source, names, _ = self._materialized()
+            found = {names[p]: sq.sqrt() for p, sq in source.sq_norms(names).items()}
+        else:
+            raise PergradError(
+                "no per-sample norms: with keep_grad_sample=False, per_sample_norms() answers after a backward that "
+                "computed norms: for the parameters a norm-based transform (clip_norm, normalize) covers, or for every "
+                "parameter with PerSampleModule(..., track_norms=True)"
+            )
+        why = (
+            "the parameter received no gradient in the last backward"
+            if engine.track_norms or engine.keep_grad_sample
+            else "with keep_grad_sample=False and track_norms=False the backward computes only the norms that its "
+            "norm-based transforms (clip_norm, normalize) use, those of the parameters they cover; pass "
+            "track_norms=True to PerSampleModule for every parameter's"
+        )
+        return PerSampleNorms(found, trainable, why)
 
     def statistics(self) -> Statistics:
         """Statistics of the last backward's per-sample gradients (formulas: ``pergrad.statistics``)."""
@@ -347,6 +470,10 @@ class PerSampleModule:
 
         - ``"<layer>"``: ``d f_i / d output`` of each hooked layer (``"<layer>:k"`` for its k-th extra
           call in one forward), scaled like ``grad_sample`` (each sample's OWN loss ``f_i``);
+        - ``"<layer>[k]"``: ``d f_i / d`` the k-th tensor (k >= 1) the layer returned, for layers whose
+          rule takes every output (``h_n`` and ``c_n`` of ``nn.RNN``/``nn.GRU``/``nn.LSTM``, the
+          attention weights of ``nn.MultiheadAttention``); with ``fallback=True``, laid out as the
+          module returned it (the fallback finds its batch dim in the backward);
         - ``"input"``: ``d f_i / d x`` for the model's first input, when it requires grad.
 
         Needs ``keep_activation_grads=True``. Saliency maps are ``activation_grads()["input"].abs()``;
@@ -407,7 +534,7 @@ class PerSampleModule:
         it is one parameter, and how to find it again when the model changes (a parameter by its
         qualified name, a module as given)."""
         modules = dict(self.module.named_modules())
-        parameters = dict(self.module.named_parameters())
+        parameters = {n: self._canonical(p) for n, p in self.module.named_parameters()}
         if isinstance(target, str):
             if target in modules:
                 target = modules[target]
@@ -431,7 +558,7 @@ class PerSampleModule:
                     f"the module {type(target).__name__} is not part of the wrapped model (a module replaced after "
                     "its transform was registered? register the transform on the new module, or by name)"
                 )
-            params = {n: p for n, p in target.named_parameters() if p.requires_grad}
+            params = {n: self._canonical(p) for n, p in target.named_parameters() if p.requires_grad}
             label = "the whole model" if name == "" else f"module {name!r}"
             return label, params, False, target
         raise TargetError(
@@ -447,6 +574,8 @@ class PerSampleModule:
     def remove(self) -> None:
         """Remove every hook and every ``grad_sample``: the model is as it was before wrapping."""
         self._engine.closed = True
+        if self._engine.world is not None:
+            self._engine.world.close()
         self._engine.restore_deferred_hooks()
         self._hooks.remove()
         for handle in self._accumulate_handles:
@@ -454,7 +583,7 @@ class PerSampleModule:
         self._accumulate_handles.clear()
         self._accumulators.clear()
         self._clear_grad_sample()
-        self._engine.clear_pool()
+        self._engine.pool.clear()
 
     def __enter__(self) -> PerSampleModule:
         return self
@@ -467,3 +596,19 @@ class PerSampleModule:
             f"PerSampleModule({type(self.module).__name__}, loss_reduction={self.loss_reduction!r}, "
             f"reduction={self.reduction!r}, layers={len(self._layers)}, transforms={len(self._engine.targets)})"
         )
+
+
+class PerSampleNorms(dict[str, Tensor]):
+    """What ``per_sample_norms()`` returns: a dict whose missing keys say why they are missing."""
+
+    def __init__(self, norms: dict[str, Tensor], trainable: list[str], why: str) -> None:
+        super().__init__(norms)
+        self.trainable, self.why = trainable, why
+
+    def __missing__(self, key: str) -> Tensor:
+        if key not in self.trainable:
+            raise NormNotComputedError(
+                f"{key!r} is not a trainable parameter of the wrapped model; qualified names look like "
+                f"{self.trainable[:3]}"
+            )
+        raise NormNotComputedError(f"no per-sample norm of parameter {key!r} from the last backward: {self.why}")

@@ -5,7 +5,8 @@ A rule is a pure function ``rule(layer, a, d) -> {param_name: Tensor[B, *param.s
 - ``layer`` is the module instance (read its hyperparameters and parameters, never mutate it);
 - ``a`` is the layer's first positional input with the batch on dim 0;
 - ``d`` is the gradient of the loss with respect to the layer's output, batch on dim 0, already
-  scaled so that ``d[i]`` is the gradient of sample ``i``'s own loss ``f_i``;
+  scaled so that ``d[i]`` is the gradient of sample ``i``'s own loss ``f_i`` (for a rule registered
+  with ``output_dims``: a tuple, one such gradient per tensor the layer returns, see ``RuleSpec``);
 - the result maps each parameter name (as in ``layer.named_parameters(recurse=False)``) that
   requires grad to its per-sample gradients ``g_i = d f_i / d param``.
 
@@ -25,12 +26,29 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 
-Rule = Callable[[nn.Module, Any, Tensor], dict[str, Tensor]]
+Rule = Callable[[nn.Module, Any, Any], dict[str, Tensor]]  # d: a Tensor, or OutputGrads with output_dims
+OutputGrads = tuple[Tensor | None, ...]  # one per tensor of a call's output (output_tensors); None: no gradient
+OutputDims = Callable[[nn.Module, Any, int], tuple[int | None, ...]]
 Moments = tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]
 LayerKey = type[nn.Module] | str  # a layer class, or its fully qualified name
 
 _QUALIFIED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
+def output_tensors(output: Any) -> tuple[Tensor, ...]:
+    """Every tensor of a layer call's output, in order: tuples, lists and dict values are walked
+    (nested), a ``PackedSequence`` gives its data, anything else (None, ints) is left out."""
+    if isinstance(output, Tensor):
+        return (output,)
+    if isinstance(output, PackedSequence):
+        return (output.data,)
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, tuple | list):
+        return tuple(t for o in output for t in output_tensors(o))
+    return ()
 
 
 def qualified_name(layer_type: type) -> str:
@@ -50,6 +68,20 @@ def _resolve(name: str) -> type[nn.Module] | None:
             found = getattr(found, attr, None)
         if isinstance(found, type) and issubclass(found, nn.Module) and qualified_name(found) == name:
             return found
+    return None
+
+
+def fsdp_wrapped(layer_type: type) -> type | None:
+    """The class FSDP2's ``fully_shard`` generated ``layer_type`` from (``FSDPLinear`` -> ``Linear``), or
+    None. FSDP2 makes ``type(f"FSDP{cls.__name__}", (FSDPModule, cls), ...)`` and swaps it in as the
+    module's class; it adds no forward. Nothing is imported: without FSDP2 loaded there is none."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    module_class = getattr(fsdp, "FSDPModule", None)
+    if module_class is None:
+        return None
+    bases = layer_type.__bases__
+    if len(bases) == 2 and bases[0] is module_class and "forward" not in vars(layer_type):
+        return bases[1]
     return None
 
 
@@ -91,6 +123,14 @@ class RuleSpec:
     ``all_inputs``: the rule receives a ``LayerCall`` (every positional and keyword argument of
     the call, as given) instead of the first input, and the batch size is read off the output
     (layers whose input is not batched, such as ``nn.EmbeddingBag`` with offsets).
+    ``output_dims`` (with ``all_inputs``): the rule takes the gradients of every tensor the layer
+    returns (``output_tensors``: ``out, (h_n, c_n)`` of an LSTM), not only of the first one. ``d`` is
+    then a tuple with one entry per tensor, None where no gradient reached it this backward.
+    ``output_dims(layer, output, batch_dim)`` says where the batch is in each tensor as the layer
+    returns it (``batch_dim``: the wrapper's); its gradient then comes with the batch on dim 0. None
+    hands the gradient over as returned (a PackedSequence's data; an output whose batch the rule
+    finds itself, as the fallback does). The rule finds them in ``LayerCall.output_dims``, and the
+    batch size in ``LayerCall.batch_size``.
     """
 
     fn: Rule
@@ -98,7 +138,11 @@ class RuleSpec:
     all_inputs: bool = False
     fused: FusedRule | None = None
     subtree: bool = False  # the rule covers the parameters of the layer's submodules too
+    output_dims: OutputDims | None = None
     raw: bool = False  # one raw parameter of a module, tracked where it meets the batch (``pergrad.shared``)
+    # a layer parametrized with torch.nn.utils.parametrize: its kept input is a ``pergrad.parametrized.Computed``
+    # and the rule differentiates the forward's graph, so it runs during the backward
+    parametrized: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,6 +152,8 @@ class LayerCall:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     batch_dim: int = 0  # where the batch is in the batched arguments (1 with batch_first=False)
+    output_dims: tuple[int | None, ...] = ()  # the batch dim of each output tensor (rules with output_dims)
+    batch_size: int | None = None  # B (rules with output_dims)
 
 
 class RuleRegistry:
@@ -134,16 +180,19 @@ class RuleRegistry:
         batch_dim_fixed: bool = False,
         all_inputs: bool = False,
         subtree: bool = False,
+        output_dims: OutputDims | None = None,
     ) -> Callable[[Rule], Rule]:
         """Decorator: ``@registry.register(MyLayer)`` makes ``fn`` the rule for ``MyLayer``.
 
         A layer type may be given as the class or as its fully qualified name
         (``f"{cls.__module__}.{cls.__qualname__}"``), e.g. ``register("transformers.pytorch_utils.Conv1D")``:
         the class's package is then never imported by pergrad, and the rule applies to modules whose
-        type has exactly that name.
+        type has exactly that name. ``output_dims`` (see ``RuleSpec``) needs ``all_inputs=True``.
         """
         if not layer_types:
             raise TypeError("register() needs at least one layer type, e.g. register(MyLayer)")
+        if output_dims is not None and not all_inputs:
+            raise TypeError("register(output_dims=...) needs all_inputs=True: the rule then takes a LayerCall")
         for layer_type in layer_types:
             if isinstance(layer_type, str):
                 if not _QUALIFIED.fullmatch(layer_type):
@@ -163,7 +212,8 @@ class RuleRegistry:
 
         def decorator(fn: Rule) -> Rule:
             for layer_type in layer_types:
-                self._set(layer_type, RuleSpec(fn, batch_dim_fixed, all_inputs, subtree=subtree))
+                spec = RuleSpec(fn, batch_dim_fixed, all_inputs, subtree=subtree, output_dims=output_dims)
+                self._set(layer_type, spec)
             return fn
 
         return decorator
@@ -203,7 +253,22 @@ class RuleRegistry:
 
     def lookup(self, layer: nn.Module) -> RuleSpec | None:
         """The rule registered for exactly ``type(layer)`` (as a class, else by its qualified name), or None."""
-        layer_type = type(layer)
+        return self.lookup_type(type(layer))
+
+    def lookup_type(self, layer_type: type) -> RuleSpec | None:
+        """The rule registered for exactly ``layer_type`` (as a class, else by its qualified name), or None.
+
+        A class FSDP2's ``fully_shard`` generated (``FSDPLinear``: bases ``FSDPModule`` and the layer's own
+        class, forward unchanged) has the rule of the class it was generated for, exactly that class's.
+        """
+        spec = self._exact(layer_type)
+        if spec is None:
+            wrapped = fsdp_wrapped(layer_type)
+            if wrapped is not None:
+                spec = self._exact(wrapped)
+        return spec
+
+    def _exact(self, layer_type: type) -> RuleSpec | None:
         spec = self._rules.get(layer_type)
         if spec is None and self._named:
             spec = self._named.get(qualified_name(layer_type))
@@ -241,11 +306,14 @@ def register_rule(
     overwrite: bool = False,
     batch_dim_fixed: bool = False,
     all_inputs: bool = False,
+    subtree: bool = False,
     registry: RuleRegistry | None = None,
+    output_dims: OutputDims | None = None,
 ) -> Callable[[Rule], Rule]:
     """Register a per-sample rule for ``layer_types`` (in ``default_registry`` unless given).
 
     A layer type is a class, or its fully qualified name as a string (the package is not imported).
+    ``batch_dim_fixed``, ``all_inputs`` and ``subtree`` are described in ``RuleSpec``.
     Example, reusing the built-in Linear rule for a subclass whose forward is unchanged, and for a
     class of another package given by name::
 
@@ -253,7 +321,33 @@ def register_rule(
         pergrad.register_rule("my_package.layers.MyLinear")(pergrad.rules.linear)
     """
     target = default_registry if registry is None else registry
-    return target.register(*layer_types, overwrite=overwrite, batch_dim_fixed=batch_dim_fixed, all_inputs=all_inputs)
+    return target.register(
+        *layer_types,
+        overwrite=overwrite,
+        batch_dim_fixed=batch_dim_fixed,
+        all_inputs=all_inputs,
+        subtree=subtree,
+        output_dims=output_dims,
+    )
+
+
+def rule_path(fn: Rule) -> str:
+    """How to name a rule function in code: ``pergrad.rules.group_norm`` for a built-in one,
+    ``module.function`` for another importable one, else its qualified name."""
+    from . import rules  # the rules import the registry
+
+    name = getattr(fn, "__name__", "")
+    if getattr(rules, name, None) is fn:
+        return f"pergrad.rules.{name}"
+    qualname = getattr(fn, "__qualname__", name)
+    module = getattr(fn, "__module__", None)
+    return qualname if module is None or "<" in qualname else f"{module}.{qualname}"
+
+
+def registration(layer_type: type, spec: RuleSpec) -> str:
+    """The call that registers ``spec``'s rule, with its options, for ``layer_type``."""
+    options = "".join(f", {flag}=True" for flag in ("batch_dim_fixed", "all_inputs", "subtree") if getattr(spec, flag))
+    return f"pergrad.register_rule({layer_type.__name__}{options})({rule_path(spec.fn)})"
 
 
 def type_names(types: Iterable[type]) -> str:

@@ -34,8 +34,10 @@ with a shared weight, indexing) raises an error that names the op and the fix.
 
 from __future__ import annotations
 
+import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +59,17 @@ _local = _Local()
 def pulling() -> bool:
     """Whether a per-sample pull-back runs now (the hooks it passes through must stay quiet)."""
     return _local.pulling
+
+
+@contextmanager
+def pulling_back() -> Iterator[None]:
+    """Run a per-sample pull-back (``pulling()`` is True inside)."""
+    before = pulling()
+    _local.pulling = True
+    try:
+        yield
+    finally:
+        _local.pulling = before
 
 
 @dataclass
@@ -182,6 +195,7 @@ _LAYER_OPS = {
 _NEW = _names("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "zeros_like", "ones_like", "empty_like")
 _GRAD = {torch.autograd.grad, torch.autograd.backward, Tensor.backward}
 _LIKE = _names("to", "type_as")
+_VIEW_ATTRIBUTES = {getattr(Tensor, name).__get__ for name in ("T", "mT", "H", "mH")}
 
 
 def _plain(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -199,11 +213,12 @@ class Shared(Tensor):
         cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _GRAD or func in _NEW or getattr(func, "__name__", "") == "__get__":
-            return _plain(func, args, kwargs)  # autograd, fresh tensors, attributes (shape, grad_fn, _base)
-        if func in _LIKE:  # conversions: the other tensor gives only its dtype or device
+        # conversions (the other tensor gives only its dtype or device) and x.T, x.mT: x's own tracking
+        if func in _LIKE or func in _VIEW_ATTRIBUTES:
             own = args[0].origins if isinstance(args[0], Shared) else ()
             return _wrap(_plain(func, args, kwargs), [o for o in own if o.group.state != "batched"])
+        if func in _GRAD or func in _NEW or getattr(func, "__name__", "") == "__get__":
+            return _plain(func, args, kwargs)  # autograd, fresh tensors, attributes (shape, grad_fn, _base)
         flat = tree_flatten((args, kwargs))[0]
         tracked = [t for t in flat if isinstance(t, Shared)]
         origins = list(dict.fromkeys(o for t in tracked for o in t.origins if o.group.state != "batched"))
@@ -257,7 +272,7 @@ def _out_shape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
     try:
         if func in _MATMUL:
-            x, y = args[0], args[1]
+            x, y = (args[1], args[0]) if func is Tensor.__rmatmul__ else (args[0], args[1])
             if not (isinstance(x, Tensor) and isinstance(y, Tensor) and x.dim() >= 2 and y.dim() >= 2):
                 return None
             batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2])
@@ -285,6 +300,16 @@ def _meet(
 
     if not _batch_evidence(flat, group, aligned):  # only shared tensors and constants: still shared
         return _wrap(_plain(func, args, kwargs), origins)
+    if func in _MATMUL and group.dim == rank - 2:
+        left, right = (args[1], args[0]) if func is Tensor.__rmatmul__ else (args[0], args[1])
+        if isinstance(right, Shared) and isinstance(left, Tensor) and not isinstance(left, Shared) and left.dim() >= 2:
+            # the batch is the rows of the left operand ([T, B, r] @ [r, D], [B, r] @ [r, D]): make each
+            # row a matrix of its own, so the batch is a broadcast dim the shared operand expands along
+            with DisableTorchFunctionSubclass():
+                rows = left.unsqueeze(-2)
+            out_rows = torch.matmul(rows, right)
+            with DisableTorchFunctionSubclass():
+                return out_rows.squeeze(-2)
 
     def replace(x: Any) -> Any:
         if not isinstance(x, Shared):
@@ -311,15 +336,16 @@ def _meet(
     return _plain(func, tree_map(replace, args), tree_map(replace, kwargs))
 
 
-def _expanded(x: Shared, origins: list[Origin], rank: int) -> Tensor:
-    """``x`` expanded to the batch explicitly (rank ``rank``, batch on the group's dim), with a hook
-    that catches each sample's gradient before the expansion's backward sums it."""
+def _expanded(x: Shared, origins: list[Origin], rank: int, dim: int | None = None) -> Tensor:
+    """``x`` expanded to the batch explicitly (rank ``rank``, batch on ``dim``, by default the
+    group's), with a hook that catches each sample's gradient before the expansion's backward sums it."""
     group = origins[0].group
+    dim = group.dim if dim is None else dim
     with DisableTorchFunctionSubclass():
         view = x.reshape((1,) * (rank - x.dim()) + tuple(x.shape))
-        sizes = [group.batch if i == group.dim else -1 for i in range(rank)]
+        sizes = [group.batch if i == dim else -1 for i in range(rank)]
         expanded = view.expand(*sizes)
-    shape, size, dim = tuple(x.shape), group.batch, group.dim
+    shape, size = tuple(x.shape), group.batch
 
     def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
         g = grad_outputs[0]
@@ -337,15 +363,10 @@ def _pull_back(x: Tensor, origins: list[Origin], grads: Tensor) -> None:
     if len(origins) == 1 and origins[0].tensor is x:
         found: tuple[Tensor | None, ...] = (grads,)
     else:
-        _local.pulling = True
-        try:
-            with DisableTorchFunctionSubclass():
-                found = torch.autograd.grad(
-                    [x], [o.tensor for o in origins], [grads], retain_graph=True, allow_unused=True,
-                    is_grads_batched=True,
-                )  # fmt: skip
-        finally:
-            _local.pulling = False
+        with pulling_back(), DisableTorchFunctionSubclass():
+            found = torch.autograd.grad(
+                [x], [o.tensor for o in origins], [grads], retain_graph=True, allow_unused=True, is_grads_batched=True
+            )
     for origin, g in zip(origins, found, strict=True):
         if g is not None:
             origin.delivered += 1
@@ -374,6 +395,39 @@ def _expand(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
         return expanded.expand(out)
 
 
+_EMBEDDING = inspect.signature(_F.embedding)
+
+
+def _embedding(args: tuple[Any, ...], kwargs: dict[str, Any], origins: list[Origin]) -> Tensor:
+    """``F.embedding(ids, weight)`` with batched ids and a shared weight (peft's LoRA on an
+    embedding looks its ``lora_embedding_A`` up this way): each sample looks its rows up in its own
+    view of the weight, ``out[i] = weight_i[ids[i]]`` with ``weight_i`` the weight expanded to the
+    batch, so the expansion's hook catches ``d f_i / d weight`` (rows outside sample i's ids: 0;
+    the row at ``padding_idx``: 0, as autograd gives it)."""
+    bound = _EMBEDDING.bind(*args, **kwargs)
+    bound.apply_defaults()
+    ids, weight, padding_idx = bound.arguments["input"], bound.arguments["weight"], bound.arguments["padding_idx"]
+    if bound.arguments["max_norm"] is not None or bound.arguments["scale_grad_by_freq"]:
+        raise SharedInputError(
+            f"{_label(origins)} is shared by the batch and looked up by F.embedding with max_norm or "
+            "scale_grad_by_freq, which make each sample's output or gradient depend on the whole batch: "
+            "pass max_norm=None and scale_grad_by_freq=False."
+        )
+    group = origins[0].group
+    live = [o for o in weight.origins if o.group.state != "batched"]
+    for o in live:
+        o.group.state = "shared"
+    per_sample = _expanded(weight, live, weight.dim() + 1, dim=0)  # [B, V, D]
+    with DisableTorchFunctionSubclass():
+        ids_b = ids.movedim(group.dim, 0)
+        samples = torch.arange(group.batch, device=ids.device).view(-1, *([1] * (ids_b.dim() - 1)))
+        out = per_sample[samples, ids_b]  # [B, *ids_b.shape[1:], D]
+        if padding_idx is not None:
+            pad = padding_idx if padding_idx >= 0 else padding_idx + weight.shape[0]
+            out = torch.where((ids_b == pad).unsqueeze(-1), out.detach(), out)
+        return out.movedim(0, group.dim)
+
+
 def _unknown(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], origins: list[Origin]
 ) -> Any:
@@ -387,6 +441,8 @@ def _unknown(
             for o in origins:
                 o.group.state = "batched"
             return _plain(func, args, kwargs)
+        if func is _F.embedding and len(args) > 1 and isinstance(args[1], Shared) and not isinstance(args[0], Shared):
+            return _embedding(args, kwargs, origins)
         name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
         raise SharedInputError(
             f"{_label(origins)} is shared by the batch (it has no batch dim), and it meets the batch in {name}, "

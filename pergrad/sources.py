@@ -14,7 +14,7 @@ Both answer the same questions, so the engine computes transforms and statistics
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from .hooks import HookedLayer
-from .layout import new_buffer
-from .registry import FusedRule
+from .layout import new_buffer, recording_buffers
+from .registry import FusedRule, OutputGrads
 
 Params = Iterable[nn.Parameter]
 
@@ -32,6 +32,11 @@ def _weighted(d: Tensor, weights: Tensor, drop: Tensor | None = None) -> Tensor:
     """``w_i d_i`` per sample; samples in ``drop`` give exactly 0 (even where ``d_i`` is NaN)."""
     out = torch.mul(d, weights.view(-1, *([1] * (d.dim() - 1))), out=new_buffer(tuple(d.shape), d))
     return out if drop is None else _zero_rows(out, drop)
+
+
+def _per_sample_rows(g: Tensor) -> Tensor:
+    """``[B, *shape] -> [B, numel]`` (also for a scalar parameter's ``[B]``)."""
+    return g.reshape(g.shape[0], -1)
 
 
 def _zero_rows(t: Tensor, drop: Tensor) -> Tensor:
@@ -61,7 +66,7 @@ class Materialized:
     # Each reads the [B, *shape] tensors once and allocates nothing of their size.
 
     def sq_norms(self, params: Params) -> dict[nn.Parameter, Tensor]:
-        return {p: torch.linalg.vector_norm(self.grads[p].flatten(1), dim=1).square() for p in params}
+        return {p: torch.linalg.vector_norm(_per_sample_rows(self.grads[p]), dim=1).square() for p in params}
 
     def summed(self, params: Params, weights: Tensor, drop: Tensor | None = None) -> dict[nn.Parameter, Tensor]:
         out = {}
@@ -73,7 +78,7 @@ class Materialized:
         return out
 
     def dots(self, others: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
-        return {p: self.grads[p].flatten(1) @ g.flatten() for p, g in others.items()}
+        return {p: _per_sample_rows(self.grads[p]) @ g.flatten() for p, g in others.items()}
 
     def sum_squares(self, params: Params) -> dict[nn.Parameter, Tensor]:
         return {p: _sum_of_squares(self.grads[p]) for p in params}
@@ -101,35 +106,64 @@ class Moments:
 class Call:
     """One call of a hooked layer in this backward: its input and output gradient. Each sample's
     own output gradient is ``scale * d`` (``scale = B`` for a mean loss); the fused quantities put
-    the scale on their (much smaller) results instead of on ``d``."""
+    the scale on their (much smaller) results instead of on ``d``. For a rule that takes every
+    output's gradient (``RuleSpec.output_dims``), ``d`` holds one per output tensor; such layers
+    have no fused rule."""
 
     layer: HookedLayer
     a: Any
-    d: Tensor
+    d: Any  # a Tensor (every layer with a fused rule), or OutputGrads
     scale: float = 1.0
+    built: dict[str, Tensor] | None = None  # the rule's result, where it ran during the backward
 
 
-def run_rule(layer: HookedLayer, a: Any, d: Tensor, scale: float = 1.0) -> dict[str, Tensor]:
+def _numel(d: Tensor | OutputGrads) -> int:
+    return d.numel() if isinstance(d, Tensor) else sum(g.numel() for g in d if g is not None)
+
+
+def run_rule(layer: HookedLayer, a: Any, d: Tensor | OutputGrads, scale: float = 1.0) -> dict[str, Tensor]:
     """The layer's rule for output gradients ``scale * d``. Rules are linear in ``d``, so the scale
-    goes on whichever is smaller: ``d``, or the per-sample gradients the rule returns."""
+    goes on whichever is smaller: ``d``, or the per-sample gradients the rule returns (in place
+    where it wrote them into a ``new_buffer``)."""
     if scale == 1.0:
         return layer.spec.fn(layer.module, a, d)
+    if not isinstance(d, Tensor):  # every output's gradient (RuleSpec.output_dims): small per-sample rules
+        return layer.spec.fn(layer.module, a, tuple(None if g is None else g * scale for g in d))
     built_size = d.shape[0] * sum(p.numel() for _, p in layer.trainable())
     if d.numel() <= built_size:
         return layer.spec.fn(layer.module, a, torch.mul(d, scale, out=new_buffer(tuple(d.shape), d)))
-    return {name: g * scale for name, g in layer.spec.fn(layer.module, a, d).items()}
+    with recording_buffers() as made:
+        built = layer.spec.fn(layer.module, a, d)
+    # scaled in place where the rule returned a buffer of its own once (no second copy of its size)
+    returned = [id(g) for g in built.values()]
+    own = {id(t) for t in made if returned.count(id(t)) == 1}
+    return {name: g.mul_(scale) if id(g) in own else g * scale for name, g in built.items()}
 
 
 class Fused:
     """Quantities computed from the kept ``(a, d)`` of every call, building ``g_i`` only where needed."""
 
-    def __init__(self, calls: list[Call]) -> None:
+    def __init__(self, calls: list[Call], canonical: Callable[[nn.Parameter], nn.Parameter] | None = None) -> None:
         self.calls = calls
         self._builds: dict[Call, dict[str, Tensor]] = {}
         self.uses: dict[nn.Parameter, list[tuple[Call, str]]] = {}
+        # each call's parameters by the name its rule uses, as the engine keys them (FSDP2 swaps a
+        # layer's sharded parameters for unsharded ones and back; ``canonical`` maps to the sharded)
+        self._params: dict[Call, dict[str, nn.Parameter]] = {}
+        self._canonical = canonical
         for call in calls:
-            for name, p in call.layer.trainable():
+            named = {name: p if canonical is None else canonical(p) for name, p in call.layer.trainable()}
+            self._params[call] = named
+            for name, p in named.items():
                 self.uses.setdefault(p, []).append((call, name))
+
+    def _param(self, call: Call, name: str) -> nn.Parameter:
+        """The parameter a rule's result ``name`` belongs to (a name the layer gives it, maybe not its first)."""
+        found = self._params[call].get(name)
+        if found is None:
+            found = call.layer.module.get_parameter(name)
+            found = found if self._canonical is None else self._canonical(found)
+        return found
 
     def _fused(self, p: nn.Parameter) -> tuple[Call, str, FusedRule] | None:
         """The single call that feeds ``p`` and its fused rule, or None if ``p`` needs building."""
@@ -161,13 +195,16 @@ class Fused:
     def _run(self, call: Call) -> dict[str, Tensor]:
         """The call's rule. A result no larger than the call's kept ``a`` and ``d`` is kept for the
         other quantities of this backward (norm layers, convolutions: norms and weighted sums read
-        the same ``g_i``); larger ones are built again rather than held, so that at most one
-        layer's large ``g_i`` are alive at a time."""
+        the same ``g_i``), and so is that of a layer without a fused rule, whose weighted sum has no
+        other source (building it twice would cost more than materialising). Other large ones are
+        not held: their weighted sums are batch gradients of weighted ``d``."""
+        if call.built is not None:
+            return call.built
         found = self._builds.get(call)
         if found is None:
             found = run_rule(call.layer, call.a, call.d, call.scale)
-            kept = call.d.numel() + (call.a.numel() if isinstance(call.a, Tensor) else 0)
-            if sum(g.numel() for g in found.values()) <= kept:
+            kept = _numel(call.d) + (call.a.numel() if isinstance(call.a, Tensor) else 0)
+            if call.layer.spec.fused is None or sum(g.numel() for g in found.values()) <= kept:
                 self._builds[call] = found
         return found
 
@@ -177,7 +214,7 @@ class Fused:
         out: dict[nn.Parameter, Tensor] = {}
         for call in self._calls_of(wanted):
             for name, g in self._run(call).items():
-                p = call.layer.module.get_parameter(name)
+                p = self._param(call, name)
                 if p in wanted:
                     out[p] = g if p not in out else out[p] + g
         return out
@@ -211,7 +248,7 @@ class Fused:
             module, fused = call.layer.module, call.layer.spec.fused
             if fused is None or call in self._builds:  # weight the built g_i (d may not be laid out by sample)
                 built = self._run(call)
-                grads = {module.get_parameter(k): g for k, g in built.items()}
+                grads = {self._param(call, k): g for k, g in built.items()}
                 per_call = Materialized(grads).summed(grads, weights, drop)
             else:
                 a, d, w = call.a, call.d, weights * call.scale
@@ -225,7 +262,7 @@ class Fused:
                     a = _weighted(a, w)
                 else:
                     d = _weighted(d, w)
-                per_call = {module.get_parameter(k): g for k, g in fused.summed(module, a, d).items()}
+                per_call = {self._param(call, k): g for k, g in fused.summed(module, a, d).items()}
             for p, g in per_call.items():
                 if p in wanted:
                     out[p] = g if p not in out else out[p] + g

@@ -24,7 +24,7 @@ Grads = dict[str, Tensor]
 
 def per_sample_norms(grads: Mapping[str, Tensor]) -> Tensor:
     """``||g_i|| = sqrt(sum_k ||g_ik||^2)`` over every tensor k of the mapping; shape [B]."""
-    squares = [g.flatten(1).pow(2).sum(1) for g in grads.values()]
+    squares = [g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]
     return torch.stack(squares).sum(0).sqrt()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -63,3 +64,42 @@ def run_pergrad(psm, x: Tensor, target: Tensor, loss_reduction: str = "mean", ba
 
 def assert_close(actual: Tensor, expected: Tensor, what: str = "") -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-10, msg=lambda m: f"{what}: {m}")
+
+
+def held_bytes(psm: object) -> int:
+    """Bytes of tensor memory that pergrad's own structures keep alive: everything reachable from
+    the wrapper (its engine, hooks, pool, kept state) and every parameter's ``grad_sample``, counted
+    once per storage; the model's own parameters, buffers and ``.grad`` are the user's, not counted.
+
+    Found by walking containers, pergrad's objects, bound methods and pergrad's closures, so it
+    counts whatever a structure holds, not what the pool says it holds."""
+    model: nn.Module = psm.module  # type: ignore[attr-defined]
+    users = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    users |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    storages: dict[int, int] = {}
+    seen: set[int] = set()
+    stack: list[object] = [vars(psm), *(vars(p) for p in model.parameters())]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, nn.Module):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in users:
+                storages[storage.data_ptr()] = storage.nbytes()
+            stack.extend(vars(obj).values())
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, list | tuple | set | frozenset):
+            stack.extend(obj)
+        elif inspect.ismethod(obj):
+            stack.append(obj.__self__)
+        elif getattr(obj, "__module__", None) is not None and str(obj.__module__).startswith("pergrad"):
+            if inspect.isfunction(obj):
+                stack.extend(inspect.getclosurevars(obj).nonlocals.values())
+            elif not isinstance(obj, type):
+                stack.extend(vars(obj).values() if hasattr(obj, "__dict__") else ())
+                stack.extend(getattr(obj, name) for name in getattr(type(obj), "__slots__", ()) if hasattr(obj, name))
+    return sum(storages.values())

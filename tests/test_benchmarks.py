@@ -50,3 +50,55 @@ def test_the_benchmark_refuses_a_device_it_does_not_have() -> None:
     )  # fmt: skip
     assert proc.returncode == 2
     assert "--device 'cuda': no CUDA device is available here" in proc.stderr
+
+
+def test_quick_distributed_benchmark_runs_and_pergrad_sends_what_plain_sends(tmp_path: Path) -> None:
+    out = tmp_path / "distributed.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "distributed.py"), "--quick", "--workloads", "mlp", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    methods = json.loads(out.read_text())["results"]["mlp"]
+    assert all("error" not in r for r in methods.values()), methods
+    assert methods["ddp_plain"]["bytes"] == methods["ddp_pergrad"]["bytes"] == methods["ddp_pergrad_keep"]["bytes"]
+    assert methods["ddp_plain"]["bytes"] == methods["ddp_plain"]["gradient_bytes"]
+    assert methods["fsdp_plain"]["bytes"] == methods["fsdp_pergrad"]["bytes"] > 0
+    assert "| ddp_pergrad |" in proc.stdout
+
+
+def test_quick_transformer_workloads_are_correct(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "transformers.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--workloads", "gpt2", "bert",
+         "--methods", "plain", "pergrad", "pergrad_clip", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    for workload in ("gpt2", "bert"):
+        for method in ("plain", "pergrad", "pergrad_clip"):
+            assert report["results"][workload][method].get("correct") is True, (workload, method)
+
+
+def test_quick_memory_benchmark_runs_and_stays_within_one_step(tmp_path: Path) -> None:
+    """benchmarks/memory.py end to end on tiny shapes: after every one of its steps of changing
+    batch sizes and lengths, pergrad holds no more than one step of the largest shape seen."""
+    out = tmp_path / "memory.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--quick", "--rows", "poisson_mlp", "lengths_seq",
+         "--no-plain", "--speed", "mlp_fused", "--threads", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = report["memory"]["current"]
+    assert set(rows) == {"poisson_mlp", "lengths_seq"}
+    for row in ("poisson_mlp", "lengths_seq"):
+        result = rows[row]
+        assert result["pergrad"] == str(ROOT / "pergrad" / "__init__.py")
+        assert len({tuple(s) for s in result["shapes"]}) > 3, "the shapes change between steps"
+        assert 0 < max(result["held_mib"]) <= result["one_step_mib"], (row, result["held_mib"])
+    assert report["speed"]["rows"]["mlp_fused"]["current_ms"] > 0
+    assert "| poisson_mlp | 12 |" in proc.stdout

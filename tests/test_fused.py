@@ -3,6 +3,8 @@ against the same quantities computed from torch.func's per-sample gradients."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import given
@@ -168,6 +170,44 @@ def test_fused_mode_never_builds_per_sample_gradients(shape: tuple[int, ...]) ->
         assert calls == []
 
 
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.head = nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("stats", [False, True])
+def test_a_layer_without_fused_rule_is_built_once_per_backward(monkeypatch: pytest.MonkeyPatch, stats: bool) -> None:
+    """Clipping needs the norms and then the weighted sum of a layer without a fused rule
+    (MultiheadAttention): both read the one build, so fused is never costlier than materialising."""
+    calls: list[str] = []
+    module = sys.modules["pergrad.rules.fallback"]
+    original = module.fallback
+
+    def counting(layer: nn.Module, *args: object, **kwargs: object) -> dict[str, torch.Tensor]:
+        calls.append(type(layer).__name__)
+        return original(layer, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "fallback", counting)
+    torch.manual_seed(0)
+    model = Attention().double()
+    x, target = torch.randn(4, 5, 8, dtype=torch.float64), torch.randn(4, 5, 3, dtype=torch.float64)
+    ref = reference_grad_sample(model, x, target)
+    with PerSampleModule(model, keep_grad_sample=False, track_statistics=stats) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.5))
+        for _ in range(2):
+            calls.clear()
+            psm.zero_grad()
+            run_pergrad(psm, x, target)
+            assert calls == ["MultiheadAttention"]
+            factor = (0.5 / flat_norms(ref)).clamp(max=1)
+            for name, p in model.named_parameters():
+                assert_close(p.grad, times(ref[name], factor).mean(0), name)
+
+
 def test_both_norm_forms_are_used() -> None:
     assert gram_is_cheaper(2, 8, 9) and not gram_is_cheaper(40, 8, 9)
 
@@ -195,6 +235,55 @@ def test_norms_need_tracking_without_grad_sample() -> None:
     with PerSampleModule(model, keep_grad_sample=False) as psm:
         psm(torch.randn(4, 3)).sum().backward()
         with pytest.raises(PergradError, match=r"track_norms=True"):
+            psm.per_sample_norms()
+
+
+def norms_model() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 3)).double()
+    return model, torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_norms_of_what_was_clipped_without_track_norms(keep: bool) -> None:
+    """The norms the backward computed for clipping and normalising are there without track_norms,
+    as they were BEFORE the transform; another parameter's is an error that names the fix."""
+    model, x, y = norms_model()
+    ref = reference_grad_sample(model, x, y)
+    with PerSampleModule(model, keep_grad_sample=keep) as psm:
+        psm.register_transform(model[0], transforms.clip_norm(0.1))
+        psm.register_transform("3.weight", transforms.normalize())
+        run_pergrad(psm, x, y)
+        norms = psm.per_sample_norms()
+        transformed = {"0.weight", "0.bias", "3.weight"}
+        assert set(norms) == ({n for n, _ in model.named_parameters()} if keep else transformed)
+        for name in transformed:
+            assert_close(norms[name], ref[name].flatten(1).norm(dim=1), name)
+        # every sample was changed by its transform: clipped (norm > 0.1), normalised (norm != 1)
+        assert flat_norms({k: ref[k] for k in ("0.weight", "0.bias")}).min() > 0.1
+        assert (ref["3.weight"].flatten(1).norm(dim=1) - 1).abs().min() > 0.1
+        if not keep:
+            with pytest.raises(
+                pergrad.NormNotComputedError, match=r"no per-sample norm of parameter '3\.bias'.*pass track_norms=True"
+            ):
+                norms["3.bias"]
+            assert norms.get("3.bias") is None
+        with pytest.raises(KeyError, match=r"'3\.nope' is not a trainable parameter.*'0\.weight'"):
+            norms["3.nope"]
+
+
+def test_norms_without_grad_sample_need_a_norm_based_transform_or_track_norms() -> None:
+    model, x, y = norms_model()
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.1))
+        with pytest.raises(PergradError, match=r"after a backward that computed norms.*track_norms=True"):
+            psm.per_sample_norms()  # no backward yet
+        run_pergrad(psm, x, y)
+        assert len(psm.per_sample_norms()) == 6
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
+        psm.register_transform(model, transforms.scale(torch.ones(6, dtype=torch.float64)))  # needs no norms
+        run_pergrad(psm, x, y)
+        with pytest.raises(PergradError, match=r"norm-based transform \(clip_norm, normalize\).*track_norms=True"):
             psm.per_sample_norms()
 
 

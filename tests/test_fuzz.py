@@ -1,16 +1,22 @@
-"""Random models from the supported layers, checked end to end against torch.func.
+"""Random models from the supported layers, checked end to end against torch.func on EVERY step.
 
-Models have random depth and widths, sequence or spatial shapes, residual connections with in-place
-adds, in-place ReLUs, tied input/output embeddings, a layer reused within one forward, and frozen
-parts; a random transform target (none, the whole model, one module, one parameter) and a random
-``keep_grad_sample``. The ``ci`` profile runs 300 derandomized examples
-(``HYPOTHESIS_PROFILE=long`` for more); a failure prints the drawn model spec, shrunk.
+Models have random depth and widths (some wide enough for the Gram form of the fused norms),
+residual connections with in-place adds, in-place ReLUs, tied input/output embeddings, a layer
+reused within one forward, a layer called at two lengths in one forward, position embeddings shared
+by the batch (without a batch dim, or a ``[1, T]`` buffer), and frozen parts; a random transform
+target (none, the whole model, one module, one parameter), a random ``keep_grad_sample``, a user's
+hook on a parameter (a tensor hook or a post-accumulate-grad hook) and a ``load_state_dict(...,
+assign=True)`` that replaces the parameters mid-run. Each example runs three steps with their own
+batch size and sequence length or spatial size, on both sides of the 16 positions per sample from
+which weights run detached; ``.grad``, ``grad_sample``, the norms and the hooks are checked on
+every step. The ``ci`` profile runs 300 derandomized examples (``HYPOTHESIS_PROFILE=long`` for
+2000); a failure prints the drawn model spec, shrunk.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from hypothesis import given, settings
@@ -21,11 +27,18 @@ from pergrad import PerSampleModule, transforms
 from tests.reference import assert_close, reference_grad_sample
 
 FUZZ_EXAMPLES = {"ci": 300, "dev": 60, "long": 2000}[os.environ.get("HYPOTHESIS_PROFILE", "dev")]
+LENGTHS = [1, 2, 3, 15, 16, 17]  # positions per sample on both sides of detach.MANY = 16
+MAX_LENGTH = 24
 
 
 @dataclass(frozen=True)
 class Block:
-    """One step of a random model. kind: linear | norm | residual | reuse | conv | conv_residual."""
+    """One step of a random model.
+
+    kind: linear | norm | residual | reuse | pool | positions | conv | conv_residual. ``pool`` calls
+    its Linear on ``h`` and on ``h`` averaged over positions (two lengths in one forward);
+    ``positions`` adds an Embedding of the position ids shared by the batch (``arange(T)`` without
+    a batch dim when ``bias``, else a ``[1, T]`` buffer)."""
 
     kind: str
     width: int = 0
@@ -34,14 +47,14 @@ class Block:
     kernel: int = 1
     groups: int = 1
     padding_mode: str = "zeros"
+    long_first: bool = False  # pool: call the Linear on the longer input first
 
 
 @dataclass(frozen=True)
 class Spec:
     family: str  # "seq" or "image"
-    batch: int
     width: int  # input features / channels
-    shape: tuple[int, ...]  # sequence dims (seq) or spatial dims (image)
+    steps: tuple[tuple[int, tuple[int, ...]], ...]  # (batch, sequence or spatial dims) of each step
     blocks: tuple[Block, ...]
     vocab: int = 0  # seq: an Embedding of this vocabulary first (0: float input)
     tied: bool = False  # seq: the head reuses the embedding's weight
@@ -56,15 +69,19 @@ class Net(nn.Module):
         if spec.vocab:
             self.emb = nn.Embedding(spec.vocab, width)
         self.blocks = nn.ModuleList()
-        conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[len(spec.shape) - 1] if spec.family == "image" else None
+        nd = len(spec.steps[0][1])
+        conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[nd - 1] if spec.family == "image" else None
+        self.register_buffer("position_ids", torch.arange(MAX_LENGTH).expand(1, -1))
         for b in spec.blocks:
             if b.kind == "linear":
                 layer: nn.Module = nn.Linear(width, b.width, bias=b.bias)
                 width = b.width
-            elif b.kind in ("residual", "reuse"):
+            elif b.kind in ("residual", "reuse", "pool"):
                 layer = nn.Linear(width, width, bias=b.bias)
             elif b.kind == "norm":
                 layer = nn.LayerNorm(width, bias=b.bias)
+            elif b.kind == "positions":
+                layer = nn.Embedding(MAX_LENGTH, width)
             else:
                 assert conv is not None
                 out = width if b.kind == "conv_residual" else b.width * b.groups
@@ -75,7 +92,7 @@ class Net(nn.Module):
             layer.requires_grad_(not b.frozen)
             self.blocks.append(layer)
         if spec.family == "image":
-            width *= int(torch.tensor(spec.shape).prod())
+            self.pool = nn.AdaptiveAvgPool1d(1) if nd == 1 else None
         self.head = nn.Linear(width, spec.vocab if spec.tied else spec.out, bias=not spec.tied)
         if spec.tied:
             self.head.weight = self.emb.weight
@@ -91,23 +108,46 @@ class Net(nn.Module):
                 h = torch.tanh(out)
             elif b.kind == "reuse":
                 h = torch.tanh(layer(torch.tanh(layer(h))))
+            elif b.kind == "pool":  # the same Linear on [B, T, ..., D] and on [B, D], in either order
+                long = layer(h) if b.long_first else None
+                summary = layer(h.flatten(1, -2).mean(1))
+                long = layer(h) if long is None else long
+                h = torch.tanh(long) + summary.view(summary.shape[0], *[1] * (h.dim() - 2), -1)
+            elif b.kind == "positions":  # shared by the batch: no batch dim, or a batch dim of 1
+                t, extra = h.shape[1], h.dim() - 3
+                if b.bias:
+                    pos = layer(torch.arange(t)).view(t, *[1] * extra, -1)
+                else:
+                    pos = layer(self.position_ids[:, :t]).view(1, t, *[1] * extra, -1)
+                h = h + pos
             else:
                 h = layer(h)
-        return self.head(h.flatten(1) if self.spec.family == "image" else h)
+        if self.spec.family == "image":  # average over positions: any spatial size
+            h = h.flatten(2).mean(2)
+        return self.head(h)
+
+
+widths = st.one_of(st.integers(1, 5), st.integers(1, 5), st.sampled_from([24, 40]))  # 24+: Gram form at T=16
 
 
 @st.composite
 def seq_specs(draw: st.DrawFn) -> Spec:
-    width = draw(st.integers(1, 5))
+    width = draw(widths)
     vocab = draw(st.sampled_from([0, 0, 6]))
-    kinds = st.sampled_from(["linear", "norm", "residual", "reuse"])
+    nd = draw(st.sampled_from([0, 1, 1, 2]))
+    kinds = ["linear", "norm", "residual", "reuse"] + (["pool", "pool", "positions", "positions"] if nd else [])
     blocks = []
-    for kind in draw(st.lists(kinds, max_size=4)):
-        blocks.append(Block(kind, draw(st.integers(1, 5)), draw(st.booleans()), draw(st.booleans())))
+    for kind in draw(st.lists(st.sampled_from(kinds), max_size=4)):
+        block = Block(kind, draw(widths), draw(st.booleans()), draw(st.booleans()))
+        blocks.append(replace(block, long_first=draw(st.booleans())) if kind == "pool" else block)
     final = next((b.width for b in reversed(blocks) if b.kind == "linear"), width)
     tied = bool(vocab) and final == width and draw(st.booleans())
-    shape = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
-    return Spec("seq", draw(st.integers(1, 4)), width, shape, tuple(blocks), vocab, tied)
+    extra = tuple(draw(st.lists(st.integers(1, 2), min_size=max(nd - 1, 0), max_size=max(nd - 1, 0))))
+    steps = []
+    for _ in range(3):
+        length = (draw(st.sampled_from(LENGTHS)),) if nd else ()
+        steps.append((draw(st.integers(1, 4)), length + extra))
+    return Spec("seq", width, tuple(steps), tuple(blocks), vocab, tied)
 
 
 @st.composite
@@ -123,18 +163,20 @@ def image_specs(draw: st.DrawFn) -> Spec:
         blocks.append(Block(kind, per_group, draw(st.booleans()), draw(st.booleans()), kernel, groups, mode))
         if kind == "conv":
             channels = groups * per_group
-    shape = tuple(draw(st.integers(2, 4)) for _ in range(nd))
-    return Spec("image", draw(st.integers(1, 3)), width, shape, tuple(blocks))
+    sizes = {1: [2, 3, 15, 16, 17], 2: [2, 3, 4, 5], 3: [2, 3]}[nd]  # positions on both sides of 16
+    steps = [(draw(st.integers(1, 3)), tuple(draw(st.sampled_from(sizes)) for _ in range(nd))) for _ in range(3)]
+    return Spec("image", width, tuple(steps), tuple(blocks))
 
 
-def make_batch(spec: Spec, model: Net, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
+def make_batch(spec: Spec, model: Net, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed + step)
+    batch, shape = spec.steps[step]
     if spec.vocab:
-        x = torch.randint(0, spec.vocab, (spec.batch, *spec.shape), generator=gen)
+        x = torch.randint(0, spec.vocab, (batch, *shape), generator=gen)
     elif spec.family == "seq":
-        x = torch.randn(spec.batch, *spec.shape, spec.width, generator=gen, dtype=torch.float64)
+        x = torch.randn(batch, *shape, spec.width, generator=gen, dtype=torch.float64)
     else:
-        x = torch.randn(spec.batch, spec.width, *spec.shape, generator=gen, dtype=torch.float64)
+        x = torch.randn(batch, spec.width, *shape, generator=gen, dtype=torch.float64)
     with torch.no_grad():
         target = torch.randn(model(x).shape, generator=gen, dtype=torch.float64)
     return x, target
@@ -152,35 +194,63 @@ def expected_grad(ref: dict[str, torch.Tensor], target: str, kind: str) -> dict[
     return out
 
 
+class HookLog:
+    """A user's hook on one parameter: what autograd handed a tensor hook, or what ``.grad`` held
+    when a post-accumulate-grad hook ran (after pergrad wrote it)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.seen = kind, []  # type: ignore[var-annotated]
+
+    def attach(self, p: nn.Parameter) -> None:
+        if self.kind == "tensor":
+            p.register_hook(lambda g: self.seen.append(g.clone()))
+        elif self.kind == "post":
+            p.register_post_accumulate_grad_hook(lambda q: self.seen.append(q.grad.clone()))
+
+
 @settings(max_examples=FUZZ_EXAMPLES)
 @given(data=st.data(), seed=st.integers(0, 2**16))
-def test_random_models_match_torch_func(data: st.DataObject, seed: int) -> None:
-    spec = data.draw(st.one_of(seq_specs(), image_specs()), label="spec")
+def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed: int) -> None:
+    spec = data.draw(st.one_of(seq_specs(), seq_specs(), image_specs()), label="spec")
     torch.manual_seed(seed)
     model = Net(spec).double()
-    x, target = make_batch(spec, model, seed)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    ref = reference_grad_sample(model, x, target)
     hooked = sorted({n.rsplit(".", 1)[0] for n in trainable})
     choice = data.draw(st.sampled_from(["none", "root", "module", "param"]), label="target kind")
     keep = data.draw(st.booleans(), label="keep_grad_sample")
+    hook = HookLog(data.draw(st.sampled_from(["none", "none", "tensor", "post"]), label="user hook"))
+    hook_name = data.draw(st.sampled_from(trainable), label="hooked parameter") if trainable else ""
+    replace_at = data.draw(st.sampled_from([None, None, 1, 2]), label="load_state_dict(assign=True) before step")
+    set_to_none = data.draw(st.booleans(), label="zero_grad(set_to_none)")
+    params = dict(model.named_parameters())
+    if hook_name:
+        hook.attach(params[hook_name])
     with PerSampleModule(model, keep_grad_sample=keep, track_norms=True) as psm:
         target_name, kind = "", "none"
         if choice == "root":
             psm.register_transform(model, transforms.clip_norm(0.5))
             kind = "clip"
-        elif choice == "module":
+        elif choice == "module" and hooked:
             target_name, kind = data.draw(st.sampled_from(hooked), label="module"), "clip"
             psm.register_transform(target_name, transforms.clip_norm(0.5))
-        elif choice == "param":
+        elif choice == "param" and trainable:
             target_name, kind = data.draw(st.sampled_from(trainable), label="param"), "double"
             psm.register_transform(target_name, lambda g: g * 2)
-        expected = expected_grad(ref, target_name, kind)
-        # the second step runs with the weights pergrad writes itself detached (after the first check)
-        for step in ("first step", "second step"):
-            psm.zero_grad()
+        for step in range(len(spec.steps)):
+            what = f"step {step} {spec.steps[step]}"
+            if step == replace_at:  # a checkpoint loader: new Parameter objects, same names
+                model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+                params = dict(model.named_parameters())
+                if hook_name:
+                    hook.attach(params[hook_name])
+            x, target = make_batch(spec, model, step, seed)
+            batch = x.shape[0]
+            ref = reference_grad_sample(model, x, target)
+            expected = expected_grad(ref, target_name, kind)
+            psm.zero_grad(set_to_none)
+            hook.seen.clear()
             out = psm(x)
-            ((out - target).pow(2).sum() / spec.batch).backward()
+            ((out - target).pow(2).sum() / batch).backward()
             norms = psm.per_sample_norms()
             for name, p in model.named_parameters():
                 assert type(p) is nn.Parameter
@@ -188,6 +258,10 @@ def test_random_models_match_torch_func(data: st.DataObject, seed: int) -> None:
                     assert p.grad is None and not hasattr(p, "grad_sample")
                     continue
                 if keep:
-                    assert_close(p.grad_sample, ref[name], f"{step}: grad_sample of {name} in {spec}")
-                assert_close(p.grad, expected[name], f"{step}: .grad of {name} in {spec}")
-                assert_close(norms[name], ref[name].flatten(1).norm(dim=1), f"{step}: norm of {name} in {spec}")
+                    assert_close(p.grad_sample, ref[name], f"{what}: grad_sample of {name} in {spec}")
+                assert_close(p.grad, expected[name], f"{what}: .grad of {name} in {spec}")
+                assert_close(norms[name], ref[name].flatten(1).norm(dim=1), f"{what}: norm of {name} in {spec}")
+            if hook.kind != "none" and hook_name:
+                assert len(hook.seen) == 1, f"{what}: the {hook.kind} hook on {hook_name} ran {len(hook.seen)} times"
+                want = ref[hook_name].mean(0) if hook.kind == "tensor" else expected[hook_name]
+                assert_close(hook.seen[0], want, f"{what}: what the {hook.kind} hook on {hook_name} saw")

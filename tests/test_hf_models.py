@@ -10,6 +10,7 @@ the layer rules.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad import PerSampleModule, transforms
+from pergrad import PerSampleModule, TokenLossWarning, transforms
 from tests.reference import assert_close
 
 transformers = pytest.importorskip("transformers")
@@ -88,6 +89,8 @@ def check(
                 (loss(psm(**inputs), labels).sum() / b).backward()
                 norms = psm.per_sample_norms()
                 for name, p in model.named_parameters():
+                    if not p.requires_grad:
+                        continue
                     what = f"{type(model).__name__} B={b} T={t} {name}"
                     if keep:
                         close(p.grad_sample, ref[name], f"grad_sample of {what}")
@@ -111,6 +114,33 @@ def test_bert() -> None:
         max_position_embeddings=16, num_labels=3,
     )  # fmt: skip
     check(transformers.BertForSequenceClassification(config), tokens("class"), class_loss)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft 0.21
+def test_bert_with_lora_on_its_word_embeddings() -> None:
+    """peft's LoRA on an nn.Embedding keeps A and B in ParameterDicts and looks A up with
+    ``F.embedding(ids, A.T, padding_idx=...)``: raw parameters of the LoRA layer, exact without
+    fallback, token 0 (BERT's padding_idx) included."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=16, num_labels=3,
+    )  # fmt: skip
+    lora = peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["word_embeddings", "query", "value"], lora_dropout=0.0,
+        init_lora_weights=False,
+    )  # fmt: skip
+    model = peft.get_peft_model(transformers.BertForSequenceClassification(config), lora)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lora_embedding_A" in n for n in names) and any("lora_embedding_B" in n for n in names)
+
+    def batch(b: int, t: int, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        ids = torch.randint(0, VOCAB, (b, t), generator=gen)
+        ids[0, -1] = 0
+        return {"input_ids": ids}, torch.randint(0, 3, (b,), generator=gen)
+
+    check(model, batch, class_loss)
 
 
 def test_distilbert() -> None:
@@ -181,3 +211,38 @@ def test_vit_cls_token_and_position_embeddings() -> None:
         return {"pixel_values": x}, torch.randint(0, 3, (b,), generator=gen)
 
     check(transformers.ViTForImageClassification(config), batch, class_loss)
+
+
+def test_labels_loss_over_padded_tokens_warns_once_and_is_left_alone() -> None:
+    """HF's ``labels=`` loss is a mean over the batch's tokens: with rows of different label counts
+    pergrad warns (once), without changing what the backward computes; equal counts, sequence
+    labels, or a loss computed from the logits do not warn."""
+    torch.manual_seed(7)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(config).double()
+    ids = torch.randint(1, VOCAB, (3, 6))
+    padded = ids.clone()
+    padded[0, 4:] = -100
+    with PerSampleModule(model) as psm:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            psm(input_ids=ids, labels=ids).loss.backward()  # equal counts: (1/B) sum_i mean_t, fine
+            lm_loss(psm(input_ids=ids), ids).mean().backward()
+            psm(input_ids=ids, labels=padded)  # a forward whose loss is not backpropagated
+        with pytest.warns(
+            TokenLossWarning, match=r"mean over all 16 labelled tokens.*4 to 6.*README 'Language models'"
+        ):
+            psm(input_ids=ids, labels=padded).loss.backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            psm(input_ids=ids, labels=padded).loss.backward()  # once per wrapper
+    classes = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=16, num_labels=3,
+    )  # fmt: skip
+    with (
+        PerSampleModule(transformers.BertForSequenceClassification(classes).double()) as psm,
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("error")
+        psm(input_ids=ids, labels=torch.tensor([0, 2, 1])).loss.backward()

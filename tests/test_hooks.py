@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pergrad
 from pergrad import HookStateError, PerSampleModule
 from tests.reference import assert_close, reference_grad_sample, run_pergrad
 
@@ -305,3 +306,33 @@ def test_a_gradient_part_no_layer_produced_is_refused(keep: bool) -> None:
             loss.backward()
     with PerSampleModule(model, keep_grad_sample=keep, verify=False) as psm:
         (psm(x).pow(2).mean() + 0.1 * model[0].weight.pow(2).sum()).backward()  # the user opted out
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * self.w, torch.tanh(x * self.w)
+
+
+def test_a_gradient_through_an_output_the_rule_does_not_take_names_the_layer_and_the_cause() -> None:
+    """A rule registered without output_dims takes the first tensor the layer returns: a loss on the
+    second one is refused with that cause, not blamed on a forward run before wrapping."""
+    rules = pergrad.registry.default_registry.copy()
+
+    @rules.register(Pair, all_inputs=True)
+    def pair(layer: nn.Module, call: pergrad.registry.LayerCall, d: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"w": d * call.args[0]}
+
+    model = nn.Sequential(Pair())
+    with PerSampleModule(model, rules=rules) as psm:
+        psm(torch.randn(4, 3))[0].sum().backward()  # the first output: taken
+        loss = psm(torch.randn(4, 3))[1].sum()
+        with pytest.raises(
+            HookStateError,
+            match=r"parameter '0\.w' received a gradient .* caught no gradient on the first tensor returned by "
+            r"layer '0' \(Pair\) .* an output of the layer that its rule does not take",
+        ):
+            loss.backward()

@@ -191,8 +191,16 @@ class MyLinear(nn.Linear):
             nn.Sequential(nn.Linear(3, 3), nn.PReLU()),
             r"layer '1' \(torch.nn.modules.activation.PReLU\) has trainable parameters \['weight'\] but no per-sample rule.*register_rule\(PReLU\).*Supported types: .*Linear",
         ),
-        (nn.Sequential(MyLinear(3, 3)), r"layer '0' .*MyLinear.*subclasses Linear.*register_rule\(MyLinear\)"),
-        (nn.Embedding(4, 2, scale_grad_by_freq=True), r"layer '' \(nn.Embedding\) has scale_grad_by_freq=True"),
+        (
+            nn.Sequential(MyLinear(3, 3)),
+            r"layer '0' .*MyLinear.*subclasses Linear and keeps its forward.*register the parent's rule: "
+            r"pergrad.register_rule\(MyLinear\)\(pergrad.rules.linear\)\. Or pass fallback=True",
+        ),
+        (
+            nn.Embedding(4, 2, scale_grad_by_freq=True),
+            r"^the root module \(nn.Embedding\) has scale_grad_by_freq=True",
+        ),
+        (nn.PReLU(), r"^the root module \(torch.nn.modules.activation.PReLU\) has trainable .*register_rule\(PReLU\)"),
         (nn.Embedding(4, 2, sparse=True), r"sparse=True.*sparse=False"),
     ],
 )
@@ -210,6 +218,100 @@ class CustomLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+class MyGroupNorm(nn.GroupNorm):
+    pass
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """As timm's: a BatchNorm followed by an activation, in one forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(x))
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """As timm's: a LayerNorm over the channels of an image, which permutes them last and back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class Act(LayerNorm2d):  # forward overridden by its parent, not by itself
+    pass
+
+
+def test_subclass_advice_names_the_parent_rule_and_it_works() -> None:
+    """The advice names the real rule with the options it is registered with; following it
+    literally gives exact per-sample gradients."""
+    model = nn.Sequential(nn.Conv2d(2, 4, 1), MyGroupNorm(2, 4)).double()
+    advice = (
+        r"layer '1' \(\S*MyGroupNorm\) has trainable parameters \['weight', 'bias'\] but no per-sample "
+        r"rule: it subclasses GroupNorm and keeps its forward; rules apply to their exact type only .* register the "
+        r"parent's rule: pergrad.register_rule\(MyGroupNorm, batch_dim_fixed=True\)\(pergrad.rules.group_norm\)\. "
+        r"Or pass fallback=True"
+    )
+    with pytest.raises(UnsupportedLayerError, match=advice):
+        PerSampleModule(model)
+    registry = pergrad.default_registry.copy()
+    pergrad.register_rule(MyGroupNorm, batch_dim_fixed=True, registry=registry)(pergrad.rules.group_norm)
+    x, y = torch.randn(4, 2, 3, 3, dtype=torch.float64), torch.randn(4, 4, 3, 3, dtype=torch.float64)
+    ref = reference_grad_sample(model, x, y)
+    with PerSampleModule(model, rules=registry) as psm:
+        for _ in range(2):
+            psm.zero_grad()
+            run_pergrad(psm, x, y)
+            for name, p in model.named_parameters():
+                assert_close(p.grad_sample, ref[name], name)
+
+
+@pytest.mark.parametrize(
+    ("layer", "parent", "where"),
+    [
+        (BatchNormAct2d(4), "BatchNorm2d", "BatchNormAct2d"),
+        (LayerNorm2d(4), "LayerNorm", "LayerNorm2d"),
+        (Act(4), "LayerNorm", "LayerNorm2d"),
+    ],
+)
+def test_subclass_that_overrides_forward_is_not_advised_the_parent_rule(
+    layer: nn.Module, parent: str, where: str
+) -> None:
+    with pytest.raises(
+        UnsupportedLayerError,
+        match=rf"it subclasses {parent}, but {where} overrides forward, so the {parent} rule does not compute its "
+        rf"gradients: pass fallback=True to compute it with torch.func \(exact, slower\), or write a rule for it "
+        rf"with @pergrad.register_rule\({type(layer).__name__}\)\. Supported",
+    ) as info:
+        PerSampleModule(nn.Sequential(nn.Conv2d(2, 4, 1), layer))
+    assert "register the parent's rule" not in str(info.value) and "pergrad.rules." not in str(info.value)
+
+
+def test_scalar_raw_parameter_with_clipping() -> None:
+    """A 0-dim raw parameter's per-sample gradients are ``[B]``: norms and sums handle them."""
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.scale
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), Scale()).double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    ref = reference_grad_sample(model, x, y)
+    norms = torch.stack([g.reshape(5, -1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
+    factor = (0.5 / norms).clamp(max=1)
+    for keep_grad_sample in (True, False):
+        model.zero_grad()
+        with PerSampleModule(model, keep_grad_sample=keep_grad_sample) as psm:
+            psm.register_transform(model, pergrad.transforms.clip_norm(0.5))
+            run_pergrad(psm, x, y)
+        for name, p in model.named_parameters():
+            g = ref[name]
+            assert_close(p.grad, (g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0), name)
 
 
 def test_raw_parameters_of_custom_modules() -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad import PerSampleModule, SharedInputError, transforms
+from pergrad import PerSampleModule, SharedInputError, UnsupportedLayerError, transforms
 from tests.reference import assert_close, reference_grad_sample
 from tests.test_fused import check_statistics
 
@@ -220,6 +220,55 @@ def test_a_per_sample_input_computed_inside_the_model_is_batched() -> None:
     run(Conditional().double(), floats(3, 2), squared, True, 0.5, False)
 
 
+class LoraEmbedding(nn.Module):
+    """As peft's LoRA on an embedding: ``base(ids) + F.embedding(ids, A.T) @ B.T * scale``, A and B
+    held in a ParameterDict and a ParameterList (nested in a ModuleDict), never called themselves."""
+
+    def __init__(self, vocab: int = 10, dim: int = 4, rank: int = 2, batch_first: bool = True) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.base = nn.Embedding(vocab, dim, padding_idx=0)
+        self.lora_embedding_a = nn.ParameterDict({"default": nn.Parameter(torch.randn(rank, vocab))})
+        self.adapters = nn.ModuleDict({"b": nn.ParameterList([nn.Parameter(torch.randn(dim, rank))])})
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        a, b = self.lora_embedding_a["default"].T, self.adapters["b"][0].T
+        after_a = F.embedding(idx, a, padding_idx=self.base.padding_idx)
+        return self.head(torch.tanh(self.base(idx) + (after_a @ b) * 0.5))
+
+
+@pytest.mark.parametrize(("keep", "clip", "stats"), MODES)
+def test_parameters_in_parameter_dicts_looked_up_by_f_embedding(keep: bool, clip: float | None, stats: bool) -> None:
+    """Raw parameters of the module that reads them from a ParameterDict/ParameterList; a shared
+    weight looked up by batched ids in F.embedding (rows at padding_idx: no gradient, as autograd)."""
+    torch.manual_seed(6)
+    run(LoraEmbedding().double(), ids(10), token_loss, keep, clip, stats)
+
+
+def test_shared_weight_of_f_embedding_sequence_first() -> None:
+    torch.manual_seed(7)
+    model = LoraEmbedding(batch_first=False).double()
+    run(model, ids(10, batch_first=False), token_loss, True, 0.5, False, batch_first=False)
+
+
+class MatrixParameter(nn.Module):
+    """A raw matrix on the right of a matmul whose left operand has the batch as its rows ``[B, D]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x).mean(1)) @ self.w
+
+
+def test_raw_matrix_times_the_batch_as_rows() -> None:
+    torch.manual_seed(8)
+    run(MatrixParameter().double(), floats(4, 3), squared, True, 0.5, False)
+
+
 class Unmet(nn.Module):
     """A shared output that reaches the loss without meeting the batch."""
 
@@ -257,3 +306,17 @@ def test_shared_tensors_that_cannot_be_split_are_clear_errors() -> None:
                       r"in linear.*register_rule.*fallback=True"),
     ):  # fmt: skip
         psm(x)
+    model = LoraEmbedding()
+    model.forward = lambda idx: F.embedding(idx, model.lora_embedding_a["default"].T, max_norm=1.0)  # type: ignore[method-assign]
+    with (
+        PerSampleModule(model) as psm,
+        pytest.raises(SharedInputError, match=r"parameter 'default' of layer 'lora_embedding_a' \(ParameterDict\) is "
+                      r"shared by the batch and looked up by F.embedding with max_norm or scale_grad_by_freq"),
+    ):  # fmt: skip
+        psm(torch.randint(0, 10, (3, 4)))
+
+
+def test_parameters_of_a_parameter_dict_that_no_module_calls() -> None:
+    with pytest.raises(UnsupportedLayerError, match=r"^layer 'b' \(ParameterList\) holds trainable parameters "
+                       r"\['0'\], but no module of the model that is called encloses it"):  # fmt: skip
+        PerSampleModule(nn.ModuleDict({"b": nn.ParameterList([nn.Parameter(torch.randn(2))])}))

@@ -21,7 +21,7 @@ def raw_parameter(layer: nn.Module, name: str, d: Tensor) -> dict[str, Tensor]:
 
 
 def _sq_norms(layer: nn.Module, name: str, d: Tensor) -> dict[str, Tensor]:
-    return {name: torch.linalg.vector_norm(d.flatten(1), dim=1).square()}
+    return {name: torch.linalg.vector_norm(d.reshape(d.shape[0], -1), dim=1).square()}
 
 
 def _summed(layer: nn.Module, name: str, d: Tensor) -> dict[str, Tensor]:
@@ -29,7 +29,7 @@ def _summed(layer: nn.Module, name: str, d: Tensor) -> dict[str, Tensor]:
 
 
 def _dots(layer: nn.Module, name: str, d: Tensor, other: dict[str, Tensor]) -> dict[str, Tensor]:
-    return {name: d.flatten(1) @ other[name].flatten()}
+    return {name: d.reshape(d.shape[0], -1) @ other[name].flatten()}
 
 
 RAW = RuleSpec(raw_parameter, raw=True, fused=FusedRule(_sq_norms, _summed, _dots))

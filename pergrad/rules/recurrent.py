@@ -3,7 +3,9 @@
 A recurrent layer's weight gradient sums over time steps through the recurrence, so it has no
 outer-product form, and torch.func cannot vmap PyTorch's fused RNN kernels. This rule re-runs the
 layer on each sample alone and pulls that sample's output gradient back to the weights with
-autograd: exact, and B times one sample's backward of the layer.
+autograd: exact, and B times one sample's backward of the layer. The rule takes the gradients of
+all the layer's outputs (``output, h_n`` or ``output, (h_n, c_n)``): a classifier reading ``h_n``
+gets them as one reading the output sequence does.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from ..errors import UnsupportedLayerError
-from ..registry import LayerCall, default_registry
+from ..registry import LayerCall, OutputGrads, default_registry, output_tensors
 
 _Recurrent = (nn.RNN, nn.GRU, nn.LSTM)
 
@@ -29,16 +31,28 @@ def _sample(state: Any, i: int) -> Any:
     return state.narrow(1, i, 1)
 
 
-@default_registry.register(*_Recurrent, all_inputs=True)
-def recurrent(layer: nn.Module, call: LayerCall, d: Tensor) -> dict[str, Tensor]:
-    """``g_i = (d output_i / d theta)^T d_i`` for sample i's input and initial state alone.
+def _output_dims(layer: nn.Module, output: Any, batch_dim: int) -> tuple[int | None, ...]:
+    """``output, h_n`` (``output, (h_n, c_n)`` for an LSTM): the output sequence has the batch on
+    the wrapper's batch dim (its data, as it is, for a PackedSequence); ``h_n`` and ``c_n`` are
+    ``[layers * directions, B, H]`` whatever ``batch_first`` is, in the caller's sample order."""
+    sequence = None if isinstance(output[0], PackedSequence) else batch_dim
+    return (sequence, *(1 for _ in output_tensors(output[1])))
 
-    Index conventions: n sample; d: [n, *output of one sample] (the output sequence only: gradients
-    reaching ``h_n``/``c_n`` are not seen, and the wrapper's first-backward check reports it if they
-    matter). The layer's own ``batch_first`` must match the wrapper's. With a ``PackedSequence``
-    input, each sample runs on its own steps only, and d is the gradient of the packed data.
+
+@default_registry.register(*_Recurrent, all_inputs=True, output_dims=_output_dims)
+def recurrent(layer: nn.Module, call: LayerCall, d: OutputGrads | Tensor) -> dict[str, Tensor]:
+    """``g_i = sum_k (d output_k,i / d theta)^T d_k,i`` for sample i's input and initial state alone,
+    over the outputs ``k`` that received a gradient (the output sequence, ``h_n``, ``c_n``): one
+    backward per sample with all of them.
+
+    Index conventions: n sample; d: one gradient per output tensor (None where none arrived), each
+    [n, *that output of one sample] (``h_n``: [n, layers * directions, H]); a bare tensor is the
+    output sequence's alone. The layer's own ``batch_first`` must match the wrapper's. With a
+    ``PackedSequence`` input, each sample runs on its own steps only, and the output sequence's
+    gradient is that of the packed data.
     """
     assert isinstance(layer, nn.RNNBase)
+    grads = (d,) if isinstance(d, Tensor) else d
     x = call.args[0] if call.args else call.kwargs["input"]
     state = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
     if layer.training and layer.dropout > 0:
@@ -48,27 +62,35 @@ def recurrent(layer: nn.Module, call: LayerCall, d: Tensor) -> dict[str, Tensor]
         )
     params = {n: p for n, p in layer.named_parameters() if p.requires_grad}
     batch_dim = 0 if layer.batch_first else 1
-    samples = _packed_samples(x, d) if isinstance(x, PackedSequence) else _padded_samples(x, d, batch_dim)
-    out = {n: d.new_zeros((len(samples), *p.shape)) for n, p in params.items()}
+    inputs = _packed_samples(x) if isinstance(x, PackedSequence) else _padded_samples(x, batch_dim)
+    like = next(g for g in grads if g is not None)
+    out = {n: like.new_zeros((len(inputs), *p.shape)) for n, p in params.items()}
     with torch.enable_grad():
-        for i, (xi, di) in enumerate(samples):
-            xi = xi.detach().unsqueeze(batch_dim)
-            output = layer.forward(xi, _sample(state, i))[0]  # forward(): no hooks, nothing kept
-            grads = torch.autograd.grad(output, list(params.values()), di.reshape(output.shape), allow_unused=True)
-            for (name, _), g in zip(params.items(), grads, strict=True):
+        for i, (xi, rows) in enumerate(inputs):
+            outputs = output_tensors(layer.forward(xi.detach().unsqueeze(batch_dim), _sample(state, i)))  # no hooks
+            pairs = [
+                (o, (g[i] if rows is None or k > 0 else g[rows]).reshape(o.shape))
+                for k, (o, g) in enumerate(zip(outputs, grads, strict=False))
+                if g is not None
+            ]
+            found = torch.autograd.grad(
+                [o for o, _ in pairs], list(params.values()), [g for _, g in pairs], allow_unused=True
+            )
+            for (name, _), g in zip(params.items(), found, strict=True):
                 if g is not None:
                     out[name][i] = g
     return out
 
 
-def _padded_samples(x: Tensor, d: Tensor, batch_dim: int) -> list[tuple[Tensor, Tensor]]:
-    """Each sample's input sequence and output gradient, from a padded batch (d: batch on dim 0)."""
-    return [(x.select(batch_dim, i), d[i]) for i in range(d.shape[0])]
+def _padded_samples(x: Tensor, batch_dim: int) -> list[tuple[Tensor, None]]:
+    """Each sample's input sequence, from a padded batch (its output gradients: row i of each)."""
+    return [(x.select(batch_dim, i), None) for i in range(x.shape[batch_dim])]
 
 
-def _packed_samples(x: PackedSequence, d: Tensor) -> list[tuple[Tensor, Tensor]]:
-    """Each sample's own steps, in the caller's order, from a PackedSequence and the gradient of its
-    data (time-major blocks, each block sorted by length: row = start of step t + sorted position)."""
+def _packed_samples(x: PackedSequence) -> list[tuple[Tensor, Tensor]]:
+    """Each sample's own steps, in the caller's order, from a PackedSequence, with their rows in its
+    data (time-major blocks, each block sorted by length: row = start of step t + sorted position),
+    where the output's gradient has them too."""
     sizes = x.batch_sizes
     starts = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
     n = int(sizes[0])
@@ -77,5 +99,5 @@ def _packed_samples(x: PackedSequence, d: Tensor) -> list[tuple[Tensor, Tensor]]
     for i in range(n):
         p = int(position[i])
         rows = (starts[: int((sizes > p).sum())] + p).to(x.data.device)
-        samples.append((x.data[rows], d[rows]))
+        samples.append((x.data[rows], rows))
     return samples

@@ -1,0 +1,221 @@
+"""What pergrad keeps between steps is bounded by one step's worth, whatever shapes arrive (issue 12).
+
+DP-SGD draws each batch by Poisson sampling (its size changes every step, 0 and 1 included),
+sequence models are padded to each batch's longest sequence, and evaluation runs batches of other
+sizes. These tests count the bytes of tensor memory pergrad's own structures keep alive after every
+step (``tests.reference.held_bytes``: the buffer pool, ``grad_sample``, any kept state), never time
+or RSS, and check every step's numbers against torch.func in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from pergrad import PerSampleModule, transforms
+from pergrad.pool import BufferPool
+from tests.reference import assert_close, held_bytes, reference_grad_sample
+from tests.test_every_step import expected_grads
+
+VOCAB = 13
+
+
+class Seq(nn.Module):
+    """Tokens -> embedding -> Linear -> LayerNorm -> Linear, on every position ([B, T] -> [B, T, 3])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 6)
+        self.inp = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.tanh(self.inp(self.emb(idx)))))
+
+
+def squared(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``sum_i f_i`` with ``f_i`` the squared error over sample i's positions."""
+    return (out - target).pow(2).sum()
+
+
+def batch(b: int, t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, VOCAB, (b, t), generator=gen), torch.randn(b, t, 3, generator=gen, dtype=torch.float64)
+
+
+def schedule(steps: int, seed: int) -> list[tuple[int, int]]:
+    """(batch size, length) per step: Poisson sampling (expected batch 4 of 40) and lengths 1..24,
+    on both sides of the 16 positions from which layers run detached; sizes 0 and 1 included."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.distributions.Binomial(40, torch.tensor(0.1)).sample((steps,)).long().tolist()
+    sizes[3], sizes[7] = 0, 1  # the sampler's rare draws, on purpose
+    lengths = torch.randint(1, 25, (steps,), generator=gen).tolist()
+    return list(zip(sizes, lengths, strict=True))
+
+
+CONFIGS = {
+    "materialised, root clipping": dict(keep=True, transform="clip"),
+    "materialised, no transform": dict(keep=True, transform=None),
+    "fused root clipping": dict(keep=False, transform="clip"),
+    "fused norms, a built transform": dict(keep=False, transform="square"),
+}
+
+
+def wrap(model: nn.Module, keep: bool, transform: str | None) -> PerSampleModule:
+    psm = PerSampleModule(model, keep_grad_sample=keep, track_norms=True)
+    if transform == "clip":
+        psm.register_transform(model, transforms.clip_norm(0.5))
+    elif transform == "square":
+        psm.register_transform(model.inp, transforms.square())
+    return psm
+
+
+def expected(ref: dict[str, torch.Tensor], transform: str | None) -> dict[str, torch.Tensor]:
+    if transform != "square":
+        return expected_grads(ref, 0.5 if transform == "clip" else None)
+    return {k: (g.square() if k.startswith("inp.") else g).mean(0) for k, g in ref.items()}
+
+
+def step(psm: PerSampleModule, x: torch.Tensor, y: torch.Tensor) -> None:
+    psm.zero_grad()
+    (squared(psm(x), y) / max(x.shape[0], 1)).backward()
+
+
+def one_step_worth(model: nn.Module, keep: bool, transform: str | None, b: int, t: int) -> int:
+    """What a fresh wrapper holds after ONE step of ``b`` samples of length ``t``."""
+    model = copy.deepcopy(model)
+    with wrap(model, keep, transform) as psm:
+        step(psm, *batch(b, t, torch.Generator().manual_seed(1)))
+        return held_bytes(psm)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_memory_stays_within_one_step_over_changing_shapes(config: str) -> None:
+    """30 steps of Poisson batch sizes (0 and 1 among them) and changing lengths, with evaluation
+    batches larger than any training batch in between: after every step pergrad holds no more than
+    a fresh wrapper holds after one step of the largest of those shapes, and every step is exact."""
+    keep, transform = CONFIGS[config]["keep"], CONFIGS[config]["transform"]
+    torch.manual_seed(0)
+    model = Seq().double()
+    steps = schedule(30, seed=0)
+    b_max, t_max = max(b for b, _ in steps), max(t for _, t in steps)
+    bound = max(one_step_worth(model, keep, transform, b, t) for b, t in set(steps))
+    model_at_start = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(2)
+    held = []
+    with wrap(model, keep, transform) as psm:
+        for i, (b, t) in enumerate(steps):
+            x, y = batch(b, t, gen)
+            step(psm, x, y)
+            what = f"step {i} (B={b}, T={t})"
+            if b == 0:
+                assert all(p.grad is not None and not p.grad.any() for p in model.parameters()), what
+            else:
+                ref = reference_grad_sample(model, x, y, loss=squared)
+                want = expected(ref, transform)
+                norms = psm.per_sample_norms()
+                for name, p in model.named_parameters():
+                    assert_close(p.grad, want[name], f".grad of {name}, {what}")
+                    assert_close(norms[name], ref[name].flatten(1).norm(dim=1), f"norms of {name}, {what}")
+                    if keep:
+                        assert_close(p.grad_sample, ref[name], f"grad_sample of {name}, {what}")
+            if i % 5 == 4:  # evaluation: larger batches and lengths than training ever sees
+                with torch.no_grad():
+                    psm(batch(2 * b_max, t_max + 8, gen)[0])
+                psm(batch(2 * b_max + 1, t_max + 4, gen)[0])  # a forward with grad, never backpropagated
+            held.append(held_bytes(psm))
+            assert held[-1] <= bound, f"{what}: pergrad holds {held[-1]} bytes, its largest step alone {bound}"
+    assert held[0] == one_step_worth(model_at_start, keep, transform, *steps[0])  # the same count
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_constant_shapes_write_into_the_same_memory_every_step(keep: bool) -> None:
+    """The reuse that makes constant shapes fast: from the second step on, no new memory."""
+    torch.manual_seed(0)
+    model = Seq().double()
+    gen = torch.Generator().manual_seed(0)
+    with wrap(model, keep, "clip") as psm:
+        seen = []
+        for _ in range(5):
+            step(psm, *batch(6, 20, gen))
+            blocks = sorted(b.data.data_ptr() for b in psm._engine.pool._blocks)
+            weights = [model.emb.weight, model.inp.weight, model.head.weight]  # their rules write with out=
+            pointers = [p.grad_sample.data_ptr() for p in weights] if keep else []
+            seen.append((blocks, pointers, held_bytes(psm)))
+        assert seen[1][0]  # the pool serves this model
+        assert seen[2:] == [seen[1]] * 3
+
+
+def test_a_grad_sample_held_by_the_user_keeps_its_values() -> None:
+    """Memory something else refers to is never handed out again: a ``grad_sample`` kept from the
+    previous step still holds that step's values, and the pool forgets it (it is the user's now)."""
+    torch.manual_seed(0)
+    model = Seq().double()
+    gen = torch.Generator().manual_seed(0)
+    steps = [(5, 20), (5, 20), (3, 9), (6, 22), (6, 22)]
+    bound = max(one_step_worth(model, True, "clip", b, t) for b, t in set(steps))
+    kept: dict[str, torch.Tensor] = {}
+    kept_ref: dict[str, torch.Tensor] = {}
+    with wrap(model, True, "clip") as psm:
+        for i, (b, t) in enumerate(steps):
+            x, y = batch(b, t, gen)
+            step(psm, x, y)
+            for name, g in kept.items():
+                assert_close(g, kept_ref[name], f"grad_sample of {name} kept from step {i - 1}, after step {i}")
+            ref = reference_grad_sample(model, x, y, loss=squared)
+            for name, p in model.named_parameters():
+                assert_close(p.grad_sample, ref[name], f"grad_sample of {name}, step {i}")
+            kept = {name: p.grad_sample for name, p in model.named_parameters()}
+            kept_ref = ref
+            assert held_bytes(psm) <= bound
+
+
+# -- the pool alone ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(st.integers(0, 40), st.sampled_from([torch.float32, torch.float64]), st.booleans()), max_size=6
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_pool_never_lends_memory_in_use_and_keeps_within_its_limit(
+    passes: list[list[tuple[int, torch.dtype, bool]]],
+) -> None:
+    """Random backward passes: each asks for tensors of random sizes and dtypes and holds some of
+    them (as ``grad_sample`` or a user would). A tensor handed out keeps its values while held;
+    after every pass the pool holds at most ``limit`` bytes of free blocks and blocks serving that
+    pass (or no free block at all), and ``limit`` is the most bytes one pass asked for."""
+    pool = BufferPool()
+    held: list[tuple[torch.Tensor, float]] = []
+    most = 0
+    for i, requests in enumerate(passes):
+        held = [(t, v) for t, v in held if (i + int(v)) % 3]  # let some go, after one or more passes
+        pool.begin()
+        asked = 0
+        for j, (n, dtype, keep) in enumerate(requests):
+            t = pool.take((n, 2), torch.empty(0, dtype=dtype))
+            asked += t.nbytes
+            value = float(100 * i + j)
+            t.fill_(value)
+            if keep:
+                held.append((t, value))
+        pool.end()
+        most = max(most, asked)
+        assert pool.limit == most
+        for t, value in held:
+            assert bool((t == value).all()), f"pass {i}: a held tensor was overwritten"
+        blocks = pool._blocks
+        free = sum(b.data.nbytes for b in blocks if b.free)
+        serving = sum(b.data.nbytes for b in blocks if not b.free and b.round == pool._round)
+        assert free + serving <= pool.limit or free == 0, (free, serving, pool.limit)
+        assert all(b.free or b.round == pool._round for b in blocks), "memory held from an earlier pass"
