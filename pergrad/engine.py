@@ -198,10 +198,10 @@ class Engine:
         that takes every output: see ``RuleSpec.output_dims``), batch on dim 0."""
         if self.closed:
             return
-        if not (self.keep_grad_sample or self.keep_activation_grads or kept.layer.spec.parametrized):
-            if not torch.is_grad_enabled():  # records (a, d) only: nothing to compute or to keep off the graph
-                self._on_output_grad(kept, d, part)
-                return
+        computes = self.keep_grad_sample or self.keep_activation_grads or kept.layer.spec.parametrized
+        if not (computes or torch.is_grad_enabled()):  # records (a, d) only: nothing to compute or keep off the graph
+            self._on_output_grad(kept, d, part)
+            return
         # rules compute in the parameters' dtype, and build no graph
         with _no_autocast(d.device.type), torch.no_grad():
             self._on_output_grad(kept, d, part)
