@@ -60,23 +60,23 @@ class Detached:
 
 
 class _Touch(torch.autograd.Function):
-    """``x`` unchanged; in the backward, ``x``'s gradient passes and every other input gets a zero."""
+    """``x`` unchanged; in the backward, ``x``'s gradient passes and every other input gets ``zero``
+    (a scalar) expanded to its shape."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, *params: Tensor) -> Tensor:
-        ctx.params = [(p.shape, p.dtype, p.device) for p in params]
+    def forward(ctx: Any, x: Tensor, zero: Tensor, *params: Tensor) -> Tensor:
+        ctx.zero, ctx.shapes = zero, [p.shape for p in params]
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, ...]:
-        zeros = (torch.zeros((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in ctx.params)
-        return (grad, *zeros)
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return (grad, None, *(ctx.zero.expand(shape) for shape in ctx.shapes))
 
 
-def touch(x: Tensor, params: tuple[Tensor, ...]) -> Tensor:
-    """``x``, tied to ``params`` so that a backward through it runs their ``AccumulateGrad`` with a
-    zero (a broadcast scalar: no memory of their size until autograd stores it)."""
-    out = _Touch.apply(x, *params)
+def touch(x: Tensor, params: tuple[Tensor, ...], zero: Tensor) -> Tensor:
+    """``x``, tied to ``params`` so that a backward through it runs their ``AccumulateGrad`` with
+    ``zero`` expanded to their shapes (no memory of their size until autograd stores it)."""
+    out = _Touch.apply(x, zero, *params)
     assert isinstance(out, Tensor)
     return out
 
@@ -104,6 +104,7 @@ class Detacher:
         self.engine = engine
         self.single: set[nn.Parameter] = set()  # appear once in the model, in one hooked layer
         self._probes: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        self._zeros: dict[tuple[torch.dtype, torch.device], Tensor] = {}  # what ``touch`` expands
         self._generation = -1
         self._decided: dict[str, bool] = {}  # layer name -> did its first call in this forward detach
         self.current: set[nn.Parameter] = set()  # the parameters detached in this forward
@@ -230,20 +231,34 @@ class Detacher:
             return Detached(probe, (weight,), tuple(swaps), probe=True)
         return None  # a frozen bias, or one the module does not keep as `bias`
 
-    @staticmethod
-    def _touched(found: Detached) -> Detached:
+    def _touched(self, found: Detached) -> Detached:
         """``found`` with its anchor touched by the detached parameters: where the anchor stands in as
         the bias, the swapped-in bias; where it is added to the output, the anchor itself."""
+        zero = self._zero(found.params[0])
         if found.on_output:
-            return replace(found, anchor=touch(found.anchor, found.params))
+            return replace(found, anchor=touch(found.anchor, found.params, zero))
         swaps = list(found.swaps)
         index = next(i for i, (name, _, _) in enumerate(swaps) if name == "bias") if found.probe else None
         if index is None:  # the layer's own bias is the anchor: swap in a touched view of it
-            swaps.append(("bias", found.anchor, touch(found.anchor, found.params)))
+            swaps.append(("bias", found.anchor, touch(found.anchor, found.params, zero)))
         else:
             name, original, replacement = swaps[index]
-            swaps[index] = (name, original, touch(replacement, found.params))
+            swaps[index] = (name, original, touch(replacement, found.params, zero))
         return replace(found, swaps=tuple(swaps))
+
+    def _zero(self, like: Tensor) -> Tensor:
+        """The scalar zero ``touch`` expands for parameters of ``like``'s dtype and device."""
+        key = (like.dtype, like.device)
+        zero = self._zeros.get(key)
+        if zero is None:
+            zero = self._zeros[key] = torch.zeros((), dtype=like.dtype, device=like.device)
+        return zero
+
+    def is_touch_zero(self, grad: Tensor) -> bool:
+        """Whether ``grad`` is the zero ``touch`` handed a detached parameter, untouched by any other
+        gradient: known by its memory, without reading a value (no host sync)."""
+        zero = self._zeros.get((grad.dtype, grad.device))
+        return zero is not None and grad.data_ptr() == zero.data_ptr() and not any(grad.stride())
 
     def probe(self, like: Tensor) -> Tensor:
         """pergrad's zero anchor for ``like``'s dtype and device (see ``Detached``)."""

@@ -60,14 +60,6 @@ def _no_grad() -> contextlib.AbstractContextManager[Any]:
     return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
 
 
-def _nonzero(grad: Tensor) -> bool:
-    """Whether ``grad`` has a nonzero element; one read for a broadcast scalar (the zero a detached
-    weight gets under DDP, see ``detach.touch``), a sync otherwise (a rare path)."""
-    if grad.dim() > 0 and grad.numel() > 0 and not any(grad.stride()):
-        return bool(grad.reshape(-1)[0] != 0)
-    return bool(grad.any())
-
-
 def _shape(a: object) -> object:
     return tuple(a.shape) if isinstance(a, Tensor) else "several inputs"
 
@@ -317,7 +309,8 @@ class Engine:
         if param._post_accumulate_grad_hooks and (transformed or param in self.detacher.current):
             self._defer_post_accumulate_hooks(param)
         if transformed:  # .grad is written at the end of the backward
-            if param in self.detacher.current and _nonzero(grad):
+            detached = param in self.detacher.current
+            if detached and not self.detacher.is_touch_zero(grad) and bool(grad.any()):  # (rare: a sync is fine)
                 raise HookStateError(
                     self._unattributable(
                         param, "it arrived although every call of its layer ran with the weight detached"

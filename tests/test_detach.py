@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from pergrad import PerSampleModule, transforms
+from pergrad.detach import Detacher, touch
 from tests.reference import assert_close, reference_grad_sample
 from tests.test_fused import check_statistics
+from tests.test_host_syncs import counting_syncs
 
 
 def conv_net(bias: bool) -> nn.Module:
@@ -179,3 +181,24 @@ def test_a_transform_registered_after_some_steps_detaches_its_weights_from_then_
             for name, p in model.named_parameters():
                 assert_close(p.grad, expected[name], f"step {step}: .grad of {name}")
             assert len(by_autograd) == (4 if step < 2 else 3)  # from then on, the Linear's weight is pergrad's
+
+
+def test_the_zero_a_touched_weight_gets_is_recognised_without_reading_it() -> None:
+    """Under DDP a detached weight's ``AccumulateGrad`` gets ``touch``'s zero at every step; telling
+    it from a real gradient (which would mean the weight was used outside its layer) must not read
+    a value, or every DDP step would make the host wait for the GPU once per detached weight."""
+    detacher = Detacher(engine=None)  # type: ignore[arg-type]  # _zero and is_touch_zero need no engine
+    w = nn.Parameter(torch.randn(3, 2, dtype=torch.float64))
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    arrived: list[Tensor] = []
+    w.register_hook(lambda g: arrived.append(g))
+    touch(x, (w,), detacher._zero(w)).sum().backward()
+    with counting_syncs() as found:
+        assert detacher.is_touch_zero(arrived[-1])
+    assert found == []
+    assert torch.equal(w.grad, torch.zeros(3, 2, dtype=torch.float64))
+    # the zero summed with a real gradient is not the zero any more
+    (touch(x, (w,), detacher._zero(w)).sum() + (w * 2).sum()).backward()
+    assert not detacher.is_touch_zero(arrived[-1])
+    assert torch.equal(arrived[-1], torch.full((3, 2), 2.0, dtype=torch.float64))
+    assert not detacher.is_touch_zero(torch.zeros((), dtype=torch.float64).expand(3, 2))  # another zero
