@@ -282,3 +282,42 @@ def test_the_plain_step_has_no_syncs(workload: str) -> None:
             model.zero_grad()
             (F.cross_entropy(model(x), y, reduction="none").sum() / b).backward()
         assert found == []
+
+
+@pytest.mark.parametrize("mode", ["grad_sample+clip", "clip_root", "statistics"])
+@pytest.mark.parametrize("workload", ["mlp", "sequence"])
+def test_no_host_syncs_under_loss_scaling(workload: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``grad_scaler=``, the scale is read as a tensor and an overflow is passed on to ``.grad``
+    on the device: the steps stay sync-free (the scaler's own ``unscale_``/``step`` read its
+    found-inf flag, as without pergrad, and are not counted)."""
+    monkeypatch.setattr(layout, "READ_FREELY", frozenset())
+    build, inputs = MODELS[workload]
+    options, target, make = MODES[mode]
+    torch.manual_seed(0)
+    model = build().double()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    psm = PerSampleModule(model, grad_scaler=scaler, **options)
+    transform = make() if make is not None else None
+    if transform is not None:
+        assert target is not None
+        psm.register_transform(target, transform)
+    names = [n for n, _ in model.named_parameters()]
+    gen = torch.Generator().manual_seed(1)
+    syncs = {}
+    for step, b in enumerate(STEPS):
+        x = inputs(b, gen)
+        y = torch.stack([torch.randint(0, 5, (b,), generator=gen).double(), torch.ones(b, dtype=torch.float64)], 1)
+        ref = reference_grad_sample(model, x, y, loss=weighted_loss)
+        with counting_syncs() as found:
+            psm.zero_grad()
+            scaler.scale(weighted_loss(psm(x), y) / b).backward()
+            stats = psm.statistics() if options.get("track_statistics") else None
+        if step > 0 and found:
+            syncs[step] = found
+        want = _expected(ref, target, transform, names)
+        for name, p in model.named_parameters():
+            assert_close(p.grad / 256.0, want[name], f".grad / scale at step {step}, {name}")
+            if stats is not None:
+                assert_close(stats.params[name].second_moment, ref[name].square().mean(0), f"second moment, {name}")
+    psm.remove()
+    assert syncs == {}, f"host syncs in the loss-scaled steps of {workload}, {mode}"
