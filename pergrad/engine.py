@@ -90,6 +90,7 @@ class _Backward:
     first_layer: str = ""
     grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # keep_grad_sample=True
     calls: list[Call] = field(default_factory=list)  # keep_grad_sample=False
+    passed: dict[nn.Parameter, None] = field(default_factory=dict)  # of calls whose (a, d) no one reads
     outputs: dict[int, tuple[Kept, list[Tensor | None]]] = field(default_factory=dict)  # id(kept): each output's d
     reached: dict[nn.Parameter, None] = field(default_factory=dict)  # ordered set
     batch_grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # autograd's, before accumulation
@@ -258,6 +259,10 @@ class Engine:
         """Turn one call's output gradient into per-sample gradients (or keep it for the end)."""
         layer = kept.layer
         if not self.keep_grad_sample:
+            if not self._read_at_end(kept):  # nothing will read its (a, d): let them go now
+                key = (lambda p: p) if self.world is None else self.world.canonical
+                state.passed.update((key(p), None) for _, p in layer.trainable())
+                return
             built = None
             if layer.spec.parametrized and kept.batch_size > 0:  # it needs the forward's graph: now, not at the end
                 with allocating_from(self.pool.take):
@@ -281,6 +286,17 @@ class Engine:
                 )
             previous = state.grads.get(param)
             state.grads[param] = g if previous is None else previous + g
+
+    def _read_at_end(self, kept: Kept) -> bool:
+        """Whether the end of the backward reads this call's ``(a, d)`` (without ``grad_sample``): for
+        the first backward's check, norms, statistics, a transform over one of its parameters, or
+        a weight it ran detached (whose ``.grad`` pergrad writes)."""
+        if self.verify_backwards > 0 or self.track_norms or self.track_statistics:
+            return True
+        if kept.detached is not None or kept.layer.spec.parametrized:
+            return True
+        key = (lambda p: p) if self.world is None else self.world.canonical
+        return any(key(p) in self.transformed for _, p in kept.layer.trainable())
 
     def on_input_grad(self, generation: int, d: Tensor) -> None:
         """The gradient reaching the model's input (``keep_activation_grads=True``)."""
@@ -412,7 +428,7 @@ class Engine:
             Materialized(state.grads) if self.keep_grad_sample else Fused(state.calls, canonical)
         )
         known = state.grads if isinstance(source, Materialized) else source.uses
-        missing = [p for p in state.reached if p not in known]
+        missing = [p for p in state.reached if p not in known and p not in state.passed]
         if missing:
             raise HookStateError(self._unreached(missing[0]))
         assert state.batch_size is not None

@@ -305,3 +305,36 @@ def test_transformed_grad_accumulates_over_micro_batches(keep: bool) -> None:
             run_pergrad(psm, x, target)
         for name, p in model.named_parameters():
             assert_close(p.grad, expected[name], name)
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_output_gradients_no_one_reads_are_not_kept_to_the_end(detach: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With only the head clipped, the other layers' output gradients are not needed at the end of
+    the backward (after the first one, whose check reads them all): pergrad lets them go at once
+    instead of holding every layer's ``d`` until the end. ``.grad`` stays exact on every step."""
+    from pergrad import sources
+
+    seen: list[list[str]] = []
+    init = sources.Fused.__init__
+
+    def recording(self: sources.Fused, calls: list[sources.Call], *args: object) -> None:
+        seen.append([call.layer.name for call in calls])
+        init(self, calls, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sources.Fused, "__init__", recording)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    psm = PerSampleModule(model, keep_grad_sample=False, detach_transformed=detach)
+    psm.register_transform("4", transforms.clip_norm(0.2))
+    for step, b in enumerate([4, 6, 3]):
+        x, y = torch.randn(b, 5, dtype=torch.float64), torch.randint(0, 3, (b,))
+        ref = reference_grad_sample(model, x, y, loss=nn.functional.cross_entropy)
+        psm.zero_grad()
+        nn.functional.cross_entropy(psm(x), y).backward()
+        norms = ref["4.weight"].flatten(1).square().sum(1) + ref["4.bias"].square().sum(1)  # squared
+        factors = (0.2 / norms.sqrt()).clamp(max=1.0)
+        for name, p in model.named_parameters():
+            g = ref[name] * factors.view(-1, *[1] * (ref[name].dim() - 1)) if name.startswith("4.") else ref[name]
+            assert_close(p.grad, g.mean(0), f"step {step}: .grad of {name}")
+    assert seen[0] == ["4", "2", "0"]  # the first backward checks every layer
+    assert seen[1:] == [["4"], ["4"]]
