@@ -20,8 +20,6 @@ Nothing here is a test; tests/test_distributed.py checks the byte counts exactly
 from __future__ import annotations
 
 import argparse
-import contextlib
-import inspect
 import json
 import os
 import platform
@@ -29,7 +27,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -48,49 +45,6 @@ METHODS = [
     "fsdp_pergrad",
 ]
 CLIP_NORM = 1.0
-
-_COLLECTIVES = {  # the argument holding the whole tensor a collective reduces, gathers or broadcasts
-    "all_reduce": "tensor",
-    "all_reduce_coalesced": "tensors",
-    "reduce_scatter_single": "input",
-    "reduce_scatter_tensor": "input",
-    "reduce_scatter": "input_list",
-    "all_gather_single": "output_tensor",
-    "all_gather_into_tensor": "output_tensor",
-    "all_gather": "tensor_list",
-    "broadcast": "tensor",
-    "reduce": "tensor",
-    "all_to_all_single": "input",
-    "barrier": "",
-}
-
-
-@contextlib.contextmanager
-def counting() -> Iterator[dict[str, int]]:
-    """Count every collective issued through ``torch.distributed`` while inside."""
-    import torch.distributed as dist
-
-    seen = {"bytes": 0, "calls": 0}
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
-
-    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(fn)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            found = signature.bind(*args, **kwargs).arguments.get(_COLLECTIVES[name], [])
-            seen["bytes"] += sum(t.numel() * t.element_size() for t in (found if isinstance(found, list) else [found]))
-            seen["calls"] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    for name, fn in originals.items():
-        setattr(dist, name, counted(name, fn))
-    try:
-        yield seen
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def build(workload: str, quick: bool) -> tuple[Any, Any, Any]:
@@ -150,6 +104,7 @@ def run_method(workload: str, method: str, args: argparse.Namespace) -> dict[str
     from torch.nn.parallel import DistributedDataParallel
 
     from pergrad import PerSampleModule, transforms
+    from tests.reference import counting  # the collectives' bytes, counted as the tests count them
 
     model, x, y = build(workload, args.quick)
     # this rank's samples: the same shapes on every rank, different values

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -103,3 +105,51 @@ def held_bytes(psm: object) -> int:
                 stack.extend(vars(obj).values() if hasattr(obj, "__dict__") else ())
                 stack.extend(getattr(obj, name) for name in getattr(type(obj), "__slots__", ()) if hasattr(obj, name))
     return sum(storages.values())
+
+
+COLLECTIVES = {  # the argument holding the whole tensor a collective reduces, gathers or broadcasts
+    "all_reduce": "tensor",
+    "all_reduce_coalesced": "tensors",
+    "reduce_scatter_single": "input",
+    "reduce_scatter_tensor": "input",
+    "reduce_scatter": "input_list",
+    "all_gather_single": "output_tensor",
+    "all_gather_into_tensor": "output_tensor",
+    "all_gather": "tensor_list",
+    "broadcast": "tensor",
+    "reduce": "tensor",
+    "all_to_all_single": "input",
+    "all_to_all": "input_tensor_list",
+    "barrier": "",
+}
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[dict[str, int]]:
+    """Every collective issued through ``torch.distributed`` (DDP's buckets go through the
+    communication hook, FSDP2 and pergrad call these functions): how many, and the bytes of the
+    whole tensor each reduces (all-reduce, reduce-scatter) or gathers (all-gather). Used by
+    tests/test_distributed.py and benchmarks/distributed.py."""
+    import torch.distributed as dist
+
+    seen = {"bytes": 0, "calls": 0}
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(fn)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            found = signature.bind(*args, **kwargs).arguments.get(COLLECTIVES[name], [])
+            seen["bytes"] += sum(t.numel() * t.element_size() for t in (found if isinstance(found, list) else [found]))
+            seen["calls"] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(dist, name, counted(name, fn))
+    try:
+        yield seen
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)

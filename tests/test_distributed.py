@@ -9,7 +9,6 @@ one) and run one case after another; a case that fails restarts them for the nex
 from __future__ import annotations
 
 import contextlib
-import inspect
 import queue
 import re
 import traceback
@@ -28,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pergrad import PerSampleModule, transforms
 from pergrad.errors import PergradError
-from tests.reference import reference_grad_sample
+from tests.reference import counting, reference_grad_sample
 
 # -- the processes ---------------------------------------------------------------------------------
 
@@ -372,50 +371,6 @@ def test_three_processes(pool3: Pool, case: Case) -> None:
 
 
 # -- what crosses the wire ------------------------------------------------------------------------
-
-_COLLECTIVES = {  # the argument holding the whole tensor a collective reduces, gathers or broadcasts
-    "all_reduce": "tensor",
-    "all_reduce_coalesced": "tensors",
-    "reduce_scatter_single": "input",
-    "reduce_scatter_tensor": "input",
-    "reduce_scatter": "input_list",
-    "all_gather_single": "output_tensor",
-    "all_gather_into_tensor": "output_tensor",
-    "all_gather": "tensor_list",
-    "broadcast": "tensor",
-    "reduce": "tensor",
-    "all_to_all_single": "input",
-    "all_to_all": "input_tensor_list",
-    "barrier": "",
-}
-
-
-@contextlib.contextmanager
-def counting() -> Iterator[dict[str, int]]:
-    """Every collective issued through ``torch.distributed`` (DDP's buckets go through the
-    communication hook, FSDP2 and pergrad call these functions): how many, and the bytes of the
-    whole tensor each reduces (all-reduce, reduce-scatter) or gathers (all-gather)."""
-    seen = {"bytes": 0, "calls": 0}
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
-
-    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(fn)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            found = signature.bind(*args, **kwargs).arguments.get(_COLLECTIVES[name], [])
-            seen["bytes"] += sum(t.numel() * t.element_size() for t in (found if isinstance(found, list) else [found]))
-            seen["calls"] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    for name, fn in originals.items():
-        setattr(dist, name, counted(name, fn))
-    try:
-        yield seen
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def _counting_allreduce(bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
