@@ -132,29 +132,30 @@ class Detacher:
         if not engine.detach_transformed or (engine.world is not None and not engine.world.detaches):
             return False
         weight = getattr(module, "weight", None)
-        if not (isinstance(weight, nn.Parameter) and self._canonical(weight) in self.single):
+        if not (isinstance(weight, nn.Parameter) and engine.canonical(weight) in self.single):
             return False
-        conv = isinstance(module, nn.modules.conv._ConvNd)
-        return (
-            engine.track_statistics
-            or engine.keep_grad_sample
-            or self._canonical(weight) in engine.transformed
-            or (engine.track_norms and conv)
-        )
+        return self._owned(module, engine.canonical(weight), many=True)  # the most a call can ask for
+
+    def _owned(self, module: nn.Module, key: nn.Parameter, many: bool) -> bool:
+        """Whether pergrad writes the ``.grad`` of ``module``'s weight ``key`` itself when the call
+        applies it at ``many`` positions per sample (see ``for_call``)."""
+        engine = self.engine
+        if engine.world is not None and not engine.world.touches:
+            # FSDP2 reduce-scatters what has a gradient: detach alike on every rank, whatever
+            # its batch (an empty one has "few" positions), so only the weights a transform covers
+            return key in engine.transformed
+        # with statistics, the mean of a detached weight comes from its built g_i (many positions)
+        owned = many if engine.track_statistics else key in engine.transformed or (engine.keep_grad_sample and many)
+        return owned or (engine.track_norms and many and isinstance(module, nn.modules.conv._ConvNd))
 
     def reset(self) -> None:
         """Forget the running forward's decisions (the hooks are being installed again)."""
         self._generation, self._decided, self.current = -1, {}, set()
 
-    def _canonical(self, p: nn.Parameter) -> nn.Parameter:
-        """The parameter the engine keys ``p`` by (FSDP2: the shard of an unsharded parameter)."""
-        world = self.engine.world
-        return p if world is None else world.canonical(p)
-
     def _ok(self, p: Any) -> bool:
         if not (isinstance(p, nn.Parameter) and p.requires_grad):
             return False
-        return self._canonical(p) in self.single and not has_tensor_hooks(p)
+        return self.engine.canonical(p) in self.single and not has_tensor_hooks(p)
 
     def for_call(self, layer: HookedLayer, a: Any, batch_dim: int, generation: int) -> Detached | None:
         """The parameters this call of ``layer`` on input ``a`` runs detached, or None.
@@ -181,7 +182,7 @@ class Detacher:
         if found is not None and engine.world is not None:
             if engine.world.touches:  # DDP: its reducer waits for every parameter
                 found = self._touched(found)
-            found = replace(found, params=tuple(map(self._canonical, found.params)))
+            found = replace(found, params=tuple(map(self.engine.canonical, found.params)))
         if first is None:
             self._decided[layer.name] = found is not None
         if found is not None:
@@ -198,15 +199,7 @@ class Detacher:
         assert isinstance(weight, nn.Parameter)
         if decided is None:
             many = positions(module, a, batch_dim) >= MANY
-            # with statistics, the mean of a detached weight comes from its built g_i (many positions)
-            key = self._canonical(weight)
-            owned = many if engine.track_statistics else key in engine.transformed or (engine.keep_grad_sample and many)
-            owned = owned or (engine.track_norms and many and isinstance(module, nn.modules.conv._ConvNd))
-            if engine.world is not None and not engine.world.touches:
-                # FSDP2 reduce-scatters what has a gradient: detach alike on every rank, whatever
-                # its batch (an empty one has "few" positions), so only the weights a transform covers
-                owned = key in engine.transformed
-            if not owned:
+            if not self._owned(module, engine.canonical(weight), many):
                 return None
         swaps: list[tuple[str, Tensor | None, Tensor]] = [("weight", weight, weight.detach())]
         trainable_bias = isinstance(bias, nn.Parameter) and bias.requires_grad
@@ -216,7 +209,7 @@ class Detacher:
             if not trainable_bias:
                 return Detached(self.probe(weight), (weight,), tuple(swaps), probe=True, on_output=True)
             assert isinstance(bias, nn.Parameter)
-            writes_bias = self._canonical(bias) in engine.transformed
+            writes_bias = self.engine.canonical(bias) in engine.transformed
             if engine.world is None or engine.world.touches:
                 writes_bias = writes_bias or engine.keep_grad_sample or engine.track_norms
             if writes_bias and self._ok(bias):

@@ -260,8 +260,7 @@ class Engine:
         layer = kept.layer
         if not self.keep_grad_sample:
             if not self._read_at_end(kept):  # nothing will read its (a, d): let them go now
-                key = (lambda p: p) if self.world is None else self.world.canonical
-                state.passed.update((key(p), None) for _, p in layer.trainable())
+                state.passed.update((self.canonical(p), None) for _, p in layer.trainable())
                 return
             built = None
             if layer.spec.parametrized and kept.batch_size > 0:  # it needs the forward's graph: now, not at the end
@@ -276,9 +275,7 @@ class Engine:
             with allocating_from(self.pool.take):
                 per_sample = run_rule(layer, kept.a, d, scale)
         for name, g in per_sample.items():
-            param = layer.module.get_parameter(name)
-            if self.world is not None:  # FSDP: the layer holds the unsharded parameter now
-                param = self.world.canonical(param)
+            param = self.canonical(layer.module.get_parameter(name))  # FSDP: the layer holds the unsharded one now
             if g.shape != (kept.batch_size, *param.shape):
                 raise HookStateError(
                     f"the rule {layer.spec.fn.__qualname__} for {layer.label} returned shape "
@@ -286,6 +283,10 @@ class Engine:
                 )
             previous = state.grads.get(param)
             state.grads[param] = g if previous is None else previous + g
+
+    def canonical(self, p: nn.Parameter) -> nn.Parameter:
+        """The parameter ``p`` is keyed by (FSDP2: the shard of an unsharded parameter)."""
+        return p if self.world is None else self.world.canonical(p)
 
     def _read_at_end(self, kept: Kept) -> bool:
         """Whether the end of the backward reads this call's ``(a, d)`` (without ``grad_sample``): for
@@ -295,8 +296,7 @@ class Engine:
             return True
         if kept.detached is not None or kept.layer.spec.parametrized:
             return True
-        key = (lambda p: p) if self.world is None else self.world.canonical
-        return any(key(p) in self.transformed for _, p in kept.layer.trainable())
+        return any(self.canonical(p) in self.transformed for _, p in kept.layer.trainable())
 
     def on_input_grad(self, generation: int, d: Tensor) -> None:
         """The gradient reaching the model's input (``keep_activation_grads=True``)."""
@@ -531,8 +531,7 @@ class Engine:
 
     def _unreached(self, param: nn.Parameter) -> str:
         """What pergrad saw when a parameter got a gradient that none of its layers' outputs passed on."""
-        key = (lambda p: p) if self.world is None else self.world.canonical
-        holders = [layer for layer in self.layers if any(key(p) is param for _, p in layer.trainable())]
+        holders = [layer for layer in self.layers if any(self.canonical(p) is param for _, p in layer.trainable())]
 
         def caught(layer: HookedLayer) -> str:
             if layer.spec.raw:
