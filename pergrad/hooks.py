@@ -482,7 +482,7 @@ class LayerHooks:
                 return None  # torch.func is differentiating the model itself (vmap/grad): not ours to track
             capture = captures.get(name) if captures else None
             computed = None if capture is None else capture.take(layer.label)
-            a = LayerCall(args, kwargs, batch_dim) if all_inputs else (args[0] if args else _first_input(args, kwargs))
+            a = LayerCall(args, kwargs, batch_dim) if all_inputs else _first_input(args, kwargs)
             batched = output if all_inputs else a
             if not isinstance(batched, Tensor):
                 raise TypeError(f"pergrad: {layer.label} was called without a tensor input")
