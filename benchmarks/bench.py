@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import platform
@@ -35,7 +36,7 @@ OVERHEAD = ["pergrad_hooks"]  # pergrad's hooks and end-of-backward bookkeeping 
 MATERIALISE = ["torch_func", "pergrad", "opacus_hooks", "opacus_ew", "backpack"]
 NORMS = ["pergrad_norms", "opacus_ghost_norms", "backpack_l2"]
 CLIP = ["pergrad_clip", "opacus_ghost_clip"]
-STATS = ["pergrad_stats"]
+STATS = ["pergrad_stats", "pergrad_stats_trace"]  # every statistic; trace_variance alone (CABS)
 METHODS = ["plain", *OVERHEAD, *MATERIALISE, *NORMS, *CLIP, *STATS]
 PEERS = {
     "opacus": ("opacus_hooks", "opacus_ew", "opacus_ghost_norms", "opacus_ghost_clip"),
@@ -158,8 +159,9 @@ def setup(
         # "hooks": every hook runs and each backward's bookkeeping is done (the layers' kept inputs
         # and output gradients collected, the end-of-backward pass over them), but nothing asks for
         # a per-sample quantity, so no rule runs and .grad stays autograd's: pergrad's fixed cost
+        stats: bool | set[str] = {"trace_variance"} if kind == "stats_trace" else kind == "stats"
         psm = PerSampleModule(
-            model, keep_grad_sample=kind == "materialise", track_norms=kind == "norms", track_statistics=kind == "stats"
+            model, keep_grad_sample=kind == "materialise", track_norms=kind == "norms", track_statistics=stats
         )
         if kind == "clip":
             psm.register_transform(model, transforms.clip_norm(CLIP_NORM))
@@ -169,7 +171,7 @@ def setup(
             loss_of(psm(x)).backward()
             if kind == "norms":  # what a user reads each step
                 box["read"] = psm.per_sample_norms()
-            elif kind == "stats":
+            elif kind.startswith("stats"):
                 box["read"] = psm.statistics().trace_variance
 
         def result() -> tuple[str, dict[str, Any]]:
@@ -181,8 +183,10 @@ def setup(
                 return "norms", psm.per_sample_norms()
             if kind == "clip":
                 return "clipped_grad", {n: params[n].grad for n in names}
-            stats = psm.statistics()
-            return "second_moment", {n: stats.params[n].second_moment for n in names}
+            if kind == "stats_trace":
+                return "trace_variance", {"all": psm.statistics().trace_variance}
+            found = psm.statistics()
+            return "second_moment", {n: found.params[n].second_moment for n in names}
 
         return step, result
 
@@ -281,6 +285,8 @@ def check(kind: str, got: dict[str, Any], model: Any, x: Any, y: Any) -> tuple[b
         norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
         factor = (CLIP_NORM / norms).clamp(max=1)
         expected = {n: (g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for n, g in ref.items()}
+    elif kind == "trace_variance":
+        expected = {"all": sum((g.square().mean(0) - g.mean(0).square()).sum() for g in ref.values())}
     elif kind == "second_moment":
         expected = {n: g.square().mean(0) for n, g in ref.items()}
     else:
@@ -302,6 +308,68 @@ def check(kind: str, got: dict[str, Any], model: Any, x: Any, y: Any) -> tuple[b
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def malloc_in_use_mib() -> float | None:
+    """Bytes malloc has handed out and not taken back (glibc ``mallinfo2``: small blocks and mmapped
+    ones), or None where that is not glibc."""
+    read = _mallinfo2()
+    if read is None:
+        return None
+    info = read()
+    return (info.uordblks + info.hblkhd) / 2**20
+
+
+@functools.cache
+def _mallinfo2() -> Any:
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+    except (OSError, AttributeError):
+        return None
+    return libc.mallinfo2
+
+
+def malloc_peak_mib(step: Callable[[], None]) -> float | None:
+    """The most memory malloc had handed out at once during one call of ``step``, read after every
+    operator (CPU tensors are malloc'd): the CPU counterpart of CUDA's ``max_memory_allocated``,
+    free of what resident memory adds (freed pages the allocator keeps, arenas per thread)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if malloc_in_use_mib() is None:
+        return None
+
+    class Watch(TorchDispatchMode):
+        peak = 0.0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            self.peak = max(self.peak, malloc_in_use_mib() or 0.0)
+            return out
+
+    watch = Watch()
+    with watch:
+        step()
+    return watch.peak
 
 
 def device_name(device: str, threads: int) -> str:
@@ -337,6 +405,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         baseline = torch.cuda.memory_allocated(device) / 2**20
     else:
         baseline = rss_mib()
+    alloc_baseline = malloc_in_use_mib() or 0.0
     syncs = None
     try:
         step, result = setup(args.method, model, x, y)
@@ -366,14 +435,16 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     except Exception as err:  # a peer that crashes on this workload is a result, not a harness failure
         return {"error": f"{type(err).__name__}: {str(err)[:160]}"}
     if cuda:
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        peak = allocated = torch.cuda.max_memory_allocated(device) / 2**20
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        allocated = malloc_peak_mib(step)  # one more step, every operator watched
     kind, got = result()
     ok, worst, note = check(kind, dict(got), reference, x, y)
     return {
         "median_ms": statistics.median(times) * 1e3,
-        "peak_extra_mib": peak - baseline,
+        "peak_extra_mib": peak - baseline,  # resident memory (CPU) or the CUDA allocator's
+        "alloc_extra_mib": None if allocated is None else allocated - alloc_baseline,  # malloc'd (CPU)
         "analytic_mib": x.shape[0] * n_params * 4 / 2**20,
         "params": n_params,
         "batch": x.shape[0],
@@ -408,6 +479,11 @@ def run_child(
     return json.loads(lines[-1])
 
 
+def _median_or_none(values: list[float | None]) -> float | None:
+    found = [v for v in values if v is not None]
+    return statistics.median(found) if found else None
+
+
 def merge_rounds(runs: list[dict[str, Any]], plain: list[dict[str, Any]]) -> dict[str, Any]:
     """One method's rounds as one result: the median of its per-round medians, and the median of its
     per-round ratios to the plain backward of the same round; correct only if every round was."""
@@ -420,6 +496,7 @@ def merge_rounds(runs: list[dict[str, Any]], plain: list[dict[str, Any]]) -> dic
         "ratio_to_plain": statistics.median(ratios),
         "rounds_ms": [r["median_ms"] for r in runs],
         "peak_extra_mib": statistics.median(r["peak_extra_mib"] for r in runs),
+        "alloc_extra_mib": _median_or_none([r.get("alloc_extra_mib") for r in runs]),
         "correct": all(r["correct"] for r in runs),
         "max_rel_err": max(r["max_rel_err"] for r in runs),
     }
@@ -461,19 +538,23 @@ def table(results: dict[str, dict[str, dict[str, Any]]], methods: list[str]) -> 
             ]
             cells.append(cell(r, plain, min(peers) if peers and m.startswith("pergrad") else None))
         out.append(f"| {m} | " + " | ".join(cells) + " |")
-    out.append("")
-    out.append("| peak memory beyond plain backward (MiB) / analytic B x #params x 4 | " + " | ".join(workloads) + " |")
-    out.append("|---|" + "---|" * len(workloads))
-    for m in methods[1:]:
-        cells = []
-        for w in workloads:
-            r, plain = results[w].get(m, {}), results[w]["plain"]
-            if "median_ms" in r:
-                beyond = r["peak_extra_mib"] - plain["peak_extra_mib"]
-                cells.append(f"{beyond:.0f} / {r['analytic_mib']:.0f} ({beyond / r['analytic_mib']:.2f}x)")
-            else:
-                cells.append("-")
-        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    tables = (("peak_extra_mib", "peak resident memory"), ("alloc_extra_mib", "peak allocated memory"))
+    for key, what in tables:
+        if key == "alloc_extra_mib" and not any(r.get(key) is not None for w in workloads for r in results[w].values()):
+            continue  # a run saved before allocated memory was measured, or a CUDA run (the same numbers)
+        out.append("")
+        out.append(f"| {what} beyond plain backward (MiB) / analytic B x #params x 4 | " + " | ".join(workloads) + " |")
+        out.append("|---|" + "---|" * len(workloads))
+        for m in methods[1:]:
+            cells = []
+            for w in workloads:
+                r, plain = results[w].get(m, {}), results[w]["plain"]
+                if "median_ms" in r and r.get(key) is not None and plain.get(key) is not None:
+                    beyond = r[key] - plain[key]
+                    cells.append(f"{beyond:.0f} / {r['analytic_mib']:.0f} ({beyond / r['analytic_mib']:.2f}x)")
+                else:
+                    cells.append("-")
+            out.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

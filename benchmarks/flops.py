@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-MODES = ["plain", "materialise", "norms", "clip", "stats"]
+MODES = ["plain", "materialise", "norms", "clip", "stats", "stats_trace"]
 
 
 def flops(step: Callable[[], None]) -> dict[str, float]:
@@ -56,8 +56,9 @@ def measure(workload: str, quick: bool) -> dict[str, dict[str, float]]:
 
             out[mode] = flops(step)
             continue
+        stats: bool | set[str] = {"trace_variance"} if mode == "stats_trace" else mode == "stats"
         psm = PerSampleModule(
-            model, keep_grad_sample=mode == "materialise", track_norms=mode == "norms", track_statistics=mode == "stats"
+            model, keep_grad_sample=mode == "materialise", track_norms=mode == "norms", track_statistics=stats
         )
         if mode == "clip":
             psm.register_transform(model, transforms.clip_norm(1.0))
@@ -67,7 +68,7 @@ def measure(workload: str, quick: bool) -> dict[str, dict[str, float]]:
             F.cross_entropy(psm(x), y).backward()
             if mode == "norms":
                 psm.per_sample_norms()
-            elif mode == "stats":
+            elif mode.startswith("stats"):
                 psm.statistics()
 
         out[mode] = flops(wrapped)

@@ -5,8 +5,9 @@ With learning rate lr, loss L and Sigma the covariance of the per-sample gradien
     B = lr * tr(Sigma) / L,
 
 the batch size at which the gradient noise matches the expected decrease. tr(Sigma) is the sum of
-the per-parameter variances ``(1/B) sum_i g_i^2 - g^2``; pergrad computes it in the ordinary
-backward (``track_statistics=True``) without building per-sample gradients where the layers allow.
+the per-parameter variances ``(1/B) sum_i g_i^2 - g^2``, i.e. ``(1/B) sum_i ||g_i||^2 - ||g||^2``;
+pergrad computes it in the ordinary backward from the per-sample norms
+(``track_statistics={"trace_variance"}``), without building per-sample gradients.
 As in the paper, tr(Sigma) and L are smoothed with running averages (0.95) and B is clipped to
 [16, 2048]. Early on the gradient is large compared with its noise and B stays small; as the loss
 falls the noise dominates and B grows.
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[int]]:
     model = nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     batch, trace_avg, loss_avg, history = 16, None, None, []
-    with PerSampleModule(model, keep_grad_sample=False, track_statistics=True) as psm:
+    with PerSampleModule(model, keep_grad_sample=False, track_statistics={"trace_variance"}) as psm:
         for step in range(args.steps):
             idx = torch.randint(0, len(y_all), (batch,))
             optimizer.zero_grad()

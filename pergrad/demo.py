@@ -89,7 +89,7 @@ def train(cfg: DemoConfig, name: str, data: tuple[torch.Tensor, ...]) -> RunResu
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     result = RunResult(name)
     layers = {n.rsplit(".", 1)[0] for n, _ in model.named_parameters()}
-    with PerSampleModule(model, keep_grad_sample=False, track_statistics=True) as psm:
+    with PerSampleModule(model, keep_grad_sample=False, track_statistics={"trace_variance"}) as psm:
         if name == "clipped":
             psm.register_transform(model, transforms.clip_norm(cfg.clip))
         for epoch in range(cfg.epochs):

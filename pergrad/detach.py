@@ -144,8 +144,8 @@ class Detacher:
             # FSDP2 reduce-scatters what has a gradient: detach alike on every rank, whatever
             # its batch (an empty one has "few" positions), so only the weights a transform covers
             return key in engine.transformed
-        # with statistics, the mean of a detached weight comes from its built g_i (many positions)
-        owned = many if engine.track_statistics else key in engine.transformed or (engine.keep_grad_sample and many)
+        # with second moments, the mean of a detached weight comes from its built g_i (many positions)
+        owned = many if engine.second_moments else key in engine.transformed or (engine.keep_grad_sample and many)
         return owned or (engine.track_norms and many and isinstance(module, nn.modules.conv._ConvNd))
 
     def reset(self) -> None:
@@ -164,7 +164,7 @@ class Detacher:
         pergrad writes the weight's ``.grad`` at less cost than autograd's weight gradient --
 
         - a transform covers the weight: pergrad computes ``.grad`` from ``(a, d)`` anyway;
-        - ``grad_sample`` is built (or statistics tracked) and the layer sees many positions per
+        - ``grad_sample`` is built (or second moments tracked) and the layer sees many positions per
           sample (a convolution, a Linear on sequences): ``.grad`` (the mean) is then the sum of
           the built ``g_i``, one read of ``B x |W|`` values, where autograd spends ``2 B L |W|``
           flops on L positions;

@@ -15,8 +15,8 @@ One backward pass goes like this:
 
 Per-sample gradients are those of each sample's OWN loss ``f_i``, where the loss is
 ``(1/B) sum_i f_i`` (``loss_reduction="mean"``) or ``sum_i f_i`` (``"sum"``): for ``"mean"`` each
-sample's output gradient is B times the one autograd delivers, and that factor goes on whichever
-is smaller (``d``, or the rule's results; see ``sources.run_rule``).
+sample's output gradient is B times the one autograd delivers, and that factor goes on a copy of
+``d`` where that is far smaller, else in place on the rule's results (``sources.run_rule``).
 
 Under loss scaling (``grad_scaler=``, see ``loss_scale``) autograd delivers ``S`` times every
 gradient: each output gradient is divided by ``S`` as it arrives (so per-sample gradients, norms,
@@ -41,7 +41,7 @@ from .layout import allocating_from, may_hold_true
 from .loss_scale import LossScale, on_device
 from .pool import BufferPool
 from .sources import Call, Fused, Materialized, run_rule
-from .statistics import Statistics, compute_statistics
+from .statistics import WITH_SQUARES, Statistics, compute_statistics
 from .transforms import Scaling, Transform, check_output
 
 if TYPE_CHECKING:
@@ -102,6 +102,7 @@ class _Backward:
     written: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad written by pergrad, in order
     accumulated: dict[nn.Parameter, None] = field(default_factory=dict)  # AccumulateGrad ran (autograd's part)
     computed: bool = False  # the end-of-backward work ran (see ``Engine._graph_done``)
+    verified: bool = False  # this backward ran the first backward's check
     error: BaseException | None = None  # what it raised, re-raised once the wrapper's communication is done
     loss_scale: Tensor | None = None  # the scale the loss was multiplied by (grad_scaler=); None: unscaled
 
@@ -117,7 +118,7 @@ class Engine:
         reduction: str,
         keep_grad_sample: bool,
         track_norms: bool = False,
-        track_statistics: bool = False,
+        track_statistics: frozenset[str] = frozenset(),
         accumulate: str = "backward",
         keep_activation_grads: bool = False,
         world: World | None = None,
@@ -138,8 +139,10 @@ class Engine:
         self.loss_reduction = loss_reduction
         self.reduction = reduction
         self.keep_grad_sample = keep_grad_sample
-        self.track_norms = track_norms or track_statistics
-        self.track_statistics = track_statistics
+        self.track_norms = track_norms or bool(track_statistics)
+        self.track_statistics = track_statistics  # the names of the statistics computed (none: empty)
+        # elementwise second moments: g_i are built where a layer sees many positions (see detach.py)
+        self.second_moments = any(n in track_statistics for n in WITH_SQUARES)
         self.targets: list[Target] = []
         self.transformed: set[nn.Parameter] = set()
         self._needs_norms: set[nn.Parameter] = set()
@@ -372,6 +375,8 @@ class Engine:
         finally:
             state.calls.clear()  # the kept inputs and output gradients, before the buffers go back
             self.pool.end()
+            if state.verified:  # the check built what later backward passes do not: not their bound
+                self.pool.forget_bound()
             deferred = self.restore_deferred_hooks()
         self._run_post_accumulate_hooks(state, deferred)
 
@@ -438,6 +443,7 @@ class Engine:
             self._store_grad_sample({p: state.grads[p] for p in reached}, state.generation)
         if self.verify_backwards > 0 and state.batch_size > 0 and reached:
             self.verify_backwards -= 1
+            state.verified = True
             self._verify(source, state)
         if state.batch_size == 0:
             # An empty batch (Poisson sampling): every sum over samples is 0, so .grad gets nothing
@@ -455,7 +461,9 @@ class Engine:
             # a copy: .grad may alias the batch gradient; detached weights have none (computed then)
             means = {p: state.batch_grads[p] * scale for p in reached if p in state.batch_grads}
             names = {p: self.param_names[p] for p in reached}
-            self.last_statistics, sq_norms = compute_statistics(source, names, state.batch_size, means)
+            self.last_statistics, sq_norms = compute_statistics(
+                source, names, state.batch_size, means, self.track_statistics
+            )
         else:
             needs = self._needs_norms
             wanted = reached if self.track_norms else [p for p in reached if p in needs] if needs else []
@@ -708,5 +716,5 @@ class Engine:
         or it may run detached. The same answer on every rank, whatever the batch."""
         if param in self.transformed:
             return True
-        builds = self.keep_grad_sample or self.track_norms or self.track_statistics
+        builds = self.keep_grad_sample or self.track_norms or bool(self.track_statistics)
         return self.detach_transformed and builds and param in self.detacher.single

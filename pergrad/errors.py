@@ -56,3 +56,7 @@ class SharedInputError(PergradError, RuntimeError):
 class TokenLossWarning(UserWarning):
     """The loss of a backward is a mean over the batch's tokens, not a sum of per-sample losses
     (a HuggingFace ``labels=`` loss with padding): per-sample gradients are not the samples' own."""
+
+
+class StatisticNotTrackedError(PergradError, RuntimeError):
+    """A statistic that ``track_statistics`` did not ask for was read."""

@@ -66,6 +66,16 @@ def new_buffer(shape: tuple[int, ...], like: Tensor) -> Tensor:
     return out
 
 
+def owned(t: Tensor) -> Tensor:
+    """Mark ``t``, a fresh result of a rule that nothing else refers to (not ``a``, ``d`` or a view
+    of them), as the rule's own memory, like a ``new_buffer``: the caller may then scale it in place
+    (``sources.run_rule``) instead of copying it."""
+    made = _made.get()
+    if made is not None:
+        made.append(t)
+    return t
+
+
 class allocating_from:
     """``new_buffer`` takes its buffers from ``alloc`` inside the block (a class, not a generator:
     it is entered at every backward)."""

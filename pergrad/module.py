@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from .rules.fallback import fallback as fallback_rule
 from .rules.fallback import output_dims as fallback_output_dims
 from .rules.raw import RAW
 from .sources import Materialized
-from .statistics import Statistics, compute_statistics
+from .statistics import Statistics, compute_statistics, requested
 from .transforms import Transform, UserTransform
 
 _REDUCTIONS = ("mean", "sum")
@@ -213,8 +213,13 @@ class PerSampleModule:
         track_norms: compute every parameter's per-sample gradient norms in each backward
             (``per_sample_norms()``); needed only with ``keep_grad_sample=False``, where without it
             only the norms that norm-based transforms use are computed (and kept).
-        track_statistics: compute ``statistics()`` in each backward; needed only with
-            ``keep_grad_sample=False``.
+        track_statistics: compute ``statistics()`` in each backward (needed only with
+            ``keep_grad_sample=False``): ``True`` for every statistic, or the names of those to
+            compute (``pergrad.statistics.NAMES``); the others then raise when read. The means,
+            ``sq_norms``, ``trace_variance`` and ``norm_test`` come with the per-sample norms;
+            ``inner_product_test`` and ``orthogonality_test`` cost one more product per layer, and
+            ``second_moment`` (``variance``, ``snr``) one more, or building ``g_i`` for layers that see
+            many positions. E.g. ``{"trace_variance"}`` for CABS.
         accumulate: how ``.grad`` combines several backward passes before it is cleared:
             ``"backward"`` (autograd's way: each backward adds its own reduction) or ``"samples"``
             (with ``reduction="mean"``, ``.grad`` is the mean over every sample of every backward
@@ -256,7 +261,7 @@ class PerSampleModule:
         batch_first: bool = True,
         keep_grad_sample: bool = True,
         track_norms: bool = False,
-        track_statistics: bool = False,
+        track_statistics: bool | Iterable[str] = False,
         accumulate: str = "backward",
         keep_activation_grads: bool = False,
         verify: bool = True,
@@ -290,7 +295,7 @@ class PerSampleModule:
             reduction=reduction,
             keep_grad_sample=keep_grad_sample,
             track_norms=track_norms,
-            track_statistics=track_statistics,
+            track_statistics=requested(track_statistics),
             accumulate=accumulate,
             keep_activation_grads=keep_activation_grads,
             verify_backwards=1 if verify else 0,

@@ -145,6 +145,12 @@ class BufferPool:
             excess -= block.data.nbytes
             self._release(block)
 
+    def forget_bound(self) -> None:
+        """Let the next backward pass set ``limit`` afresh: the one that ended was not typical (the
+        first backward's check builds per-sample tensors that later passes do not), so what it asked
+        for is released when the next pass begins, except what that pass takes again."""
+        self.limit = 0
+
     def clear(self) -> None:
         self._blocks.clear()
         self._slots.clear()

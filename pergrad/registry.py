@@ -95,7 +95,8 @@ class FusedRule:
     - ``sum_squares(layer, a, d) -> {name: param shape} | None``: ``sum_i g_i**2`` elementwise where a
       factorised form is exact for these shapes, else None (the caller then builds ``g_i``).
     - ``moments(layer, a, d, other) -> (sq_norms, sum_squares, dots) | None``: the three at once,
-      sharing work, where factorised (else None: the caller uses the functions above or builds ``g_i``).
+      sharing work, where factorised (else None: the caller uses the functions above or builds ``g_i``);
+      ``other=None`` asks for no inner products (``dots`` empty).
     - ``builds(layer, a, d) -> bool``: ``sq_norms`` would build every ``g_i`` for these shapes anyway
       (an outer product, not a Gram form): the caller then builds them once with the rule and reads
       norms, and weighted sums, off them.
@@ -110,7 +111,7 @@ class FusedRule:
     dots: Callable[[nn.Module, Any, Tensor, dict[str, Tensor]], dict[str, Tensor]]
     sum_squares: Callable[[nn.Module, Any, Tensor], dict[str, Tensor] | None] | None = None
     bilinear: bool = False  # g_i(weight) is linear in a_i too (Linear, Conv): weights may go on a
-    moments: Callable[[nn.Module, Any, Tensor, dict[str, Tensor]], Moments | None] | None = None
+    moments: Callable[[nn.Module, Any, Tensor, dict[str, Tensor] | None], Moments | None] | None = None
     builds: Callable[[nn.Module, Any, Tensor], bool] | None = None
 
 

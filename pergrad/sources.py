@@ -83,12 +83,20 @@ class Materialized:
     def sum_squares(self, params: Params) -> dict[nn.Parameter, Tensor]:
         return {p: _sum_of_squares(self.grads[p]) for p in params}
 
-    def moments(self, params: Params, means: dict[nn.Parameter, Tensor]) -> Moments:
-        """``||g_i||^2``, ``sum_i g_i^2`` and ``<g_i, mean>`` of every parameter in ``params``; a mean
-        missing from ``means`` is taken from the built ``g_i``: ``(1/B) sum_i g_i``."""
+    def moments(
+        self, params: Params, means: dict[nn.Parameter, Tensor], squares: bool = True, dots: bool = True
+    ) -> Moments:
+        """``||g_i||^2``, ``sum_i g_i^2`` (if ``squares``) and ``<g_i, mean>`` (if ``dots``) of every
+        parameter in ``params``; a mean missing from ``means`` is taken from the built ``g_i``:
+        ``(1/B) sum_i g_i``."""
         params = list(params)
         means = {p: means[p] if p in means else self.grads[p].sum(0).div_(self.grads[p].shape[0]) for p in params}
-        return Moments(self.sq_norms(params), self.sum_squares(params), self.dots(means), means)
+        return Moments(
+            self.sq_norms(params),
+            self.sum_squares(params) if squares else {},
+            self.dots(means) if dots else {},
+            means,
+        )
 
 
 @dataclass(frozen=True)
@@ -121,16 +129,23 @@ def _numel(d: Tensor | OutputGrads) -> int:
     return d.numel() if isinstance(d, Tensor) else sum(g.numel() for g in d if g is not None)
 
 
+#: ``run_rule`` scales a copy of ``d`` only where ``d`` is this many times smaller than the
+#: per-sample gradients; otherwise it scales the gradients the rule returns, in place.
+COPY_D_BELOW = 8
+
+
 def run_rule(layer: HookedLayer, a: Any, d: Tensor | OutputGrads, scale: float = 1.0) -> dict[str, Tensor]:
     """The layer's rule for output gradients ``scale * d``. Rules are linear in ``d``, so the scale
-    goes on whichever is smaller: ``d``, or the per-sample gradients the rule returns (in place
-    where it wrote them into a ``new_buffer``)."""
+    goes on a copy of ``d`` where that is far smaller than the per-sample gradients (a Linear on
+    ``[B, D]``), and otherwise on the per-sample gradients the rule returns: in place where they are
+    its own memory (a ``new_buffer``, or ``layout.owned``), so no copy of either is made (a copy of
+    ``d`` as large as the gradients would double what a convolution's rule holds)."""
     if scale == 1.0:
         return layer.spec.fn(layer.module, a, d)
     if not isinstance(d, Tensor):  # every output's gradient (RuleSpec.output_dims): small per-sample rules
         return layer.spec.fn(layer.module, a, tuple(None if g is None else g * scale for g in d))
     built_size = d.shape[0] * sum(p.numel() for _, p in layer.trainable())
-    if d.numel() <= built_size:
+    if d.numel() * COPY_D_BELOW <= built_size:
         return layer.spec.fn(layer.module, a, torch.mul(d, scale, out=new_buffer(tuple(d.shape), d)))
     with recording_buffers() as made:
         built = layer.spec.fn(layer.module, a, d)
@@ -280,10 +295,22 @@ class Fused:
             out.update({p: result[name] * call.scale for p, name in pairs})
         return out
 
-    def moments(self, params: Params, means: dict[nn.Parameter, Tensor]) -> Moments:
-        """Norms, sums of squares and inner products with the means. Where a layer has no factorised
-        sum of squares, or its mean is not in ``means`` (autograd did not compute it), its ``g_i``
-        are built once and all of them, the mean included, are read off them."""
+    def moments(
+        self, params: Params, means: dict[nn.Parameter, Tensor], squares: bool = True, dots: bool = True
+    ) -> Moments:
+        """Norms, sums of squares (if ``squares``) and inner products with the means (if ``dots``).
+        With sums of squares: where a layer has no factorised sum of squares, or its mean is not in
+        ``means`` (autograd did not compute it), its ``g_i`` are built once and all of them, the mean
+        included, are read off them. Without: the norms as ``sq_norms`` computes them, a missing mean
+        as the batch gradient ``(1/B) sum_i g_i`` (from the norms' built ``g_i`` where they were kept)."""
+        if not squares:
+            params = list(params)
+            sq_norms = self.sq_norms(params)  # first: a convolution's built g_i are kept for its mean
+            missing = [p for p in params if p not in means]
+            if missing:
+                b = next(iter(sq_norms.values())).shape[0]
+                means = {**means, **self.summed(missing, sq_norms[missing[0]].new_full((b,), 1.0 / b))}
+            return Moments(sq_norms, {}, self.dots({p: means[p] for p in params}) if dots else {}, means)
         grouped, rest = self._by_call(params)
         for call in [c for c, pairs in grouped.items() if any(p not in means for p, _ in pairs)]:
             rest.extend(p for p, _ in grouped.pop(call))
@@ -292,22 +319,27 @@ class Fused:
             fused, module = call.layer.spec.fused, call.layer.module
             assert fused is not None
             by_name = {name: means[p] for p, name in pairs}
-            found = None if fused.moments is None else fused.moments(module, call.a, call.d, by_name)
+            other = by_name if dots else None
+            found = None if fused.moments is None else fused.moments(module, call.a, call.d, other)
             if found is None and fused.sum_squares is not None:
-                squares = fused.sum_squares(module, call.a, call.d)
-                if squares is not None:
-                    norms = fused.sq_norms(module, call.a, call.d)
-                    found = norms, squares, fused.dots(module, call.a, call.d, by_name)
+                sums = fused.sum_squares(module, call.a, call.d)
+                if sums is not None:
+                    found = (
+                        fused.sq_norms(module, call.a, call.d),
+                        sums,
+                        {} if other is None else fused.dots(module, call.a, call.d, other),
+                    )
             if found is None:
                 rest.extend(p for p, _ in pairs)
                 continue
-            norms, squares, dots = found
+            norms, sums, inner = found
             s2 = call.scale**2
             for p, name in pairs:  # fresh tensors: scaled in place
-                out.sq_norms[p], out.sum_squares[p] = norms[name].mul_(s2), squares[name].mul_(s2)
-                out.dots[p] = dots[name].mul_(call.scale)
+                out.sq_norms[p], out.sum_squares[p] = norms[name].mul_(s2), sums[name].mul_(s2)
+                if dots:
+                    out.dots[p] = inner[name].mul_(call.scale)
         for built in self._built(rest):
-            part = built.moments(built.grads, means)
+            part = built.moments(built.grads, means, dots=dots)
             out.sq_norms.update(part.sq_norms)
             out.sum_squares.update(part.sum_squares)
             out.dots.update(part.dots)

@@ -20,28 +20,78 @@ Whole model:
   clipped to ``[16, 2048]``.
 
 The three tests need ``B >= 2`` and are NaN otherwise.
+
+What each costs (``track_statistics`` takes the names of those to compute): the means, ``||g_i||^2``,
+``trace_variance = (1/B) sum_i ||g_i||^2 - ||g||^2``, ``norm_test`` and CABS come with the per-sample
+norms (``FREE``); the inner product and orthogonality tests need ``p_i``, one more product per layer
+(``WITH_DOTS``); the elementwise ``second_moment`` (``variance``, ``snr``) needs ``sum_i g_i^2``, one
+more product per layer, or ``g_i`` built where a layer sees many positions (``WITH_SQUARES``).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from .errors import StatisticNotTrackedError
 from .sources import Fused, Materialized
+
+#: Statistics that come with the per-sample norms and the mean gradient, at no extra cost.
+FREE = ("mean", "sq_norms", "grad_sq_norm", "trace_variance", "norm_test", "cabs_batch_size")
+#: Statistics that need the inner products ``p_i = <g_i, g>``: one more product per layer.
+WITH_DOTS = ("inner_product_test", "orthogonality_test")
+#: Elementwise per-parameter statistics that need ``sum_i g_i^2``: one more product per layer
+#: (``(a^2)^T (d^2)`` for a Linear), or building ``g_i`` where a layer sees many positions.
+WITH_SQUARES = ("second_moment", "variance", "snr")
+NAMES = FREE + WITH_DOTS + WITH_SQUARES
+
+
+def requested(track: bool | Iterable[str]) -> frozenset[str]:
+    """The statistics ``track_statistics`` asks for: every one for ``True``, none for ``False``,
+    else the names given (see ``NAMES``)."""
+    if isinstance(track, bool):
+        return frozenset(NAMES) if track else frozenset()
+    if isinstance(track, str):
+        raise TypeError(
+            f"track_statistics takes True or a collection of names, e.g. {{{track!r}}}, got the string {track!r}"
+        )
+    names = frozenset(track)
+    unknown = sorted(n for n in names if n not in NAMES)
+    if unknown:
+        raise ValueError(
+            f"track_statistics: unknown statistic(s) {unknown}; choose from {list(NAMES)} (or True for every one)"
+        )
+    return names
+
+
+def _not_tracked(what: str, tracked: frozenset[str]) -> StatisticNotTrackedError:
+    return StatisticNotTrackedError(
+        f"statistics().{what} was not computed: the wrapper tracks {sorted(tracked)}. Add {what!r} to "
+        f"PerSampleModule(..., track_statistics={{...}}), or pass track_statistics=True for every statistic"
+    )
 
 
 class ParamStatistics:
     """Elementwise statistics of one parameter's per-sample gradients (each of the parameter's shape).
 
-    ``mean`` and ``second_moment`` are kept; ``variance`` and ``snr`` are computed when first read.
+    ``mean`` and (when tracked) ``second_moment`` are kept; ``variance`` and ``snr`` are computed
+    when first read.
     """
 
-    def __init__(self, mean: Tensor, second_moment: Tensor) -> None:
-        self.mean, self.second_moment = mean, second_moment
+    def __init__(self, mean: Tensor, second_moment: Tensor | None, tracked: frozenset[str] = frozenset(NAMES)) -> None:
+        self.mean, self._second_moment, self._tracked = mean, second_moment, tracked
+
+    @property
+    def second_moment(self) -> Tensor:
+        """``(1/B) sum_i g_i^2``."""
+        if self._second_moment is None:
+            raise _not_tracked("params[...].second_moment", self._tracked)
+        return self._second_moment
 
     @functools.cached_property
     def variance(self) -> Tensor:
@@ -59,7 +109,8 @@ class ParamStatistics:
 
 @dataclass(frozen=True)
 class Statistics:
-    """Statistics of one backward's per-sample gradients; see the module docstring for formulas."""
+    """Statistics of one backward's per-sample gradients; see the module docstring for formulas.
+    Those that were not tracked (``track_statistics`` named others) raise when read."""
 
     batch_size: int
     params: dict[str, ParamStatistics]
@@ -67,8 +118,20 @@ class Statistics:
     grad_sq_norm: Tensor  # ||g||^2
     trace_variance: Tensor
     norm_test: Tensor
-    inner_product_test: Tensor
-    orthogonality_test: Tensor
+    tests: tuple[Tensor, Tensor] | None  # inner product and orthogonality tests, where tracked
+    tracked: frozenset[str] = frozenset(NAMES)
+
+    @property
+    def inner_product_test(self) -> Tensor:
+        if self.tests is None:
+            raise _not_tracked("inner_product_test", self.tracked)
+        return self.tests[0]
+
+    @property
+    def orthogonality_test(self) -> Tensor:
+        if self.tests is None:
+            raise _not_tracked("orthogonality_test", self.tracked)
+        return self.tests[1]
 
     def cabs_batch_size(self, lr: float, loss: float, low: int = 16, high: int = 2048) -> int:
         """CABS: ``lr * tr(Sigma) / loss``, rounded and clipped to ``[low, high]``."""
@@ -79,31 +142,39 @@ class Statistics:
 
 
 def compute_statistics(
-    source: Materialized | Fused, names: dict[nn.Parameter, str], batch_size: int, means: dict[nn.Parameter, Tensor]
+    source: Materialized | Fused,
+    names: dict[nn.Parameter, str],
+    batch_size: int,
+    means: dict[nn.Parameter, Tensor],
+    tracked: frozenset[str] = frozenset(NAMES),
 ) -> tuple[Statistics, dict[nn.Parameter, Tensor]]:
-    """All statistics for the parameters in ``names``, given their mean gradients ``g`` (those
-    missing are computed from the per-sample gradients); also returns the per-parameter
-    ``||g_i||^2`` computed on the way."""
+    """The ``tracked`` statistics for the parameters in ``names``, given their mean gradients ``g``
+    (those missing are computed from the per-sample gradients); also returns the per-parameter
+    ``||g_i||^2`` computed on the way. ``trace_variance`` is ``(1/B) sum_i ||g_i||^2 - ||g||^2``,
+    so it needs no elementwise second moment."""
     b = batch_size
     params = list(names)
-    moments = source.moments(params, means)
+    squares, dots = any(n in tracked for n in WITH_SQUARES), any(n in tracked for n in WITH_DOTS)
+    moments = source.moments(params, means, squares=squares, dots=dots)
     means = moments.means
     per_param = {}
-    second_moments, mean_squares = [], []
+    mean_squares = []
     for p in params:
-        m2 = moments.sum_squares[p].div_(b)  # a fresh tensor of the moments
-        per_param[names[p]] = ParamStatistics(means[p], m2)
-        second_moments.append(m2.sum())
+        m2 = moments.sum_squares[p].div_(b) if squares else None  # a fresh tensor of the moments
+        per_param[names[p]] = ParamStatistics(means[p], m2, tracked)
         flat = means[p].reshape(-1)
         mean_squares.append(torch.dot(flat, flat))
     sample_sq = torch.stack([moments.sq_norms[p] for p in params]).sum(0)
-    p_i = torch.stack([moments.dots[p] for p in params]).sum(0)
     g2 = torch.stack(mean_squares).sum()
-    trace = torch.stack(second_moments).sum() - g2  # sum_j (second_moment_j - mean_j^2)
+    trace = sample_sq.sum() / b - g2  # sum_j (second_moment_j - mean_j^2)
     denominator = (b - 1) if b > 1 else float("nan")
     # each numerator is a sum of squares (>= 0); clamp the round-off of a cancellation to 0
     norm_test = ((sample_sq.sum() - b * g2).clamp(min=0) / denominator / (b * g2)).sqrt()
-    ip_test = ((p_i.square().sum() - b * g2.square()).clamp(min=0) / denominator / (b * g2.square())).sqrt()
-    orth_test = ((sample_sq.sum() - p_i.square().sum() / g2).clamp(min=0) / denominator / (b * g2)).sqrt()
-    stats = Statistics(b, per_param, sample_sq, g2, trace, norm_test, ip_test, orth_test)
+    tests = None
+    if dots:
+        p_i = torch.stack([moments.dots[p] for p in params]).sum(0)
+        ip_test = ((p_i.square().sum() - b * g2.square()).clamp(min=0) / denominator / (b * g2.square())).sqrt()
+        orth_test = ((sample_sq.sum() - p_i.square().sum() / g2).clamp(min=0) / denominator / (b * g2)).sqrt()
+        tests = (ip_test, orth_test)
+    stats = Statistics(b, per_param, sample_sq, g2, trace, norm_test, tests, tracked)
     return stats, moments.sq_norms

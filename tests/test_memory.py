@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from pergrad import PerSampleModule, transforms
-from pergrad.pool import BufferPool
+from pergrad.pool import SLACK, BufferPool
 from tests.reference import assert_close, held_bytes, reference_grad_sample
 from tests.test_every_step import expected_grads
 
@@ -98,7 +98,9 @@ def one_step_worth(model: nn.Module, keep: bool, transform: str | None, b: int, 
 def test_memory_stays_within_one_step_over_changing_shapes(config: str) -> None:
     """30 steps of Poisson batch sizes (0 and 1 among them) and changing lengths, with evaluation
     batches larger than any training batch in between: after every step pergrad holds no more than
-    a fresh wrapper holds after one step of the largest of those shapes, and every step is exact."""
+    the pool's bound (``pergrad.pool``): what a fresh wrapper holds after one step of the largest of
+    those shapes, with each per-sample tensor in a block up to ``SLACK`` times its size (a block
+    that served another shape before; a fresh wrapper allocates exact sizes). Every step is exact."""
     keep, transform = CONFIGS[config]["keep"], CONFIGS[config]["transform"]
     torch.manual_seed(0)
     model = Seq().double()
@@ -129,7 +131,7 @@ def test_memory_stays_within_one_step_over_changing_shapes(config: str) -> None:
                     psm(batch(2 * b_max, t_max + 8, gen)[0])
                 psm(batch(2 * b_max + 1, t_max + 4, gen)[0])  # a forward with grad, never backpropagated
             held.append(held_bytes(psm))
-            assert held[-1] <= bound, f"{what}: pergrad holds {held[-1]} bytes, its largest step alone {bound}"
+            assert held[-1] <= SLACK * bound, f"{what}: pergrad holds {held[-1]} bytes, its largest step alone {bound}"
     assert held[0] == one_step_worth(model_at_start, keep, transform, *steps[0])  # the same count
 
 
@@ -172,7 +174,7 @@ def test_a_grad_sample_held_by_the_user_keeps_its_values() -> None:
                 assert_close(p.grad_sample, ref[name], f"grad_sample of {name}, step {i}")
             kept = {name: p.grad_sample for name, p in model.named_parameters()}
             kept_ref = ref
-            assert held_bytes(psm) <= bound
+            assert held_bytes(psm) <= SLACK * bound
 
 
 # -- the pool alone ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..layout import new_buffer
+from ..layout import new_buffer, owned
 from ..registry import FusedRule, default_registry
 from .linear import gram_is_cheaper, outer_sq_norms
 
@@ -84,7 +84,7 @@ def conv(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
         torch.bmm(dg.transpose(1, 2), p, out=result.view(n * groups, -1, p.shape[2]))  # ngol,ngclk->ngock
         out["weight"] = result
     if layer.bias is not None and layer.bias.requires_grad:
-        out["bias"] = d.flatten(2).sum(2)
+        out["bias"] = owned(d.flatten(2).sum(2))
     return out
 
 
@@ -126,7 +126,7 @@ def _batch_as_groups(layer: nn.Module, a: Tensor, d: Tensor) -> Tensor:
         d.reshape(1, n * d.shape[1], *d.shape[2:]), x.reshape(1, n * x.shape[1], *x.shape[2:]),
         x.new_empty(shape), None, stride, padding, dilation, False, zeros, n * groups, [False, True, False],
     )  # fmt: skip
-    return grad_w.view(n, *layer.weight.shape)
+    return owned(grad_w.view(n, *layer.weight.shape))
 
 
 # -- fused: a convolution is the Linear layout [batch * groups, positions, patch] -------------------

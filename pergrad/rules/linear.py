@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..layout import new_buffer, rows
+from ..layout import new_buffer, owned, rows
 from ..registry import FusedRule, Moments, default_registry
 
 
@@ -45,7 +45,7 @@ def outer_sums(left: Tensor, right: Tensor) -> Tensor:
 
 def position_sums(d: Tensor) -> Tensor:
     """``sum_s d_is``: a bias's per-sample gradient. d: [n, *s, o] -> [n, o] (a copy for [n, o])."""
-    return d.clone() if d.dim() == 2 else rows(d).sum(1)
+    return owned(d.clone() if d.dim() == 2 else rows(d).sum(1))
 
 
 # -- fused: quantities of g_i = sum_s d_is a_is^T without building g_i -------------------------------
@@ -113,11 +113,12 @@ def linear_dots(
 
 
 def linear_moments(
-    layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor], *, transposed: bool = False
+    layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor] | None, *, transposed: bool = False
 ) -> Moments | None:
     """Norms, sums of squares and inner products of a Linear on ``[B, D]`` with ``a^2`` and ``d^2``
     computed once: ``||g_i(W)||^2 = |a_i^2| |d_i^2|``, ``sum_i g_i(W)^2 = (d^2)^T (a^2)``,
-    ``<g_i(W), G> = d_i . (G a_i)``; the bias's from ``d`` alone. None for more positions. With
+    ``<g_i(W), G> = d_i . (G a_i)`` (no inner products for ``other=None``); the bias's from ``d``
+    alone. None for more positions. With
     ``transposed=True`` (weight stored ``[in, out]``): ``(a^2)^T (d^2)`` and ``d_i . (G^T a_i)``."""
     if a.dim() != 2:
         return None
@@ -127,10 +128,13 @@ def linear_moments(
         a2 = a.square()
         norms["weight"] = a2.sum(1) * d2.sum(1)
         squares["weight"] = a2.T @ d2 if transposed else d2.T @ a2
-        g_t = other["weight"] if transposed else other["weight"].T  # [i, o] either way
-        dots["weight"] = torch.linalg.vecdot(a @ g_t, d)
+        if other is not None:
+            g_t = other["weight"] if transposed else other["weight"].T  # [i, o] either way
+            dots["weight"] = torch.linalg.vecdot(a @ g_t, d)
     if trainable(layer, "bias"):
-        norms["bias"], squares["bias"], dots["bias"] = d2.sum(1), d2.sum(0), d @ other["bias"]
+        norms["bias"], squares["bias"] = d2.sum(1), d2.sum(0)
+        if other is not None:
+            dots["bias"] = d @ other["bias"]
     return norms, squares, dots
 
 
