@@ -34,11 +34,29 @@ def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> Non
             "pergrad_norms",
             "pergrad_clip",
             "pergrad_stats",
+            "pergrad_stats_trace",
         } <= set(methods)
         for method, result in methods.items():
             assert result.get("correct") is True, (workload, method, result)
     assert "| pergrad |" in proc.stdout
+    assert "peak allocated memory" in proc.stdout  # glibc: the CPU's allocated-memory table
     assert proc.stdout.startswith("device: cpu (") and report["device"].startswith("cpu (")
+
+
+def test_what_pergrad_holds_between_steps(tmp_path: Path) -> None:
+    """``benchmarks/held.py``: after three steps, hooks alone hold nothing (the first backward's
+    check built per-sample tensors; they are released), materialising holds ``grad_sample`` alone
+    (no scaled copies of output gradients), fused clipping a small part of it."""
+    out = tmp_path / "held.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "held.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for workload, held in json.loads(out.read_text()).items():
+        assert held["hooks"] == 0, workload
+        assert held["analytic"] <= held["materialise"] <= 1.1 * held["analytic"], (workload, held)
+        assert held["clip"] <= 0.5 * held["analytic"], (workload, held)
 
 
 def test_the_benchmark_refuses_a_device_it_does_not_have() -> None:
