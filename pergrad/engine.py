@@ -43,6 +43,7 @@ from .pool import BufferPool
 from .sources import Call, Fused, Materialized, run_rule
 from .statistics import WITH_SQUARES, Statistics, compute_statistics
 from .transforms import Scaling, Transform, check_output
+from .verify import check_sums, unattributable, unreached
 
 if TYPE_CHECKING:
     from .distributed import World
@@ -331,8 +332,9 @@ class Engine:
             detached = param in self.detacher.current
             if detached and not self.detacher.is_touch_zero(grad) and bool(grad.any()):  # (rare: a sync is fine)
                 raise HookStateError(
-                    self._unattributable(
-                        param, "it arrived although every call of its layer ran with the weight detached"
+                    unattributable(
+                        self.param_names[param],
+                        "it arrived although every call of its layer ran with the weight detached",
                     )
                 )
             if param.grad is None:
@@ -435,7 +437,7 @@ class Engine:
         known = state.grads if isinstance(source, Materialized) else source.uses
         missing = [p for p in state.reached if p not in known and p not in state.passed]
         if missing:
-            raise HookStateError(self._unreached(missing[0]))
+            raise HookStateError(unreached(missing[0], self.param_names[missing[0]], self.layers, self.canonical))
         assert state.batch_size is not None
         reached = list(state.reached)
         self.last_dropped = {}
@@ -444,7 +446,10 @@ class Engine:
         if self.verify_backwards > 0 and state.batch_size > 0 and reached:
             self.verify_backwards -= 1
             state.verified = True
-            self._verify(source, state)
+            assert state.batch_size is not None
+            check_sums(
+                source, list(state.reached), state.batch_grads, state.batch_size, self.loss_reduction, self.param_names
+            )
         if state.batch_size == 0:
             # An empty batch (Poisson sampling): every sum over samples is 0, so .grad gets nothing
             # added (autograd's own sum is 0 too), norms are empty and there are no statistics.
@@ -509,68 +514,6 @@ class Engine:
             if hooks and (param in deferred or param not in state.accumulated):
                 for hook in list(hooks.values()):
                     hook(param)
-
-    def _verify(self, source: Materialized | Fused, state: _Backward) -> None:
-        """Check that the per-sample gradients add up to autograd's gradient of each parameter.
-
-        They do unless part of the loss reaches a parameter other than through its layer's output:
-        a regulariser added to the loss, or a parent module using the parameter directly. pergrad
-        cannot attribute that part to samples, so it refuses rather than drop or transform it.
-        """
-        assert state.batch_size is not None
-        params = list(state.reached)
-        first = state.batch_grads[params[0]]
-        weight = 1.0 / state.batch_size if self.loss_reduction == "mean" else 1.0
-        totals = source.summed(params, first.new_full((state.batch_size,), weight))
-        for p in params:
-            autograd = state.batch_grads[p]  # in the units of the per-sample gradients
-            ours = totals[p].to(autograd.dtype)
-            if not torch.isfinite(autograd).all():
-                continue  # non-finite values: nothing to compare; a poisoned sample is handled elsewhere
-            # round-off of two summation orders, relative to the larger side, plus a floor for sums
-            # that cancel to ~0 (a term below the floor would not change training anyway)
-            rel, floor = (1e-6, 1e-10) if autograd.dtype == torch.float64 else (1e-2, 1e-4)
-            scale = torch.maximum(autograd.abs().max(), ours.abs().max())
-            if not torch.allclose(autograd, ours, rtol=0, atol=float(rel * scale + floor)):
-                raise HookStateError(
-                    self._unattributable(p, f"max difference {float((autograd - ours).abs().max()):.3g}")
-                    + " Or pass verify=False to PerSampleModule if dropping that part is intended."
-                )
-
-    def _unreached(self, param: nn.Parameter) -> str:
-        """What pergrad saw when a parameter got a gradient that none of its layers' outputs passed on."""
-        holders = [layer for layer in self.layers if any(self.canonical(p) is param for _, p in layer.trainable())]
-
-        def caught(layer: HookedLayer) -> str:
-            if layer.spec.raw:
-                return f"the uses of {layer.label} in its forward"
-            if layer.spec.output_dims is not None:
-                return f"any tensor returned by {layer.label}"
-            return (
-                f"the first tensor returned by {layer.label}"
-                if layer.spec.all_inputs
-                else f"the output of {layer.label}"
-            )
-
-        where = " or ".join(caught(layer) for layer in holders)
-        return (
-            f"parameter {self.param_names[param]!r} received a gradient in this backward pass, but pergrad caught "
-            f"no gradient on {where or 'the output of a hooked layer holding it'} in a forward of the wrapped "
-            "model: the gradient reached the parameter another way, which pergrad cannot split into samples. "
-            "Such a way is a loss computed from a forward run before wrapping (or through another wrapper), a "
-            "module using the parameter outside the layer's own forward (e.g. F.linear(x, self.emb.weight)), or "
-            "an output of the layer that its rule does not take (a rule registered without output_dims takes "
-            "the first tensor the layer returns)."
-        )
-
-    def _unattributable(self, param: nn.Parameter, seen: str) -> str:
-        return (
-            f"parameter {self.param_names[param]!r}: its gradient has a part that no hooked layer's output "
-            f"produced ({seen}). A term of the loss that uses the parameter directly (a regulariser such as "
-            "weight decay: use the optimizer's weight_decay instead) or a parent module using it outside the "
-            "layer's forward (e.g. F.linear(x, self.emb.weight)) cannot be attributed to samples. Compute it "
-            "through the layer."
-        )
 
     def clear_targets(self) -> None:
         self.targets.clear()
