@@ -41,7 +41,7 @@ from .layout import allocating_from, may_hold_true
 from .loss_scale import LossScale, on_device
 from .pool import BufferPool
 from .sources import Call, Fused, Materialized, run_rule
-from .statistics import WITH_SQUARES, Statistics, compute_statistics
+from .statistics import Statistics, compute_statistics, needs
 from .transforms import Scaling, Transform, check_output
 from .verify import check_sums, unattributable, unreached
 
@@ -143,7 +143,7 @@ class Engine:
         self.track_norms = track_norms or bool(track_statistics)
         self.track_statistics = track_statistics  # the names of the statistics computed (none: empty)
         # elementwise second moments: g_i are built where a layer sees many positions (see detach.py)
-        self.second_moments = any(n in track_statistics for n in WITH_SQUARES)
+        self.second_moments = needs(track_statistics)[0]
         self.targets: list[Target] = []
         self.transformed: set[nn.Parameter] = set()
         self._needs_norms: set[nn.Parameter] = set()
@@ -446,10 +446,7 @@ class Engine:
         if self.verify_backwards > 0 and state.batch_size > 0 and reached:
             self.verify_backwards -= 1
             state.verified = True
-            assert state.batch_size is not None
-            check_sums(
-                source, list(state.reached), state.batch_grads, state.batch_size, self.loss_reduction, self.param_names
-            )
+            check_sums(source, reached, state.batch_grads, state.batch_size, self.loss_reduction, self.param_names)
         if state.batch_size == 0:
             # An empty batch (Poisson sampling): every sum over samples is 0, so .grad gets nothing
             # added (autograd's own sum is 0 too), norms are empty and there are no statistics.

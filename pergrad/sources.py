@@ -299,27 +299,46 @@ class Fused:
         self, params: Params, means: dict[nn.Parameter, Tensor], squares: bool = True, dots: bool = True
     ) -> Moments:
         """Norms, sums of squares (if ``squares``) and inner products with the means (if ``dots``).
-        With sums of squares: where a layer has no factorised sum of squares, or its mean is not in
-        ``means`` (autograd did not compute it), its ``g_i`` are built once and all of them, the mean
-        included, are read off them. Without: the norms as ``sq_norms`` computes them, a missing mean
-        as the batch gradient ``(1/B) sum_i g_i`` (from the norms' built ``g_i`` where they were kept)."""
-        if not squares:
-            params = list(params)
-            sq_norms = self.sq_norms(params)  # first: a convolution's built g_i are kept for its mean
-            missing = [p for p in params if p not in means]
-            if missing:
-                b = next(iter(sq_norms.values())).shape[0]
-                means = {**means, **self.summed(missing, sq_norms[missing[0]].new_full((b,), 1.0 / b))}
-            return Moments(sq_norms, {}, self.dots({p: means[p] for p in params}) if dots else {}, means)
+        Parameters without a single fused call (shared, or a rule that builds) have their ``g_i``
+        built once, and all of them, a missing mean included, are read off them. With sums of
+        squares, so are those of a call without a factorised sum of squares or whose mean is not in
+        ``means`` (autograd did not compute it). Without, a fused call's missing mean is its batch
+        gradient ``(1/B) sum_i g_i``."""
+        params = list(params)
         grouped, rest = self._by_call(params)
-        for call in [c for c, pairs in grouped.items() if any(p not in means for p, _ in pairs)]:
-            rest.extend(p for p, _ in grouped.pop(call))
         out = Moments({}, {}, {}, {p: means[p] for p in params if p in means})
+        if squares:
+            for call in [c for c, pairs in grouped.items() if any(p not in means for p, _ in pairs)]:
+                rest.extend(p for p, _ in grouped.pop(call))
+            rest.extend(self._factorised_moments(grouped, out, dots))
+        elif grouped:
+            fused = [p for pairs in grouped.values() for p, _ in pairs]
+            out.sq_norms.update(self.sq_norms(fused))
+            missing = [p for p in fused if p not in means]
+            if missing:
+                b = out.sq_norms[missing[0]].shape[0]
+                out.means.update(self.summed(missing, out.sq_norms[missing[0]].new_full((b,), 1.0 / b)))
+            if dots:
+                out.dots.update(self.dots({p: out.means[p] for p in fused}))
+        for built in self._built(rest):
+            part = built.moments(built.grads, means, squares=squares, dots=dots)
+            out.sq_norms.update(part.sq_norms)
+            out.sum_squares.update(part.sum_squares)
+            out.dots.update(part.dots)
+            out.means.update(part.means)
+        return out
+
+    def _factorised_moments(
+        self, grouped: dict[Call, list[tuple[nn.Parameter, str]]], out: Moments, dots: bool
+    ) -> list[nn.Parameter]:
+        """Norms, sums of squares and (if ``dots``) inner products with ``out.means`` of each call's
+        parameters from its fused rule's factorised forms, into ``out``; returns the parameters of
+        the calls that have none for these shapes (to be built)."""
+        unfactorised: list[nn.Parameter] = []
         for call, pairs in grouped.items():
             fused, module = call.layer.spec.fused, call.layer.module
             assert fused is not None
-            by_name = {name: means[p] for p, name in pairs}
-            other = by_name if dots else None
+            other = {name: out.means[p] for p, name in pairs} if dots else None
             found = None if fused.moments is None else fused.moments(module, call.a, call.d, other)
             if found is None and fused.sum_squares is not None:
                 sums = fused.sum_squares(module, call.a, call.d)
@@ -330,7 +349,7 @@ class Fused:
                         {} if other is None else fused.dots(module, call.a, call.d, other),
                     )
             if found is None:
-                rest.extend(p for p, _ in pairs)
+                unfactorised.extend(p for p, _ in pairs)
                 continue
             norms, sums, inner = found
             s2 = call.scale**2
@@ -338,10 +357,4 @@ class Fused:
                 out.sq_norms[p], out.sum_squares[p] = norms[name].mul_(s2), sums[name].mul_(s2)
                 if dots:
                     out.dots[p] = inner[name].mul_(call.scale)
-        for built in self._built(rest):
-            part = built.moments(built.grads, means, dots=dots)
-            out.sq_norms.update(part.sq_norms)
-            out.sum_squares.update(part.sum_squares)
-            out.dots.update(part.dots)
-            out.means.update(part.means)
-        return out
+        return unfactorised

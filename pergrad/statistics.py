@@ -69,6 +69,12 @@ def requested(track: bool | Iterable[str]) -> frozenset[str]:
     return names
 
 
+def needs(tracked: frozenset[str]) -> tuple[bool, bool]:
+    """Whether the statistics ``tracked`` need ``sum_i g_i^2`` (``WITH_SQUARES``) and whether they
+    need the inner products ``<g_i, g>`` (``WITH_DOTS``)."""
+    return any(n in tracked for n in WITH_SQUARES), any(n in tracked for n in WITH_DOTS)
+
+
 def _not_tracked(what: str, tracked: frozenset[str]) -> StatisticNotTrackedError:
     return StatisticNotTrackedError(
         f"statistics().{what} was not computed: the wrapper tracks {sorted(tracked)}. Add {what!r} to "
@@ -154,7 +160,7 @@ def compute_statistics(
     so it needs no elementwise second moment."""
     b = batch_size
     params = list(names)
-    squares, dots = any(n in tracked for n in WITH_SQUARES), any(n in tracked for n in WITH_DOTS)
+    squares, dots = needs(tracked)
     moments = source.moments(params, means, squares=squares, dots=dots)
     means = moments.means
     per_param = {}
