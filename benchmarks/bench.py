@@ -114,6 +114,26 @@ def build(workload: str, quick: bool, batch: int | None = None, width: int | Non
 # -- methods: each returns (step, result); result() gives what is checked against torch.func ----------
 
 
+def pergrad_for(model: Any, kind: str) -> Any:
+    """The wrapper a pergrad row measures (``bench.py``, ``flops.py``, ``held.py``), by ``kind``:
+
+    - ``hooks``: every hook runs and each backward's bookkeeping is done (the layers' kept inputs
+      and output gradients collected, the end-of-backward pass over them), but nothing asks for a
+      per-sample quantity, so no rule runs and .grad stays autograd's: pergrad's fixed cost;
+    - ``materialise``: ``grad_sample``; ``norms``: every per-sample norm; ``clip``: flat clipping of
+      the whole model at ``CLIP_NORM``; ``stats``: every statistic; ``stats_trace``: ``trace_variance``.
+    """
+    from pergrad import PerSampleModule, transforms
+
+    stats: bool | set[str] = {"trace_variance"} if kind == "stats_trace" else kind == "stats"
+    psm = PerSampleModule(
+        model, keep_grad_sample=kind == "materialise", track_norms=kind == "norms", track_statistics=stats
+    )
+    if kind == "clip":
+        psm.register_transform(model, transforms.clip_norm(CLIP_NORM))
+    return psm
+
+
 def setup(
     method: str, model: Any, x: Any, y: Any
 ) -> tuple[Callable[[], None], Callable[[], tuple[str, dict[str, Any]]]]:
@@ -152,19 +172,9 @@ def setup(
         return step, lambda: ("grad_sample", box["g"])
 
     if method.startswith("pergrad"):
-        from pergrad import PerSampleModule, transforms
-
         kind = method.removeprefix("pergrad").lstrip("_") or "materialise"
         box = {}
-        # "hooks": every hook runs and each backward's bookkeeping is done (the layers' kept inputs
-        # and output gradients collected, the end-of-backward pass over them), but nothing asks for
-        # a per-sample quantity, so no rule runs and .grad stays autograd's: pergrad's fixed cost
-        stats: bool | set[str] = {"trace_variance"} if kind == "stats_trace" else kind == "stats"
-        psm = PerSampleModule(
-            model, keep_grad_sample=kind == "materialise", track_norms=kind == "norms", track_statistics=stats
-        )
-        if kind == "clip":
-            psm.register_transform(model, transforms.clip_norm(CLIP_NORM))
+        psm = pergrad_for(model, kind)
 
         def step() -> None:
             psm.zero_grad()

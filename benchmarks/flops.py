@@ -41,9 +41,7 @@ def flops(step: Callable[[], None]) -> dict[str, float]:
 
 def measure(workload: str, quick: bool) -> dict[str, dict[str, float]]:
     import torch.nn.functional as F
-    from bench import build
-
-    from pergrad import PerSampleModule, transforms
+    from bench import build, pergrad_for
 
     model, x, y = build(workload, quick)
     out: dict[str, dict[str, float]] = {}
@@ -56,12 +54,7 @@ def measure(workload: str, quick: bool) -> dict[str, dict[str, float]]:
 
             out[mode] = flops(step)
             continue
-        stats: bool | set[str] = {"trace_variance"} if mode == "stats_trace" else mode == "stats"
-        psm = PerSampleModule(
-            model, keep_grad_sample=mode == "materialise", track_norms=mode == "norms", track_statistics=stats
-        )
-        if mode == "clip":
-            psm.register_transform(model, transforms.clip_norm(1.0))
+        psm = pergrad_for(model, mode)
 
         def wrapped(psm: Any = psm, mode: str = mode) -> None:
             psm.zero_grad()

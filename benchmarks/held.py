@@ -22,9 +22,8 @@ MODES = ["hooks", "materialise", "clip", "norms", "stats"]
 def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
-    from bench import build
+    from bench import build, pergrad_for
 
-    from pergrad import PerSampleModule, transforms
     from tests.reference import held_bytes
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,14 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[workload] = {}
         for mode in MODES:
             model, x, y = build(workload, args.quick)
-            psm = PerSampleModule(
-                model,
-                keep_grad_sample=mode == "materialise",
-                track_norms=mode == "norms",
-                track_statistics=mode == "stats",
-            )
-            if mode == "clip":
-                psm.register_transform(model, transforms.clip_norm(1.0))
+            psm = pergrad_for(model, mode)
             for _ in range(args.steps):
                 psm.zero_grad()
                 F.cross_entropy(psm(x), y).backward()

@@ -16,12 +16,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_script(name: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``python benchmarks/<name> <args>`` with this interpreter, its output captured."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
 def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> None:
     out = tmp_path / "quick.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = run_script("bench.py", "--quick", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert set(report["results"]) == {"mlp", "cnn", "seq", "resnet"}
@@ -48,10 +52,7 @@ def test_what_pergrad_holds_between_steps(tmp_path: Path) -> None:
     check built per-sample tensors; they are released), materialising holds ``grad_sample`` alone
     (no scaled copies of output gradients), fused clipping a small part of it."""
     out = tmp_path / "held.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "held.py"), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = run_script("held.py", "--quick", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     for workload, held in json.loads(out.read_text()).items():
         assert held["hooks"] == 0, workload
@@ -62,20 +63,14 @@ def test_what_pergrad_holds_between_steps(tmp_path: Path) -> None:
 def test_the_benchmark_refuses_a_device_it_does_not_have() -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--device", "cuda"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = run_script("bench.py", "--quick", "--device", "cuda", timeout=120)
     assert proc.returncode == 2
     assert "--device 'cuda': no CUDA device is available here" in proc.stderr
 
 
 def test_quick_distributed_benchmark_runs_and_pergrad_sends_what_plain_sends(tmp_path: Path) -> None:
     out = tmp_path / "distributed.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "distributed.py"), "--quick", "--workloads", "mlp", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = run_script("distributed.py", "--quick", "--workloads", "mlp", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     methods = json.loads(out.read_text())["results"]["mlp"]
     assert all("error" not in r for r in methods.values()), methods
@@ -88,10 +83,9 @@ def test_quick_distributed_benchmark_runs_and_pergrad_sends_what_plain_sends(tmp
 def test_quick_transformer_workloads_are_correct(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "transformers.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--workloads", "gpt2", "bert",
-         "--methods", "plain", "pergrad", "pergrad_clip", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
+    proc = run_script(
+        "bench.py", "--quick", "--workloads", "gpt2", "bert", "--methods", "plain", "pergrad", "pergrad_clip",
+        "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -104,10 +98,9 @@ def test_quick_memory_benchmark_runs_and_stays_within_one_step(tmp_path: Path) -
     """benchmarks/memory.py end to end on tiny shapes: after every one of its steps of changing
     batch sizes and lengths, pergrad holds no more than one step of the largest shape seen."""
     out = tmp_path / "memory.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--quick", "--rows", "poisson_mlp", "lengths_seq",
-         "--no-plain", "--speed", "mlp_fused", "--threads", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
+    proc = run_script(
+        "memory.py", "--quick", "--rows", "poisson_mlp", "lengths_seq", "--no-plain", "--speed", "mlp_fused",
+        "--threads", "1", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
