@@ -156,6 +156,7 @@ class Engine:
         self.pool = BufferPool()  # memory of per-sample tensors, reused across backward passes
         self.detacher = Detacher(self)
         self._deferred: dict[nn.Parameter, dict[Any, Any]] = {}  # post-accumulate-grad hooks held back
+        self._nested: dict[int, _Backward] = {}  # graph tasks of nested backward passes -> the outer one's state
 
     def on_probe(self, grad: Tensor) -> Tensor:
         """Gradient hook of a probe anchor (see ``Detached``): it runs exactly in backward passes that
@@ -166,9 +167,26 @@ class Engine:
 
     # -- called from hooks during backward -------------------------------------------------------
 
-    def _backward_state(self) -> _Backward:
+    def on_recompute(self) -> None:
+        """A hooked layer is called inside a backward pass (activation checkpointing computes a segment
+        again): that backward's state exists from now on, its end-of-backward work queued in it."""
+        if not self.closed:
+            self._backward_state()
+
+    def _backward_state(self, recomputed_in: int | None = None) -> _Backward:
+        """The state of the running backward pass. A nested one -- reentrant activation checkpointing
+        backwards a recomputed segment in a graph task of its own, inside the outer backward -- is part
+        of the backward that recomputed it (``recomputed_in``, see ``Kept.task``): one set of
+        per-sample gradients, one end-of-backward work, when the outer backward ends."""
         task = torch._C._current_graph_task_id()
-        if self._current is None or self._current.task_id != task:
+        current = self._current
+        if current is not None and current.task_id != task:
+            if recomputed_in is not None and recomputed_in == current.task_id:
+                self._nested[task] = current
+            nested = self._nested.get(task)
+            if nested is not None:
+                return nested
+        if current is None or current.task_id != task:
             # A new backward pass. A previous one that failed midway left its state here: drop it.
             self.restore_deferred_hooks()
             state = _Backward(task, loss_scale=None if self.loss_scale is None else self.loss_scale())
@@ -204,7 +222,7 @@ class Engine:
             self._on_output_grad(kept, d, part)
 
     def _on_output_grad(self, kept: Kept, d: Tensor, part: int | None = None) -> None:
-        state = self._backward_state()
+        state = self._backward_state(kept.task)
         layer = kept.layer
         if state.generation is None:
             state.generation, state.batch_size, state.first_layer = kept.generation, kept.batch_size, layer.name
@@ -369,6 +387,7 @@ class Engine:
     def _finish(self, state: _Backward) -> None:
         if self._current is state:
             self._current = None
+        self._nested.clear()
         try:
             self._compute(state)  # unless it ran before DDP's communication
             if state.error is not None:

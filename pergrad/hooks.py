@@ -99,6 +99,9 @@ class Kept:
     key: str = ""  # the layer's name, with ":k" for its k-th call (k >= 1) in that forward
     packed: bool = False  # the output is a PackedSequence: d is its data, rows of every sample mixed
     detached: Detached | None = None  # parameters this call ran with detached (see ``Detached``)
+    # the backward pass (autograd graph task) that ran this call again: reentrant activation
+    # checkpointing recomputes a segment inside a backward and backwards it in a nested graph task
+    task: int | None = None
 
 
 OnOutputGrad = Callable[..., None]  # (kept, d) or, for a rule with output_dims, (kept, d, k): output k's gradient
@@ -313,8 +316,10 @@ class LayerHooks:
         to_detach: ToDetach | None = None,
         on_model_call: Callable[[], None] | None = None,
         may_detach: Callable[[HookedLayer], bool] | None = None,
+        on_recompute: Callable[[], None] | None = None,
     ) -> None:
         self._model = model
+        self._on_recompute = on_recompute
         self._batch_first = batch_first
         self._to_detach = to_detach
         self._may_detach = may_detach  # which layers get the detaching hooks (all, when None)
@@ -505,7 +510,14 @@ class LayerHooks:
             if computed is not None:
                 kept_input = Computed(kept_input, computed)
             kept = Kept(
-                layer, kept_input, self.generation, batch_size, self._key(name), packed_batch is not None, detached
+                layer,
+                kept_input,
+                self.generation,
+                batch_size,
+                self._key(name),
+                packed_batch is not None,
+                detached,
+                self._recomputed(),
             )
             if isinstance(a, LayerCall) and a.output_dims:  # the rule takes every output's gradient
                 _catch_outputs(kept, returned, (args, kwargs), on_output_grad)
@@ -525,6 +537,16 @@ class LayerHooks:
             return None
 
         return keep
+
+    def _recomputed(self) -> int | None:
+        """The backward pass this call runs inside (activation checkpointing computes a segment again
+        during the backward), announced to the engine; None for a call in an ordinary forward."""
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            return None
+        if self._on_recompute is not None:
+            self._on_recompute()
+        return task
 
     def _key(self, name: str) -> str:
         """``name``, with ":k" for its k-th call (k >= 1) in this forward."""
@@ -554,7 +576,8 @@ class LayerHooks:
         def kept_input(x: Tensor) -> Any:
             return x if computed is None else Computed(x, computed)
 
-        shared = Kept(layer, kept_input(a_shared), self.generation, size, key, detached=detached)
+        task = self._recomputed()
+        shared = Kept(layer, kept_input(a_shared), self.generation, size, key, detached=detached, task=task)
         on_output_grad = self._on_output_grad
         origin = Origin(output, lambda g: on_output_grad(shared, per_sample(g)), group, layer.label)
         before = a.origins if isinstance(a, Shared) else ()
@@ -564,7 +587,13 @@ class LayerHooks:
         batched = None
         if group.state == "maybe":
             batched = Kept(
-                layer, kept_input(batch_to_front(plain, dim == 0)), self.generation, size, key, detached=detached
+                layer,
+                kept_input(batch_to_front(plain, dim == 0)),
+                self.generation,
+                size,
+                key,
+                detached=detached,
+                task=task,
             )
         produced = _producer(output)
         node, index, shape = produced.grad_fn, produced.output_nr, output.shape
@@ -604,7 +633,8 @@ class LayerHooks:
                 p = holder._parameters.get(layer.param)
                 if not (isinstance(p, nn.Parameter) and p.requires_grad):
                     continue
-                kept = Kept(layer, layer.param, self.generation, batch.size, self._key(layer.name))
+                key = self._key(layer.name)
+                kept = Kept(layer, layer.param, self.generation, batch.size, key, task=self._recomputed())
                 origin = Origin(p, self._deliver(kept), Group("shared", batch.size, batch.dim), layer.label)
                 origin.tensor = track(p, [origin])
                 holder._parameters[layer.param] = origin.tensor  # type: ignore[assignment]

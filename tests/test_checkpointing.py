@@ -1,0 +1,131 @@
+"""Activation checkpointing, reentrant or not: every step's ``.grad`` (root clipping) and
+``grad_sample`` exact against torch.func.
+
+Reentrant checkpointing recomputes a segment inside the backward and backwards it in a nested
+graph task of its own; that nested backward is part of the outer one (one set of per-sample
+gradients, one clipping over every layer), not a backward pass of its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pergrad import PerSampleModule, transforms
+from tests.reference import assert_close, reference_grad_sample
+
+CLIP = 0.5
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.outer(torch.tanh(self.inner(h)))
+
+
+class Net(nn.Module):
+    """Linear -> two checkpointed residual blocks -> Linear, on ``[B, D]`` or ``[B, T, D]`` inputs."""
+
+    def __init__(self, reentrant: bool | None, whole: bool = False) -> None:
+        super().__init__()
+        self.inp, self.blocks, self.out = nn.Linear(5, 6), nn.ModuleList([Block(6), Block(6)]), nn.Linear(6, 3)
+        self.reentrant, self.whole = reentrant, whole
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h) if self.reentrant is None or self.whole else checkpoint(block, h, use_reentrant=self.reentrant)
+        return self.out(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.whole:  # nothing hooked runs before the recomputation, in the outer backward
+            assert self.reentrant is not None
+            return checkpoint(self.body, x, use_reentrant=self.reentrant)
+        return self.body(x)
+
+
+def clipped_mean(ref: dict[str, torch.Tensor], clip: float) -> dict[str, torch.Tensor]:
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
+    factor = (clip / norms).clamp(max=1)
+    return {n: (g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for n, g in ref.items()}
+
+
+# (batch, positions): on [B, D] and on [B, T, D] on both sides of the 16 positions from which
+# layers that build g_i run their weight detached
+SHAPES = [(5, None), (3, 4), (6, None), (2, 17), (4, 16), (3, 15)]
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["blocks", "whole-model"])
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("keep", [True, False], ids=["grad_sample", "fused"])
+def test_checkpointed_model_is_exact_on_every_step(reentrant: bool, whole: bool, keep: bool) -> None:
+    torch.manual_seed(0)
+    model = Net(reentrant, whole).double()
+    plain = Net(None).double()
+    psm = PerSampleModule(model, keep_grad_sample=keep, track_norms=True)
+    psm.register_transform(model, transforms.clip_norm(CLIP))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for b, t in SHAPES:
+        plain.load_state_dict(model.state_dict())
+        shape = (b, 5) if t is None else (b, t, 5)
+        x = torch.randn(*shape, dtype=torch.float64, requires_grad=reentrant)  # reentrant: an input needing grad
+        y = torch.randn(*shape[:-1], 3, dtype=torch.float64)
+        ref = reference_grad_sample(plain, x.detach(), y)
+        expected = clipped_mean(ref, CLIP)
+        opt.zero_grad()
+        ((psm(x) - y) ** 2).flatten(1).sum(1).mean().backward()
+        norms = psm.per_sample_norms()
+        for name, p in model.named_parameters():
+            assert_close(p.grad, expected[name], f".grad of {name} at B={b} T={t}")
+            assert_close(norms[name], ref[name].flatten(1).norm(dim=1), f"norms of {name} at B={b} T={t}")
+            if keep:
+                assert_close(p.grad_sample, ref[name], f"grad_sample of {name} at B={b} T={t}")
+        opt.step()
+    psm.remove()
+
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_hf_gradient_checkpointing_is_exact(reentrant: bool) -> None:
+    """HF's ``gradient_checkpointing_enable`` on a tiny BERT (it checkpoints each layer in training mode;
+    dropout off so that one sample alone computes what it does in the batch)."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=30, hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = transformers.BertForSequenceClassification(config).double().train()
+    plain = transformers.BertForSequenceClassification(config).double().train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant:
+        model.enable_input_require_grads()  # what HF does for reentrant checkpointing of frozen embeddings
+    psm = PerSampleModule(model, keep_grad_sample=False)
+    psm.register_transform(model, transforms.clip_norm(CLIP))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for b, t in [(3, 5), (4, 4), (2, 7)]:
+        plain.load_state_dict(model.state_dict())
+        ids, labels = torch.randint(1, 30, (b, t)), torch.randint(0, 3, (b,))
+        losses = torch.nn.functional.cross_entropy(plain(input_ids=ids).logits, labels, reduction="none")
+        params = dict(plain.named_parameters())
+        rows = [torch.autograd.grad(f, list(params.values()), retain_graph=True, allow_unused=True) for f in losses]
+        ref = {
+            n: torch.stack([torch.zeros_like(p) if r[k] is None else r[k] for r in rows])
+            for k, (n, p) in enumerate(params.items())
+        }
+        expected = clipped_mean(ref, CLIP)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(psm(input_ids=ids).logits, labels).backward()
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                assert not expected[name].any(), name
+                continue
+            assert_close(p.grad, expected[name], f".grad of {name} at B={b} T={t}")
+        opt.step()
+    psm.remove()
