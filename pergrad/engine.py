@@ -186,15 +186,16 @@ class Engine:
             nested = self._nested.get(task)
             if nested is not None:
                 return nested
-        if current is None or current.task_id != task:
-            # A new backward pass. A previous one that failed midway left its state here: drop it.
-            self.restore_deferred_hooks()
-            state = _Backward(task, loss_scale=None if self.loss_scale is None else self.loss_scale())
-            self._current = state
-            # Queued by the first hook of the backward, so before the callbacks DDP and FSDP queue
-            # later in it (DDP's waits for its buckets' all-reduce).
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._graph_done(state))
-        return self._current
+        if current is not None and current.task_id == task:
+            return current
+        # A new backward pass. A previous one that failed midway left its state here: drop it.
+        self.restore_deferred_hooks()
+        state = _Backward(task, loss_scale=None if self.loss_scale is None else self.loss_scale())
+        self._current = state
+        # Queued by the first hook of the backward, so before the callbacks DDP and FSDP queue
+        # later in it (DDP's waits for its buckets' all-reduce).
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._graph_done(state))
+        return state
 
     def backward_state(self) -> _Backward:
         """The state of the running backward pass (for ``pergrad.distributed``)."""
