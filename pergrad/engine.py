@@ -105,7 +105,8 @@ class _Backward:
     computed: bool = False  # the end-of-backward work ran (see ``Engine._graph_done``)
     verified: bool = False  # this backward ran the first backward's check
     error: BaseException | None = None  # what it raised, re-raised once the wrapper's communication is done
-    loss_scale: Tensor | None = None  # the scale the loss was multiplied by (grad_scaler=); None: unscaled
+    loss_scale: Tensor | None = None  # the factor the loss was multiplied by (grad_scaler=, loss_scale=); None: 1
+    amp: bool = False  # a GradScaler's scale is part of it: a NaN or Inf is an overflow that must reach .grad
 
 
 class Engine:
@@ -126,9 +127,11 @@ class Engine:
         verify_backwards: int = 1,
         detach_transformed: bool = False,
         loss_scale: LossScale | None = None,
+        loss_factor: LossScale | None = None,
     ) -> None:
         self.world = world
-        self.loss_scale = loss_scale
+        self.loss_scale = loss_scale  # the GradScaler's (grad_scaler=)
+        self.loss_factor = loss_factor  # the user's own (loss_scale=: gradient accumulation dividing the loss)
         self.detach_transformed = detach_transformed
         self.verify_backwards = verify_backwards
         self.param_names = param_names
@@ -190,7 +193,10 @@ class Engine:
             return current
         # A new backward pass. A previous one that failed midway left its state here: drop it.
         self.restore_deferred_hooks()
-        state = _Backward(task, loss_scale=None if self.loss_scale is None else self.loss_scale())
+        amp = None if self.loss_scale is None else self.loss_scale()
+        factor = None if self.loss_factor is None else self.loss_factor()
+        scale = amp if factor is None else factor if amp is None else amp * on_device(factor, amp)
+        state = _Backward(task, loss_scale=scale, amp=amp is not None)
         self._current = state
         # Queued by the first hook of the backward, so before the callbacks DDP and FSDP queue
         # later in it (DDP's waits for its buckets' all-reduce).
@@ -596,7 +602,7 @@ class Engine:
                 # that the scaler skips the step and lowers its scale: the sample's factor is NaN
                 bad = ~torch.isfinite(norms)
                 factors = factors.masked_fill(bad, 0)
-                if state.loss_scale is not None:
+                if state.amp:
                     overflow = bad
                 else:
                     self.last_dropped[target.label] = bad
@@ -617,7 +623,7 @@ class Engine:
         }
         result = transform.apply(batch)
         check_output(target.label, batch, result)
-        inputs_finite = _all_finite(batch.values()) if state.loss_scale is not None else None
+        inputs_finite = _all_finite(batch.values()) if state.amp else None
         for key, param in target.params.items():
             reduced = result[key].sum(0) if self.reduction == "sum" else result[key].mean(0)
             if not torch.isfinite(reduced).all() and (
@@ -626,10 +632,11 @@ class Engine:
                 raise TransformError(
                     f"the transform registered for {target.label} produced non-finite values for {key!r}"
                 )
+            reduced = self._scaled(reduced, state)  # T(g_i) in the units of .grad
             if inputs_finite is not None:
-                # T(g_i) in the scaler's units; an overflow in the target's g_i reaches .grad as NaN
-                # whatever T made of it (a clamp would hide it from the scaler)
-                reduced = torch.where(inputs_finite, self._scaled(reduced, state), torch.nan)
+                # an overflow in the target's g_i reaches .grad as NaN whatever T made of it (a clamp
+                # would hide it from the scaler)
+                reduced = torch.where(inputs_finite, reduced, torch.nan)
             self._add_grad(param, reduced, state)
 
     @staticmethod
@@ -651,6 +658,8 @@ class Engine:
         bucket holds ``.grad`` as autograd left it), which is all-reduced once it is complete."""
         state.written[param] = None
         grad = param.grad
+        if self.running_mean and param not in state.prior:  # no AccumulateGrad ran (a detached weight)
+            state.prior[param] = 0.0 if grad is None else self._samples_in_grad(param)
         if self.world is not None:
             reduced = self.world.contribution(reduced)
             if self.world.take(param, reduced, state):
@@ -664,8 +673,7 @@ class Engine:
         if grad is None or param in state.overwrite:
             param.grad = reduced.to(param.dtype)
         elif self.running_mean:
-            n = state.prior[param] if param in state.prior else self._samples_in_grad(param)
-            state.prior[param] = n
+            n = state.prior[param]
             b = state.batch_size or 0
             grad.mul_(n / (n + b)).add_(reduced, alpha=b / (n + b))
         else:

@@ -1,4 +1,9 @@
-"""Loss scaling (``torch.amp.GradScaler``): the scale each backward ran under, read on the device.
+"""Loss scaling: the factor each backward's loss was multiplied by, read on the device.
+
+Two sources multiply: a ``torch.amp.GradScaler``'s scale (``grad_scaler=``; a NaN or Inf is then an
+overflow that must reach ``.grad``), and the user's own factor (``loss_scale=``: gradient
+accumulation that divides each micro-batch's loss by k, as Lightning's ``accumulate_grad_batches``
+and HF ``Trainer`` do, is ``loss_scale=1/k``).
 
 With ``scaler.scale(loss).backward()`` every gradient autograd delivers is ``S`` times the gradient
 of the loss itself. pergrad divides each layer's output gradient by ``S`` as it arrives, so the
@@ -18,12 +23,19 @@ import torch
 from torch import Tensor
 
 LossScale = Callable[[], "Tensor | None"]
+# what PerSampleModule(loss_scale=...) takes: the factor itself, or a callable returning it at each backward
+LossScaleLike: TypeAlias = float | Tensor | Callable[[], float | Tensor | None] | None
 # what PerSampleModule(grad_scaler=...) takes
-GradScalerLike: TypeAlias = torch.amp.GradScaler | float | Tensor | Callable[[], float | Tensor | None] | None
+GradScalerLike: TypeAlias = torch.amp.GradScaler | LossScaleLike
 
 _WHAT = (
     "grad_scaler must be a torch.amp.GradScaler, the loss scale itself (a positive number or a one-element "
     "floating-point tensor, read at each backward), or a callable returning one (or None for an unscaled loss)"
+)
+
+_FACTOR = (
+    "loss_scale must be the factor the loss is multiplied by before its backward (a positive number or a "
+    "one-element floating-point tensor, read at each backward), or a callable returning it (or None for 1)"
 )
 
 
@@ -67,13 +79,23 @@ def loss_scale_reader(grad_scaler: GradScalerLike) -> LossScale | None:
             return None if found is None else found.detach().reshape(())
 
         return from_scaler
-    if isinstance(grad_scaler, (Tensor, int, float)) and not isinstance(grad_scaler, bool):
-        fixed = _as_scale(grad_scaler, "grad_scaler")
+    return factor_reader(grad_scaler, "grad_scaler")
+
+
+def factor_reader(value: LossScaleLike, what: str = "loss_scale") -> LossScale | None:
+    """A function returning the factor ``value`` says the loss is multiplied by (None: 1): a number or a
+    one-element tensor (a tensor is read at each backward, so in-place updates count), or a callable
+    called at each backward, returning a number, a tensor or None."""
+    if value is None:
+        return None
+    if isinstance(value, (Tensor, int, float)) and not isinstance(value, bool):
+        fixed = _as_scale(value, what)
         return lambda: fixed
-    if callable(grad_scaler):
-        fn = grad_scaler
-        return lambda: _as_scale(fn(), "the grad_scaler callable")
-    raise TypeError(f"{_WHAT}; got {type(grad_scaler).__name__}")
+    if callable(value):
+        fn = value
+        return lambda: _as_scale(fn(), f"the {what} callable")
+    expected = _WHAT if what == "grad_scaler" else _FACTOR
+    raise TypeError(f"{expected}; got {type(value).__name__}")
 
 
 def on_device(scale: Tensor, like: Tensor) -> Tensor:

@@ -15,7 +15,7 @@ from .distributed import world_for
 from .engine import Engine, Target
 from .errors import NormNotComputedError, PergradError, TargetError, TransformError, UnsupportedLayerError, module_label
 from .hooks import HookedLayer, LayerHooks, owners
-from .loss_scale import GradScalerLike, loss_scale_reader
+from .loss_scale import GradScalerLike, LossScaleLike, factor_reader, loss_scale_reader
 from .parametrized import base_type, parametrizations_of, parametrized_spec, sites
 from .registry import RuleRegistry, RuleSpec, default_registry, fsdp_wrapped, registration, type_names
 from .rules.fallback import fallback as fallback_rule
@@ -250,6 +250,14 @@ class PerSampleModule:
             accepted: the loss scale itself (a number, or a one-element tensor read at each
             backward) or a callable returning it (or None for an unscaled backward). A disabled
             scaler, or one before its first ``scale()``, means an unscaled backward.
+        loss_scale: the factor ``s`` the loss is multiplied by before its backward, beyond a
+            GradScaler's: gradient accumulation that divides each micro-batch's loss by ``k`` (Lightning's
+            ``accumulate_grad_batches=k``, HF ``Trainer``'s ``gradient_accumulation_steps``, most
+            hand-written loops) is ``loss_scale=1/k``. Autograd then delivers ``s g_i``; pergrad divides it
+            out, so ``grad_sample``, norms and the transforms see each sample's own ``g_i`` (a clipping
+            bound ``C`` stays ``C``, not ``C/s``), and writes ``s`` times the reduction into ``.grad``: the
+            ``k`` micro-batches add up to the mean of their ``(1/B) sum_i T(g_i)``. A number or one-element
+            tensor, or a callable returning it at each backward; settable later as ``psm.loss_scale``.
     """
 
     def __init__(
@@ -269,6 +277,7 @@ class PerSampleModule:
         rules: RuleRegistry | None = None,
         detach_transformed: bool = True,
         grad_scaler: GradScalerLike = None,
+        loss_scale: LossScaleLike = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleModule wraps an nn.Module, got {type(model).__name__}")
@@ -284,6 +293,7 @@ class PerSampleModule:
                 "wrappers would each write .grad. Call .remove() on the first one (or leave its `with` block) first."
             )
         self.module = model
+        self._loss_scale = loss_scale
         self.loss_reduction = loss_reduction
         self.reduction = reduction
         self.batch_first = batch_first
@@ -301,6 +311,7 @@ class PerSampleModule:
             verify_backwards=1 if verify else 0,
             detach_transformed=detach_transformed,
             loss_scale=loss_scale_reader(grad_scaler),
+            loss_factor=factor_reader(loss_scale),
         )
         # DDP or FSDP2: how pergrad's part of .grad reaches every rank (pergrad.distributed)
         self._engine.world = world_for(model, self._engine, accumulate)
@@ -327,6 +338,16 @@ class PerSampleModule:
         self._install_accumulate_hooks()
         if self._engine.world is not None:
             self._engine.world.install()
+
+    @property
+    def loss_scale(self) -> LossScaleLike:
+        """The factor the loss is multiplied by before its backward (see the ``loss_scale`` argument)."""
+        return self._loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: LossScaleLike) -> None:
+        self._engine.loss_factor = factor_reader(value)
+        self._loss_scale = value
 
     # -- following the model: its parameters, as they are at each forward ------------------------
 
