@@ -9,6 +9,7 @@ from . import rules, transforms
 from .errors import (
     BatchMixingError,
     BatchSizeError,
+    DetachedWeightError,
     HookStateError,
     NormNotComputedError,
     PergradError,
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchMixingError",
     "BatchSizeError",
+    "DetachedWeightError",
     "HookStateError",
     "LayerCall",
     "NormNotComputedError",

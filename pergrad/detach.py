@@ -17,10 +17,13 @@ The shortcut is taken only where it provably gives what autograd would:
   transforms or torch.compile; under FSDP2 (``pergrad.distributed``) only weights a transform covers
   (every rank must leave the same unsharded parameters without a gradient).
 
-Which backward passes reach a detached weight is told by an *anchor* that stays attached in the
-same call (see ``Detached``). Under DDP, whose reducer waits for every parameter's
-``AccumulateGrad``, the anchor is also *touched* with the detached parameters (``touch``): its
-backward hands them a broadcast zero, so their ``AccumulateGrad`` still runs, at no matmul's cost.
+An *anchor* stays attached in the same call (see ``Detached``) and is *touched* with the detached
+parameters (``touch``): a backward through it runs their ``AccumulateGrad`` at no matmul's cost, so
+which backward passes reach a detached weight is told by its own ``AccumulateGrad``: in one process
+it gets no gradient, and a guard refuses, with an error naming the layer, a backward that asks autograd
+itself for the weight (``torch.autograd.grad``, ``backward(inputs=[weight])``); under DDP, whose reducer
+waits for every parameter's ``AccumulateGrad``, it gets a broadcast zero. Under FSDP2 nothing is touched
+and the anchor's own ``AccumulateGrad`` tells.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+
+from .errors import DetachedWeightError
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -61,22 +66,53 @@ class Detached:
 
 class _Touch(torch.autograd.Function):
     """``x`` unchanged; in the backward, ``x``'s gradient passes and every other input gets ``zero``
-    (a scalar) expanded to its shape."""
+    (a scalar) expanded to its shape, or no gradient when ``zero`` is None (see ``touch``)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, zero: Tensor, *params: Tensor) -> Tensor:
-        ctx.zero, ctx.shapes = zero, [p.shape for p in params]
+    def forward(ctx: Any, x: Tensor, zero: Tensor | None, guard: _Guard | None, *params: Tensor) -> Tensor:
+        ctx.zero, ctx.shapes, ctx.guard = zero, [p.shape for p in params], guard
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return (grad, None, *(ctx.zero.expand(shape) for shape in ctx.shapes))
+        if ctx.guard is not None:
+            ctx.guard.check()
+        if ctx.zero is None:
+            return (grad, None, None, *(None for _ in ctx.shapes))
+        return (grad, None, None, *(ctx.zero.expand(shape) for shape in ctx.shapes))
 
 
-def touch(x: Tensor, params: tuple[Tensor, ...], zero: Tensor) -> Tensor:
+class _Guard:
+    """Tells, in the backward, whether autograd itself is asked for a detached weight's gradient.
+
+    The weights and a sentinel (a view of pergrad's probe, which nothing but an ordinary
+    ``.backward()`` of the whole graph accumulates into) are tied into the graph through views:
+    ``torch._C._will_engine_execute_node`` says whether a view's node runs in this backward. A weight's
+    runs while the sentinel's does not: ``torch.autograd.grad`` or ``backward(inputs=...)`` names the
+    weight, whose gradient autograd does not compute (the call ran with it detached)."""
+
+    def __init__(self, label: str, sentinel: Tensor, views: tuple[Tensor, ...]) -> None:
+        self.label = label
+        assert sentinel.grad_fn is not None
+        self.sentinel, self.nodes = sentinel.grad_fn, [v.grad_fn for v in views]
+
+    def check(self) -> None:
+        will_run = torch._C._will_engine_execute_node
+        if will_run(self.sentinel) or not any(node is not None and will_run(node) for node in self.nodes):
+            return
+        raise DetachedWeightError(
+            f"autograd was asked for the gradient of the weight of {self.label} (torch.autograd.grad or "
+            "backward(inputs=...)), but this forward ran it detached: pergrad computes its .grad itself, from "
+            "the per-sample gradients, and autograd skips it. Pass detach_transformed=False to PerSampleModule "
+            "to keep every weight in autograd's graph, or call psm.remove() before such a forward."
+        )
+
+
+def touch(x: Tensor, params: tuple[Tensor, ...], zero: Tensor | None, guard: _Guard | None = None) -> Tensor:
     """``x``, tied to ``params`` so that a backward through it runs their ``AccumulateGrad`` with
-    ``zero`` expanded to their shapes (no memory of their size until autograd stores it)."""
-    out = _Touch.apply(x, zero, *params)
+    ``zero`` expanded to their shapes (no memory of their size until autograd stores it), or with no
+    gradient (None) where ``zero`` is None; ``guard`` checks what the backward asks for."""
+    out = _Touch.apply(x, zero, guard, *params)
     assert isinstance(out, Tensor)
     return out
 
@@ -179,9 +215,11 @@ class Detacher:
             return None
         first = self._decided.get(layer.name)
         found = self._detach(layer, a, batch_dim, decided=first)
-        if found is not None and engine.world is not None:
+        if found is not None and engine.world is None:
+            found = self._touched(found, self._guard(layer.label, found.params))
+        elif found is not None and engine.world is not None:
             if engine.world.touches:  # DDP: its reducer waits for every parameter
-                found = self._touched(found)
+                found = self._touched(found, None)
             found = replace(found, params=tuple(map(self.engine.canonical, found.params)))
         if first is None:
             self._decided[layer.name] = found is not None
@@ -224,19 +262,39 @@ class Detacher:
             return Detached(probe, (weight,), tuple(swaps), probe=True)
         return None  # a frozen bias, or one the module does not keep as `bias`
 
-    def _touched(self, found: Detached) -> Detached:
+    def _guard(self, label: str, params: tuple[nn.Parameter, ...]) -> tuple[_Guard, tuple[Tensor, ...]]:
+        """A guard for a call whose ``params`` run detached, and what to touch with it: the views of
+        the parameters and of the sentinel it watches (see ``_Guard``)."""
+        views = tuple(p.view_as(p) for p in params)
+        sentinel = self.probe(params[0]).view_as(self.probe(params[0]))
+        return _Guard(label, sentinel, views), (sentinel, *views)
+
+    def _touched(self, found: Detached, guarded: tuple[_Guard, tuple[Tensor, ...]] | None) -> Detached:
         """``found`` with its anchor touched by the detached parameters: where the anchor stands in as
-        the bias, the swapped-in bias; where it is added to the output, the anchor itself."""
-        zero = self._zero(found.params[0])
+        the bias, the swapped-in bias; where it is added to the output, the anchor itself.
+
+        Under DDP (``guarded`` None) their ``AccumulateGrad`` gets a zero (its reducer waits for every
+        parameter); in one process no gradient, so that their ``AccumulateGrad`` tells which backward
+        passes reach them, and the guard refuses a backward that asks autograd for them."""
+        params: tuple[Tensor, ...]
+        if guarded is None:
+            zero: Tensor | None = self._zero(found.params[0])
+            guard, params = None, found.params
+        else:
+            zero, (guard, params) = None, guarded
+
+        def tied(x: Tensor) -> Tensor:
+            return touch(x, params, zero, guard)
+
         if found.on_output:
-            return replace(found, anchor=touch(found.anchor, found.params, zero))
+            return replace(found, anchor=tied(found.anchor))
         swaps = list(found.swaps)
         index = next(i for i, (name, _, _) in enumerate(swaps) if name == "bias") if found.probe else None
         if index is None:  # the layer's own bias is the anchor: swap in a touched view of it
-            swaps.append(("bias", found.anchor, touch(found.anchor, found.params, zero)))
+            swaps.append(("bias", found.anchor, tied(found.anchor)))
         else:
             name, original, replacement = swaps[index]
-            swaps[index] = (name, original, touch(replacement, found.params, zero))
+            swaps[index] = (name, original, tied(replacement))
         return replace(found, swaps=tuple(swaps))
 
     def _zero(self, like: Tensor) -> Tensor:

@@ -161,12 +161,12 @@ class Engine:
         self._deferred: dict[nn.Parameter, dict[Any, Any]] = {}  # post-accumulate-grad hooks held back
         self._nested: dict[int, _Backward] = {}  # graph tasks of nested backward passes -> the outer one's state
 
-    def on_probe(self, grad: Tensor) -> Tensor:
+    def on_probe(self, grad: Tensor | None) -> Tensor | None:
         """Gradient hook of a probe anchor (see ``Detached``): it runs exactly in backward passes that
-        accumulate into ``.grad``."""
+        accumulate into ``.grad`` (with no gradient where it is a guard's sentinel: ``detach._Guard``)."""
         if not self.closed:
             self._backward_state().probed = True
-        return torch.zeros_like(grad)
+        return None if grad is None else torch.zeros_like(grad)
 
     # -- called from hooks during backward -------------------------------------------------------
 
@@ -339,13 +339,18 @@ class Engine:
             d = d / on_device(state.loss_scale, d)
         state.activation_grads["input"] = d * scale
 
-    def on_accumulate(self, param: nn.Parameter, grad: Tensor) -> Tensor | None:
-        """Pre-hook of ``param``'s AccumulateGrad node: what autograd adds to ``param.grad``."""
+    def on_accumulate(self, param: nn.Parameter, grad: Tensor | None) -> Tensor | None:
+        """Pre-hook of ``param``'s AccumulateGrad node: what autograd adds to ``param.grad`` (None: a
+        detached weight's, touched with no gradient: see ``detach.touch``)."""
         if self.closed:
             return None
         state = self._backward_state()
         state.reached[param] = None
         state.accumulated[param] = None
+        if grad is None:  # pergrad writes its .grad; autograd calls its post-accumulate hooks now
+            if param._post_accumulate_grad_hooks:
+                self._defer_post_accumulate_hooks(param)
+            return None
         if self.track_statistics or self.verify_backwards > 0:
             state.batch_grads[param] = self._unscaled(grad, state)  # the units of the per-sample gradients
         if self.running_mean:
@@ -448,15 +453,19 @@ class Engine:
         canonical = None if self.world is None else self.world.canonical
         self._flush_outputs(state)
         owned: dict[nn.Parameter, None] = {}  # detached, no transform: .grad is the plain reduction
-        for detached in state.detached:  # reached in the backward passes that reach their anchor
-            anchor = (
-                detached.anchor
-                if canonical is None or detached.probe
-                else canonical(cast(nn.Parameter, detached.anchor))
-            )
-            if state.probed if detached.probe else anchor in state.reached:
-                state.reached.update(dict.fromkeys(detached.params))
-                owned.update(dict.fromkeys(p for p in detached.params if p not in self.transformed))
+        touched = self.world is None or self.world.touches  # their AccumulateGrad runs (detach.touch)
+        for detached in state.detached:
+            if touched:  # reached in the backward passes that run their AccumulateGrad
+                params = [p for p in detached.params if p in state.reached]
+            else:  # reached in the backward passes that reach their anchor
+                anchor = (
+                    state.probed
+                    if detached.probe
+                    else self.canonical(cast(nn.Parameter, detached.anchor)) in state.reached
+                )
+                params = list(detached.params) if anchor else []
+            state.reached.update(dict.fromkeys(params))
+            owned.update(dict.fromkeys(p for p in params if p not in self.transformed))
         source: Materialized | Fused = (
             Materialized(state.grads) if self.keep_grad_sample else Fused(state.calls, canonical)
         )
@@ -464,6 +473,7 @@ class Engine:
         missing = [p for p in state.reached if p not in known and p not in state.passed]
         if missing:
             raise HookStateError(unreached(missing[0], self.param_names[missing[0]], self.layers, self.canonical))
+        self._check_partial(state, known)
         assert state.batch_size is not None
         reached = list(state.reached)
         self.last_dropped = {}
@@ -510,6 +520,24 @@ class Engine:
                 totals = source.summed(owned, weights)
             for param, reduced in totals.items():
                 self._add_grad(param, reduced, state)
+
+    def _check_partial(self, state: _Backward, known: dict[nn.Parameter, Any]) -> None:
+        """A backward that accumulates into part of a transform's target only -- ``backward(inputs=...)``
+        naming some of its parameters: their per-sample gradients were computed, their ``AccumulateGrad``
+        did not run -- cannot transform: ``T`` of a sample's gradient needs every parameter it covers (a
+        clipping norm over all of them)."""
+        for target in self.targets:
+            params = target.params.values()
+            if not any(p in state.reached for p in params):
+                continue
+            left = [n for n, p in target.params.items() if p in known and p not in state.reached]
+            if left:
+                raise TransformError(
+                    f"this backward accumulates into some of the parameters the transform registered for "
+                    f"{target.label} covers, but not into {left} (backward(inputs=...) names part of them), "
+                    "although their per-sample gradients flowed: the transform of each sample's gradient needs "
+                    "all of them. Name every parameter the target covers in inputs, or none."
+                )
 
     # -- post-accumulate-grad hooks of the parameters whose .grad pergrad writes -----------------
 

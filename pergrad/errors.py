@@ -41,6 +41,11 @@ class HookStateError(PergradError, RuntimeError):
     """A backward pass reached parameters in a way pergrad cannot attribute to samples."""
 
 
+class DetachedWeightError(HookStateError):
+    """Autograd was asked for the gradient of a weight that ran detached (``torch.autograd.grad``,
+    ``backward(inputs=...)``): pergrad computes that weight's ``.grad`` itself."""
+
+
 class NormNotComputedError(PergradError, KeyError):
     """``per_sample_norms()[name]`` for a parameter whose norm the last backward did not compute."""
 

@@ -403,7 +403,7 @@ class PerSampleModule:
     def _accumulate_hook(self, param: nn.Parameter) -> Callable[[tuple[Tensor, ...]], tuple[Tensor, ...] | None]:
         engine = self._engine
 
-        def hook(grads: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
+        def hook(grads: tuple[Tensor | None, ...]) -> tuple[Tensor, ...] | None:
             new = engine.on_accumulate(param, grads[0])
             return None if new is None else (new,)
 
