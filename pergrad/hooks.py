@@ -25,6 +25,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
 from . import lm_loss
+from .coupling import refuse_batch_statistics
 from .detach import Detached
 from .errors import BatchMixingError, BatchSizeError, SharedInputError, module_label
 from .layout import batch_to_front
@@ -337,6 +338,7 @@ class LayerHooks:
         self._token_loss_warning = lm_loss.warner()
         self._root_out = model.register_forward_hook(ModuleHook(self, self._model_returned), with_kwargs=True)
         self._handles: list[RemovableHandle] = []
+        self._graph_unchecked = True  # the first graph is checked for batch statistics (pergrad.coupling)
         self._captures: dict[str, Capture] = {}  # parametrized layers: what their parametrizations computed
 
     def install(self, layers: list[HookedLayer]) -> None:
@@ -654,6 +656,9 @@ class LayerHooks:
                 holder._parameters[name] = p  # type: ignore[assignment]
 
     def _model_returned(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if self.batch is not None and self._graph_unchecked:  # the first forward that builds a graph
+            self._graph_unchecked = False
+            refuse_batch_statistics(output_tensors(output))
         labels = lm_loss.token_labels(kwargs) if self.batch is not None else None
         if labels is not None:
             lm_loss.watch(labels, output, self._token_loss_warning)
