@@ -314,7 +314,15 @@ class PerSampleModule:
         detacher = self._engine.detacher
         to_detach = detacher.for_call if detach_transformed else None
         self._hooks = LayerHooks(
-            model, batch_first, self._engine.on_output_grad, on_input, to_detach, self._sync, detacher.may_detach
+            model,
+            batch_first,
+            self._engine.on_output_grad,
+            on_input,
+            to_detach,
+            self._sync,
+            detacher.may_detach,
+            self._engine.taps.tap,
+            self._engine.may_tap,
         )
         self._install_hooks()
         self._install_accumulate_hooks()
