@@ -163,7 +163,8 @@ class Engine:
         # on every backward unless verify=False
         self.checks_reach = verify_backwards > 0
         self.taps = Taps(self._taps_param, self._on_tap)
-        self._removed: dict[int, list[tuple[Call, tuple[nn.Parameter, ...]]]] = {}  # by graph task: detached calls backwarded after remove()
+        # by graph task: the calls with detached weights whose backward runs after remove()
+        self._removed: dict[int, list[tuple[Call, tuple[nn.Parameter, ...]]]] = {}
 
     def on_probe(self, grad: Tensor) -> Tensor:
         """Gradient hook of a probe anchor (see ``Detached``): it runs exactly in backward passes that
@@ -283,8 +284,9 @@ class Engine:
         ``remove()``: pergrad is gone, so the weight gets autograd's own gradient, at the end of the
         backward (``_write_after_removal``), where the backward accumulates into ``.grad`` (it
         reaches the call's anchor: see ``Detached``)."""
-        assert kept.detached is not None
-        anchor = get_gradient_edge(kept.detached.anchor).node
+        detached = kept.detached
+        assert detached is not None
+        anchor = get_gradient_edge(detached.anchor).node
         if not torch._C._will_engine_execute_node(anchor):  # torch.autograd.grad: no .grad to write
             return
         task = torch._C._current_graph_task_id()
@@ -296,7 +298,7 @@ class Engine:
             d = d.to(dtype)
             if isinstance(kept.a, Tensor) and kept.a.is_floating_point() and kept.a.dtype != dtype:
                 kept = replace(kept, a=kept.a.to(dtype))
-        self._removed[task].append((Call(kept.layer, kept.a, d), kept.detached.params))
+        self._removed[task].append((Call(kept.layer, kept.a, d), detached.params))
 
     def _write_after_removal(self, task: int) -> None:
         """Add autograd's gradient of every weight the backward's calls ran detached: the sum of their

@@ -354,7 +354,11 @@ class LayerHooks:
                 pre, post = ModuleHook(self, self._detacher(layer)), ModuleHook(self, self._reattacher(layer))
                 self._handles.append(layer.module.register_forward_pre_hook(pre))
                 self._handles.append(layer.module.register_forward_hook(post, always_call=True))
-            if self._to_tap is not None and not (spec.subtree or spec.parametrized) and (self._may_tap is None or self._may_tap(layer)):
+            if (
+                self._to_tap is not None
+                and not (spec.subtree or spec.parametrized)
+                and (self._may_tap is None or self._may_tap(layer))
+            ):
                 # after the detacher: a weight detached for the call is not tapped
                 pre, post = ModuleHook(self, self._tapper), ModuleHook(self, self._untapper)
                 self._handles.append(layer.module.register_forward_pre_hook(pre))
@@ -472,10 +476,10 @@ class LayerHooks:
             return
         if torch.compiler.is_compiling():
             return
-        swaps = []
+        swaps: list[tuple[str, Tensor, Tensor]] = []
         for name, p in module._parameters.items():
             tap = to_tap(p, self.generation)
-            if tap is not None:
+            if p is not None and tap is not None:
                 module._parameters[name] = tap  # type: ignore[assignment]
                 swaps.append((name, p, tap))
         if swaps:
