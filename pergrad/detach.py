@@ -216,10 +216,10 @@ class Detacher:
         first = self._decided.get(layer.name)
         found = self._detach(layer, a, batch_dim, decided=first)
         if found is not None and engine.world is None:
-            found = self._touched(found, self._guard(layer.label, found.params))
+            found = self._touched(found, self._guard(layer.label, found.params), generation)
         elif found is not None and engine.world is not None:
             if engine.world.touches:  # DDP: its reducer waits for every parameter
-                found = self._touched(found, None)
+                found = self._touched(found, None, generation)
             found = replace(found, params=tuple(map(self.engine.canonical, found.params)))
         if first is None:
             self._decided[layer.name] = found is not None
@@ -269,13 +269,14 @@ class Detacher:
         sentinel = self.probe(params[0]).view_as(self.probe(params[0]))
         return _Guard(label, sentinel, views), (sentinel, *views)
 
-    def _touched(self, found: Detached, guarded: tuple[_Guard, tuple[Tensor, ...]] | None) -> Detached:
+    def _touched(self, found: Detached, guarded: tuple[_Guard, tuple[Tensor, ...]] | None, generation: int) -> Detached:
         """``found`` with its anchor touched by the detached parameters: where the anchor stands in as
         the bias, the swapped-in bias; where it is added to the output, the anchor itself.
 
         Under DDP (``guarded`` None) their ``AccumulateGrad`` gets a zero (its reducer waits for every
         parameter); in one process no gradient, so that their ``AccumulateGrad`` tells which backward
-        passes reach them, and the guard refuses a backward that asks autograd for them."""
+        passes reach them, and the guard refuses a backward that asks autograd for them. A bias that is the
+        anchor is read through its tap (``pergrad.reach``): the layer's tapper sees the touched view."""
         params: tuple[Tensor, ...]
         if guarded is None:
             zero: Tensor | None = self._zero(found.params[0])
@@ -290,8 +291,9 @@ class Detacher:
             return replace(found, anchor=tied(found.anchor))
         swaps = list(found.swaps)
         index = next(i for i, (name, _, _) in enumerate(swaps) if name == "bias") if found.probe else None
-        if index is None:  # the layer's own bias is the anchor: swap in a touched view of it
-            swaps.append(("bias", found.anchor, tied(found.anchor)))
+        if index is None:  # the layer's own bias is the anchor: swap in a touched view of it (of its tap)
+            tapped = self.engine.taps.tap(found.anchor, generation)
+            swaps.append(("bias", found.anchor, tied(found.anchor if tapped is None else tapped)))
         else:
             name, original, replacement = swaps[index]
             swaps[index] = (name, original, tied(replacement))

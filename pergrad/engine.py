@@ -33,16 +33,18 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
-from .detach import Detached, Detacher
+from .detach import Detached, Detacher, has_tensor_hooks
 from .errors import BatchSizeError, HookStateError, TransformError, module_label
 from .hooks import HookedLayer, Kept
 from .layout import allocating_from, may_hold_true
 from .loss_scale import LossScale, on_device
 from .pool import BufferPool
+from .reach import Taps
 from .sources import Call, Fused, Materialized, run_rule
 from .statistics import Statistics, compute_statistics, needs
-from .transforms import Scaling, Transform, check_output
+from .transforms import Scaling, Transform, check_output, check_unmodified
 from .verify import check_sums, unattributable, unreached
 
 if TYPE_CHECKING:
@@ -107,6 +109,7 @@ class _Backward:
     error: BaseException | None = None  # what it raised, re-raised once the wrapper's communication is done
     loss_scale: Tensor | None = None  # the factor the loss was multiplied by (grad_scaler=, loss_scale=); None: 1
     amp: bool = False  # a GradScaler's scale is part of it: a NaN or Inf is an overflow that must reach .grad
+    tapped: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # what each tap passed on (``pergrad.reach``)
 
 
 class Engine:
@@ -160,6 +163,12 @@ class Engine:
         self.detacher = Detacher(self)
         self._deferred: dict[nn.Parameter, dict[Any, Any]] = {}  # post-accumulate-grad hooks held back
         self._nested: dict[int, _Backward] = {}  # graph tasks of nested backward passes -> the outer one's state
+        # what reaches a parameter pergrad writes besides its layers' outputs (pergrad.reach): checked
+        # on every backward unless verify=False
+        self.checks_reach = verify_backwards > 0
+        self.taps = Taps(self._taps_param, self._on_tap)
+        # by graph task: the calls with detached weights whose backward runs after remove()
+        self._removed: dict[int, list[tuple[Call, tuple[nn.Parameter, ...]]]] = {}
 
     def on_probe(self, grad: Tensor | None) -> Tensor | None:
         """Gradient hook of a probe anchor (see ``Detached``): it runs exactly in backward passes that
@@ -167,6 +176,22 @@ class Engine:
         if not self.closed:
             self._backward_state().probed = True
         return None if grad is None else torch.zeros_like(grad)
+
+    def _taps_param(self, param: nn.Parameter) -> bool:
+        """Whether the layers read ``param`` through a tap (``pergrad.reach``)."""
+        if self.closed or not self.checks_reach or (self.world is not None and not self.world.touches):
+            return False
+        return self.canonical(param) in self.transformed and not has_tensor_hooks(param)
+
+    def may_tap(self, layer: HookedLayer) -> bool:
+        """Whether a call of ``layer`` may read a parameter through a tap (its tapping hooks are
+        installed only then)."""
+        return any(self._taps_param(p) for _, p in layer.trainable())
+
+    def _on_tap(self, param: nn.Parameter, grad: Tensor) -> None:
+        """Hook of a tap: ``grad`` is what the layers holding ``param`` sent it in this backward."""
+        if not self.closed:
+            self._backward_state().tapped[self.canonical(param)] = grad
 
     # -- called from hooks during backward -------------------------------------------------------
 
@@ -219,6 +244,8 @@ class Engine:
         """The gradient ``d`` of a layer call's output (of its output tensor number ``part``, for a rule
         that takes every output: see ``RuleSpec.output_dims``), batch on dim 0."""
         if self.closed:
+            if kept.detached is not None and part is None:
+                self._after_removal(kept, d)
             return
         computes = self.keep_grad_sample or self.keep_activation_grads or kept.layer.spec.parametrized
         if not (computes or torch.is_grad_enabled()):  # records (a, d) only: nothing to compute or keep off the graph
@@ -276,6 +303,46 @@ class Engine:
             grads[part] = d if previous is None else previous + d
             return
         self._use(state, kept, d, scale)
+
+    def _after_removal(self, kept: Kept, d: Tensor) -> None:
+        """The output gradient of a call that ran with its weight detached, in a backward after
+        ``remove()``: pergrad is gone, so the weight gets autograd's own gradient, at the end of the
+        backward (``_write_after_removal``), where the backward accumulates into ``.grad`` (it
+        runs the weight's ``AccumulateGrad``, which ``detach.touch`` ties into the graph)."""
+        detached = kept.detached
+        assert detached is not None
+        try:
+            runs = all(torch._C._will_engine_execute_node(get_gradient_edge(p).node) for p in detached.params)
+        except RuntimeError:  # asked of a leaf in torch.autograd.grad: no .grad to write
+            runs = False
+        if not runs:  # torch.autograd.grad, or backward(inputs=...) naming other tensors
+            return
+        task = torch._C._current_graph_task_id()
+        if task not in self._removed:
+            self._removed[task] = []
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._write_after_removal(task))
+        dtype = kept.layer.dtype
+        if dtype is not None and d.dtype != dtype:  # autocast: in the parameters' dtype, as autograd accumulates
+            d = d.to(dtype)
+            if isinstance(kept.a, Tensor) and kept.a.is_floating_point() and kept.a.dtype != dtype:
+                kept = replace(kept, a=kept.a.to(dtype))
+        self._removed[task].append((Call(kept.layer, kept.a, d), detached.params))
+
+    def _write_after_removal(self, task: int) -> None:
+        """Add autograd's gradient of every weight the backward's calls ran detached: the sum of their
+        per-sample gradients for the output gradients autograd delivered (no transform, no rescaling).
+        Its post-accumulate-grad hooks ran already, before this ``.grad`` was written: its
+        ``AccumulateGrad`` runs with no gradient (``detach.touch``), and pergrad's pre-hook that held them
+        back went with ``remove()``."""
+        calls = self._removed.pop(task, [])
+        if not calls:
+            return
+        params = list(dict.fromkeys(p for _, detached in calls for p in detached))
+        with _no_autocast(params[0].device.type), _no_grad():
+            ones = params[0].new_ones(calls[0][0].d.shape[0])
+            totals = Fused([call for call, _ in calls]).summed(params, ones)
+            for param, total in totals.items():
+                param.grad = total.to(param.dtype) if param.grad is None else param.grad.add_(total)
 
     def _flush_outputs(self, state: _Backward) -> None:
         """Run the rules that take every output's gradient, once per call (see ``RuleSpec.output_dims``)."""
@@ -343,6 +410,14 @@ class Engine:
         """Pre-hook of ``param``'s AccumulateGrad node: what autograd adds to ``param.grad`` (None: a
         detached weight's, touched with no gradient: see ``detach.touch``)."""
         if self.closed:
+            # after remove(): a detached weight's .grad is written at the end of the backward, and
+            # its post-accumulate-grad hooks run then (``_write_after_removal``)
+            if (
+                grad is None
+                and param._post_accumulate_grad_hooks
+                and torch._C._current_graph_task_id() in self._removed
+            ):
+                self._defer_post_accumulate_hooks(param)
             return None
         state = self._backward_state()
         state.reached[param] = None
@@ -366,6 +441,16 @@ class Engine:
                         self.param_names[param],
                         "it arrived although every call of its layer ran with the weight detached",
                     )
+                )
+            tapped = state.tapped.pop(param, None)
+            # the tap's very tensor unless another term reached the parameter: then (only) a host sync
+            if tapped is not None and grad is not tapped and bool((grad != tapped).any()):
+                raise HookStateError(
+                    unattributable(
+                        self.param_names[param],
+                        "it arrived beside what the parameter's layers sent it, in a backward after the first",
+                    )
+                    + " Or pass verify=False to PerSampleModule if dropping that part is intended."
                 )
             if param.grad is None:
                 state.overwrite[param] = None  # let autograd store its sum; replaced at the end
@@ -649,10 +734,14 @@ class Engine:
             key: grads[p] if p in grads else first.new_zeros((first.shape[0], *p.shape))
             for key, p in target.params.items()
         }
+        versions = {key: g._version for key, g in batch.items()}
         result = transform.apply(batch)
         check_output(target.label, batch, result)
+        check_unmodified(target.label, batch, versions)
         inputs_finite = _all_finite(batch.values()) if state.amp else None
         for key, param in target.params.items():
+            if param not in state.reached:  # as autograd leaves it (None stays None), whatever T made of its zeros
+                continue
             reduced = result[key].sum(0) if self.reduction == "sum" else result[key].mean(0)
             if not torch.isfinite(reduced).all() and (
                 _all_finite(batch.values()) if inputs_finite is None else inputs_finite

@@ -107,6 +107,7 @@ class Kept:
 
 OnOutputGrad = Callable[..., None]  # (kept, d) or, for a rule with output_dims, (kept, d, k): output k's gradient
 ToDetach = Callable[[HookedLayer, Any, int, int], "Detached | None"]
+ToTap = Callable[[Any, int], "Tensor | None"]  # (a module's parameter, generation) -> the tap it is read through
 
 
 def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -318,6 +319,8 @@ class LayerHooks:
         on_model_call: Callable[[], None] | None = None,
         may_detach: Callable[[HookedLayer], bool] | None = None,
         on_recompute: Callable[[], None] | None = None,
+        to_tap: ToTap | None = None,
+        may_tap: Callable[[HookedLayer], bool] | None = None,
     ) -> None:
         self._model = model
         self._on_recompute = on_recompute
@@ -325,6 +328,8 @@ class LayerHooks:
         self._to_detach = to_detach
         self._may_detach = may_detach  # which layers get the detaching hooks (all, when None)
         self._detached: dict[str, Detached] = {}  # layer name -> parameters detached for the running call
+        self._to_tap, self._may_tap = to_tap, may_tap  # see ``pergrad.reach``
+        self._tapped: dict[nn.Module, list[tuple[str, Tensor, Tensor]]] = {}  # (name, parameter, tap) per call
         self._on_output_grad = on_output_grad
         self._on_input_grad = on_input_grad
         self._on_model_call = on_model_call
@@ -354,6 +359,15 @@ class LayerHooks:
             if self._to_detach is not None and detachable and (self._may_detach is None or self._may_detach(layer)):
                 # before the keeper: the output it keeps is the one with the probe added
                 pre, post = ModuleHook(self, self._detacher(layer)), ModuleHook(self, self._reattacher(layer))
+                self._handles.append(layer.module.register_forward_pre_hook(pre))
+                self._handles.append(layer.module.register_forward_hook(post, always_call=True))
+            if (
+                self._to_tap is not None
+                and not (spec.subtree or spec.parametrized)
+                and (self._may_tap is None or self._may_tap(layer))
+            ):
+                # after the detacher: a weight detached for the call is not tapped
+                pre, post = ModuleHook(self, self._tapper), ModuleHook(self, self._untapper)
                 self._handles.append(layer.module.register_forward_pre_hook(pre))
                 self._handles.append(layer.module.register_forward_hook(post, always_call=True))
             if layer.spec.parametrized:
@@ -386,6 +400,8 @@ class LayerHooks:
         self._handles.clear()
         self._captures.clear()
         self._detached.clear()
+        for module in list(self._tapped):
+            self._untapper(module, (), None)
         for module in list(self._swapped):
             self._untracker(module, (), None)
 
@@ -459,6 +475,28 @@ class LayerHooks:
             return output + found.anchor if found.on_output else None
 
         return reattach
+
+    def _tapper(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Forward pre-hook: the call reads the parameters pergrad checks through their taps."""
+        to_tap = self._to_tap
+        if to_tap is None or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+            return
+        if torch.compiler.is_compiling():
+            return
+        swaps: list[tuple[str, Tensor, Tensor]] = []
+        for name, p in module._parameters.items():
+            tap = to_tap(p, self.generation)
+            if p is not None and tap is not None:
+                module._parameters[name] = tap  # type: ignore[assignment]
+                swaps.append((name, p, tap))
+        if swaps:
+            self._tapped[module] = swaps
+
+    def _untapper(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Forward hook (also when the forward raised): the parameters back in place."""
+        for name, p, tap in self._tapped.pop(module, []):
+            if module._parameters.get(name) is tap:  # (FSDP2 may have put its shard back)
+                module._parameters[name] = p  # type: ignore[assignment]
 
     def _keeper(self, layer: HookedLayer) -> Callable[..., Tensor | None]:
         # fixed for the layer: looked up once here, not at every call (this runs at every forward)
@@ -638,7 +676,8 @@ class LayerHooks:
                 key = self._key(layer.name)
                 kept = Kept(layer, layer.param, self.generation, batch.size, key, task=self._recomputed())
                 origin = Origin(p, self._deliver(kept), Group("shared", batch.size, batch.dim), layer.label)
-                origin.tensor = track(p, [origin])
+                tap = None if self._to_tap is None else self._to_tap(p, self.generation)
+                origin.tensor = track(p if tap is None else tap, [origin])
                 holder._parameters[layer.param] = origin.tensor  # type: ignore[assignment]
                 saved.append((holder, layer.param, p, origin.tensor))
             self._swapped[module] = saved

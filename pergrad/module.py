@@ -332,7 +332,9 @@ class PerSampleModule:
             to_detach,
             self._sync,
             detacher.may_detach,
-            self._engine.on_recompute,
+            on_recompute=self._engine.on_recompute,
+            to_tap=self._engine.taps.tap,
+            may_tap=self._engine.may_tap,
         )
         self._install_hooks()
         self._install_accumulate_hooks()

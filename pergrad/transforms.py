@@ -210,3 +210,15 @@ def check_output(target: str, before: Grads, after: Grads) -> None:
                 f"got {tuple(out.shape)}, expected {tuple(g.shape)} (per sample {tuple(g.shape[1:])}); "
                 "a transform must return gradients of the shapes it was given"
             )
+
+
+def check_unmodified(target: str, before: Grads, versions: dict[str, int]) -> None:
+    """Raise if the transform wrote into the gradients it was given (``versions``: their version
+    counters before it ran): they are ``grad_sample``, which holds the gradients before T."""
+    for name, g in before.items():
+        if g._version != versions[name]:
+            raise TransformError(
+                f"the transform registered for {target} modified its input {name!r} in place; it holds the "
+                "per-sample gradients before T (p.grad_sample). Return a new tensor instead: g * c, not "
+                "g.mul_(c) (torch.where, g.clamp(...), not in-place ops or assignments into g)"
+            )
