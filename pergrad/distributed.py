@@ -24,9 +24,26 @@ per-sample norm). pergrad registers DDP's communication hook:
 So every gradient is all-reduced exactly once, in DDP's buckets: the bytes of plain DDP, no
 collective per parameter. Detached weights (``detach.py``) are *touched*: their ``AccumulateGrad``
 still runs, with a zero, so the reducer sees every parameter. With ``accumulate="samples"`` each
-parameter's place in a bucket is multiplied by the samples its local running mean holds before the
-all-reduce and divided by the total over ranks after (one all-reduce of one number per parameter per
-backward), so ``.grad`` is the mean over every sample of every rank, whatever the batch sizes.
+parameter's place in a bucket is multiplied by ``size x`` the samples its local running mean holds
+over their total on every rank (one all-reduce of one number per parameter per backward) before the
+bucket is averaged over ranks, so ``.grad`` is the mean over every sample of every rank, whatever the
+batch sizes.
+
+"All-reduced" above is DDP's reduction of a bucket, the mean over ranks: the user's own
+communication hook where there is one (``fp16_compress_hook``, PowerSGD, ...), which so gets every
+bucket with the transformed gradients in it, and whose result is what lands in ``.grad``. DDP's reducer
+takes one hook, for good: a hook the user registered before pergrad saw the DDP model is taken off by
+giving the model a new reducer (as DDP builds one when unpickled), and pergrad's calls it; one
+registered later goes to pergrad's (``register_comm_hook`` of that DDP model is pergrad's from then on,
+and stays so after ``remove()``: DDP keeps pergrad's hook, which then reduces with the user's).
+Built-in hooks, registered in C++, leave no trace pergrad could call: refused.
+
+The DDP model is the wrapped model (``PerSampleModule(DDP(net))``), or is found at its first
+forward, before the first backward that needs it, when DDP was applied after wrapping, to the wrapped
+model or to a parent of it (``PerSampleModule(net)``, then ``DDP(net)`` or ``DDP(parent)``: the order
+Lightning's DDP strategy imposes): DDP's forward records itself as the running one while it calls the
+module it holds, and the wrapped model's forward pre-hook looks there (``running_ddp``). Parameters of
+the parent outside the wrapped model keep DDP's own reduction.
 
 FSDP2 (``Sharded``). Parameters are ``DTensor`` shards; for a layer's forward and backward FSDP2 puts
 unsharded parameters (plain tensors) in the layer, and after the layer's backward reduce-scatters

@@ -413,6 +413,72 @@ def test_ddp_applied_after_wrapping(pool2: Pool, case: Case) -> None:
     check(pool2, case)
 
 
+class Shifted(nn.Module):
+    """A parent with a parameter of its own, outside the wrapped ``net``: ``net(x) + offset``."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.offset = nn.Parameter(torch.linspace(-1, 1, 3, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x) + self.offset
+
+
+def parent_own_parameter(rank: int, world: int) -> list[float]:
+    """``PerSampleModule(net, accumulate="samples")``, then ``DDP(parent)``, micro-batches of different
+    sizes under ``no_sync``: net's ``.grad`` is the mean of ``clip(g_i)`` over every rank's samples,
+    the parent's ``offset`` keeps DDP's mean over ranks of autograd's gradient (in the same bucket).
+    Per step, the largest difference to a one-process reference on every rank's samples."""
+    sizes = ((2, 3), (4, 1))
+    model = Shifted(make_model())
+    ref = Shifted(make_model())
+    psm = PerSampleModule(model.net, accumulate="samples")
+    psm.register_transform(model.net, transforms.clip_norm(4.0))
+    ddp = DistributedDataParallel(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
+    gen = torch.Generator().manual_seed(1)
+    diffs = []
+    for step in range(3):
+        data = [
+            [(torch.randn(n, 4, generator=gen).double(), torch.randn(n, 3, generator=gen).double()) for n in s]
+            for s in sizes
+        ]
+        for i, (x, t) in enumerate(data[rank]):
+            with ddp.no_sync() if i < len(data[rank]) - 1 else contextlib.nullcontext():  # type: ignore[operator]
+                ((ddp(x) - t).pow(2).sum() / len(x)).backward()
+        flat = [mb for batches in data for mb in batches]
+        g = reference_grad_sample(ref, torch.cat([mb[0] for mb in flat]), torch.cat([mb[1] for mb in flat]))
+        net = [n for n in g if n.startswith("net.")]
+        want = {n: v.mean(0) for n, v in transforms.clip_norm(4.0).apply({n: g[n] for n in net}).items()}
+        means, start = [], 0  # autograd: each micro-batch's mean, added up per rank; DDP: the mean over ranks
+        for batches in data:
+            means.append(sum(g["offset"][start + sum(s) - n : start + sum(s)].mean(0) for n, s in _prefixes(batches)))
+            start += sum(len(mb[0]) for mb in batches)
+        want["offset"] = sum(means) / world
+        diffs.append(max(float((p.grad - want[n]).abs().max()) for n, p in model.named_parameters()))
+        if step > 0:
+            assert psm._engine.detacher.current, "no weight ran detached"
+        for n, p in ref.named_parameters():
+            p.grad = want[n].clone()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    psm.remove()
+    return diffs
+
+
+def _prefixes(batches: list[tuple[Tensor, Tensor]]) -> list[tuple[int, list[int]]]:
+    """Each micro-batch's size and the sizes up to and including it."""
+    sizes = [len(mb[0]) for mb in batches]
+    return [(n, sizes[: i + 1]) for i, n in enumerate(sizes)]
+
+
+def test_ddp_of_a_parent_with_parameters_of_its_own(pool2: Pool) -> None:
+    for diffs in pool2.run(parent_own_parameter):
+        assert max(diffs) < 1e-12, diffs
+
+
 HOOK_CASES = [
     # the user's communication hook gets DDP's buckets with pergrad's transformed gradients in them
     Case("ddp", "clip", hook="allreduce", sizes=((3, 2), (2, 4))),
