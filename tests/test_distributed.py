@@ -261,7 +261,7 @@ def run_case(rank: int, world: int, case: Case) -> list[dict[str, Any]]:
     elif case.kind == "ddp":  # DDP applied after wrapping: pergrad finds it at the first forward
         psm = PerSampleModule(model, **options)
         root = DistributedDataParallel(model if case.order == "ddp-net" else Parent(model), **case.ddp)
-        if hook is not None:
+        if hook is not None and case.hook_first:  # (else after the first forward: see below)
             root.register_comm_hook(*hook)
         wrapped = model
     else:
@@ -281,6 +281,8 @@ def run_case(rank: int, world: int, case: Case) -> list[dict[str, Any]]:
                 model.set_requires_gradient_sync(sync)  # type: ignore[operator]
             with contextlib.nullcontext() if sync or case.kind == "fsdp" else root.no_sync():  # type: ignore[operator]
                 loss = (call(x) - t).pow(2).sum()
+                if hook is not None and not case.hook_first and case.order != "wrap-ddp" and not out and i == 0:
+                    root.register_comm_hook(*hook)  # pergrad found the DDP model in that forward
                 if case.kind == "fsdp" and case.shard == "layers":  # resharded after their forward
                     assert all(type(p).__name__ == "DTensor" for layer in model for p in layer.parameters())
                 (loss / len(x) if case.loss_reduction == "mean" else loss).backward()
@@ -488,6 +490,7 @@ HOOK_CASES = [
     Case("ddp", "clip", hook="powersgd", hook_first=False, steps=4, loss_reduction="sum", reduction="sum"),
     Case("ddp", "clip", hook="fp16", order="ddp-parent", ddp={"find_unused_parameters": True}),
     Case("ddp", "clip", hook="allreduce", order="ddp-net", keep=True, sizes=((3,), (2,))),
+    Case("ddp", "clip", hook="allreduce", order="ddp-net", hook_first=False, sizes=((2, 3), (3, 1)), no_sync=True),
 ]
 
 
