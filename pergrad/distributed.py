@@ -24,9 +24,26 @@ per-sample norm). pergrad registers DDP's communication hook:
 So every gradient is all-reduced exactly once, in DDP's buckets: the bytes of plain DDP, no
 collective per parameter. Detached weights (``detach.py``) are *touched*: their ``AccumulateGrad``
 still runs, with a zero, so the reducer sees every parameter. With ``accumulate="samples"`` each
-parameter's place in a bucket is multiplied by the samples its local running mean holds before the
-all-reduce and divided by the total over ranks after (one all-reduce of one number per parameter per
-backward), so ``.grad`` is the mean over every sample of every rank, whatever the batch sizes.
+parameter's place in a bucket is multiplied by ``size x`` the samples its local running mean holds
+over their total on every rank (one all-reduce of one number per parameter per backward) before the
+bucket is averaged over ranks, so ``.grad`` is the mean over every sample of every rank, whatever the
+batch sizes.
+
+"All-reduced" above is DDP's reduction of a bucket, the mean over ranks: the user's own
+communication hook where there is one (``fp16_compress_hook``, PowerSGD, ...), which so gets every
+bucket with the transformed gradients in it, and whose result is what lands in ``.grad``. DDP's reducer
+takes one hook, for good: a hook the user registered before pergrad saw the DDP model is taken off by
+giving the model a new reducer (as DDP builds one when unpickled), and pergrad's calls it; one
+registered later goes to pergrad's (``register_comm_hook`` of that DDP model is pergrad's from then on,
+and stays so after ``remove()``: DDP keeps pergrad's hook, which then reduces with the user's).
+Built-in hooks, registered in C++, leave no trace pergrad could call: refused.
+
+The DDP model is the wrapped model (``PerSampleModule(DDP(net))``), or is found at its first
+forward, before the first backward that needs it, when DDP was applied after wrapping, to the wrapped
+model or to a parent of it (``PerSampleModule(net)``, then ``DDP(net)`` or ``DDP(parent)``: the order
+Lightning's DDP strategy imposes): DDP's forward records itself as the running one while it calls the
+module it holds, and the wrapped model's forward pre-hook looks there (``running_ddp``). Parameters of
+the parent outside the wrapped model keep DDP's own reduction.
 
 FSDP2 (``Sharded``). Parameters are ``DTensor`` shards; for a layer's forward and backward FSDP2 puts
 unsharded parameters (plain tensors) in the layer, and after the layer's backward reduce-scatters
@@ -50,7 +67,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -132,18 +149,85 @@ def _average(bucket: dist.GradBucket, group: Any, size: int) -> torch.futures.Fu
 
 
 class _CommHook:
-    """DDP's communication hook, registered once per DDP model (DDP takes one): the wrapper that
-    currently owns the model handles the buckets; without one (``psm.remove()``) DDP's own mean."""
+    """DDP's communication hook, registered once per DDP model (DDP takes one, for good): the wrapper
+    that currently owns the model handles the buckets; without one (``psm.remove()``) each bucket gets
+    DDP's reduction, ``reduce``. The user's own hook (``ddp.register_comm_hook``, before or after
+    wrapping) is that reduction: it gets every bucket, pergrad's held-back ones once they hold the
+    transformed gradients."""
 
     def __init__(self, group: Any, size: int) -> None:
         self.group, self.size = group, size
         self.world: DataParallel | None = None
+        self.user: tuple[Callable[[Any, dist.GradBucket], torch.futures.Future[Tensor]], Any] | None = None
+        self.fn = lambda state, bucket: self(bucket)  # what DDP registers (DDP reads its __qualname__)
 
     def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
         world = self.world
         if world is None or world.engine.closed:
-            return _average(bucket, self.group, self.size)
+            return self.reduce(bucket)
         return world.on_bucket(bucket)
+
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        """The mean over ranks of the bucket, as DDP computes it: the user's hook, or an all-reduce."""
+        if self.user is not None:
+            hook, state = self.user
+            return hook(state, bucket)
+        return _average(bucket, self.group, self.size)
+
+    def register_user_hook(
+        self, ddp: DistributedDataParallel, state: Any, hook: Callable[..., torch.futures.Future[Tensor]]
+    ) -> None:
+        """``ddp.register_comm_hook(state, hook)`` once pergrad's hook is registered: ``hook`` becomes
+        the reduction of every bucket (DDP's own checks of ``hook`` first)."""
+        if self.user is not None:
+            raise PergradError(
+                f"this DistributedDataParallel model has a communication hook already ({_qualname(self.user[0])}); "
+                "DDP takes one. Register one hook."
+            )
+        DistributedDataParallel._check_comm_hook(ddp, hook)
+        self.user = (hook, state)
+        ddp._comm_hooks.append((hook, state))
+
+
+def _qualname(hook: Any) -> str:
+    return getattr(hook, "__qualname__", type(hook).__name__)
+
+
+def _builtin_refused(comm_hook_type: Any) -> None:
+    raise PergradError(
+        f"a built-in DDP communication hook ({comm_hook_type}) cannot be combined with pergrad's, which carries the "
+        "transformed gradients in DDP's buckets: register its Python equivalent with ddp.register_comm_hook "
+        "(torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook or fp16_compress_hook), which "
+        "pergrad composes with its own."
+    )
+
+
+def _rebuild_reducer(ddp: DistributedDataParallel, in_forward: bool) -> None:
+    """Give ``ddp`` a new reducer, without the communication hook the user registered on the old one
+    (a reducer takes one hook, for good), as DDP builds it when it is unpickled. ``in_forward``: DDP's
+    forward is running and prepared the old reducer for it; prepare the new one alike."""
+    try:
+        ddp._remove_autograd_hooks()  # the old reducer's, on every parameter's AccumulateGrad
+        parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
+        names = ddp._build_debug_param_to_name_mapping(parameters)
+        ddp._ddp_init_helper(parameters, expect_sparse_gradient, names, ddp.static_graph)
+    except AttributeError as err:
+        raise PergradError(
+            f"this torch's DistributedDataParallel differs from the one pergrad was written for ({err}), so pergrad "
+            "cannot take over the communication hook registered before wrapping. Register the hook after wrapping "
+            "(PerSampleModule(ddp), then ddp.register_comm_hook(...)): pergrad composes with it."
+        ) from err
+    if in_forward and torch.is_grad_enabled() and ddp.require_backward_grad_sync:
+        ddp.reducer.prepare_for_forward()
+
+
+def running_ddp(model: nn.Module) -> DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` model whose forward is running and calls ``model`` (``model`` or
+    a parent of it was put in DDP after wrapping, as Lightning's DDP strategy does), or None."""
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if ddp is None or not any(m is model for m in ddp.module.modules()):
+        return None
+    return cast(DistributedDataParallel, ddp)
 
 
 def _parameters(bucket: dist.GradBucket) -> list[nn.Parameter]:
@@ -161,13 +245,16 @@ class _Held:
 
 
 class DataParallel(World):
-    """A ``DistributedDataParallel`` model: pergrad's part of ``.grad`` travels in DDP's buckets."""
+    """A ``DistributedDataParallel`` model: pergrad's part of ``.grad`` travels in DDP's buckets.
+
+    ``late``: DDP was applied after wrapping (to the wrapped model or a parent of it), and its
+    forward is running: pergrad found it there, before the first backward that needs it."""
 
     finish_early = True
     detaches = True
     touches = True
 
-    def __init__(self, ddp: DistributedDataParallel, engine: Engine) -> None:
+    def __init__(self, ddp: DistributedDataParallel, engine: Engine, late: bool = False) -> None:
         if getattr(ddp, "static_graph", False):
             raise PergradError(
                 "DistributedDataParallel(static_graph=True) is not supported: its first backward all-reduces "
@@ -175,7 +262,7 @@ class DataParallel(World):
                 "model without static_graph (pergrad keeps every parameter in the graph, so DDP needs neither "
                 "static_graph nor find_unused_parameters for it)."
             )
-        self.ddp, self.engine = ddp, engine
+        self.ddp, self.engine, self.late = ddp, engine, late
         self.group = ddp.process_group
         self.size = dist.get_world_size(self.group)
         self._state: _Backward | None = None  # the backward the buckets below belong to
@@ -183,31 +270,42 @@ class DataParallel(World):
         self._slots: dict[nn.Parameter, Tensor] = {}
         self._local: dict[nn.Parameter, float] = {}  # accumulate="samples": this rank's samples per .grad
         self._total: dict[nn.Parameter, float] = {}  # and every rank's
+        self.hook: _CommHook | None = None
 
     def install(self) -> None:
-        hook = self.ddp.__dict__.get("_pergrad_comm_hook")
+        ddp = self.ddp
+        hook = ddp.__dict__.get("_pergrad_comm_hook")
         if hook is None:
-            if self.ddp._comm_hooks:
-                raise PergradError(
-                    "this DistributedDataParallel model has a communication hook registered already; pergrad "
-                    "registers its own (it carries the transformed gradients in DDP's buckets) and DDP takes only "
-                    "one. Wrap the DDP model before registering a hook, or without one."
-                )
             hook = _CommHook(self.group, self.size)
+            user = list(ddp._comm_hooks)
+            if user:  # the user's hook holds the reducer: a new one takes pergrad's, which calls the user's
+                _rebuild_reducer(ddp, in_forward=self.late)
             try:
-                self.ddp.register_comm_hook(None, lambda state, bucket: hook(bucket))
+                ddp.register_comm_hook(None, hook.fn)
             except RuntimeError as err:  # a built-in hook, registered in C++, leaves no trace in Python
                 raise PergradError(
-                    f"pergrad could not register its DDP communication hook ({err}). Wrap the DDP model before "
-                    "registering a communication hook, or without one."
+                    f"pergrad could not register its DDP communication hook ({err}): a built-in hook "
+                    "(ddp._register_builtin_comm_hook) is registered. Register its Python equivalent with "
+                    "ddp.register_comm_hook instead (torch.distributed.algorithms.ddp_comm_hooks.default_hooks), "
+                    "which pergrad composes with its own."
                 ) from err
-            self.ddp.__dict__["_pergrad_comm_hook"] = hook
-        hook.world = self
+            if user:
+                hook.user = user[0]
+            # later hooks of the user's compose with pergrad's too (DDP's reducer would refuse them)
+            ddp.__dict__["register_comm_hook"] = functools.partial(hook.register_user_hook, ddp)
+            ddp.__dict__["_register_builtin_comm_hook"] = _builtin_refused
+            ddp.__dict__["_pergrad_comm_hook"] = hook
+        if hook.world is not None and hook.world is not self and not hook.world.engine.closed:
+            raise PergradError(
+                "this DistributedDataParallel model holds two models wrapped by PerSampleModule; pergrad carries "
+                "the transformed gradients of one in DDP's buckets. Wrap one module that holds both (or the DDP "
+                "model itself) in one PerSampleModule."
+            )
+        hook.world, self.hook = self, hook
 
     def close(self) -> None:
-        hook = self.ddp.__dict__.get("_pergrad_comm_hook")
-        if hook is not None and hook.world is self:
-            hook.world = None
+        if self.hook is not None and self.hook.world is self:
+            self.hook.world = None
 
     def contribution(self, reduced: Tensor) -> Tensor:
         # DDP averages over ranks; a sum over every rank's samples is the average of size x each sum
@@ -234,36 +332,32 @@ class DataParallel(World):
             self._held.append(held)
             self._slots.update(zip(held.params, held.views))
             return held.future
-        return self._all_reduce(bucket.buffer(), _parameters(bucket), bucket.gradients())
+        return self._reduce(bucket, _parameters(bucket), bucket.gradients())
 
     def flush(self, state: _Backward, failed: bool) -> None:
-        """pergrad wrote its part into the held-back buckets: all-reduce them, in DDP's order."""
+        """pergrad wrote its part into the held-back buckets: reduce them, in DDP's order."""
         held, self._held, self._slots = self._held, [], {}
         for h in held:
             try:
-                done = self._all_reduce(h.bucket.buffer(), h.params, h.views)
+                done = self._reduce(h.bucket, h.params, h.views)
             except Exception as err:  # DDP's callback waits on the future: never leave it pending
                 h.future.set_exception(err)  # type: ignore[arg-type]  # (torch's stub is wrong)
                 continue
             done.add_done_callback(functools.partial(_relay, future=h.future))
 
-    def _all_reduce(
-        self, buffer: Tensor, params: list[nn.Parameter], views: list[Tensor]
+    def _reduce(
+        self, bucket: dist.GradBucket, params: list[nn.Parameter], views: list[Tensor]
     ) -> torch.futures.Future[Tensor]:
-        if not self.engine.running_mean:
-            buffer.div_(self.size)
-            return dist.all_reduce(buffer, group=self.group, async_op=True).get_future().then(lambda f: f.value()[0])
-        # running means: sum_r n_r R_r / sum_r n_r, n_r the samples rank r's mean R_r holds
-        for p, view in zip(params, views):
-            view.mul_(self._local.get(p, 0.0))
-        totals = [self._total.get(p, 0.0) for p in params]
-
-        def divide(fut: torch.futures.Future[Any]) -> Tensor:
-            for view, total in zip(views, totals):
-                view.div_(total) if total else view.zero_()
-            return buffer
-
-        return dist.all_reduce(buffer, group=self.group, async_op=True).get_future().then(divide)
+        """DDP's reduction of the bucket (the mean over ranks: the user's hook, if any). Running means:
+        ``sum_r n_r R_r / sum_r n_r`` (``n_r`` the samples rank r's mean ``R_r`` holds) is the mean over
+        ranks of ``R_r`` times ``size n_r / sum_r n_r``; a parameter outside the wrapped model keeps DDP's mean."""
+        assert self.hook is not None
+        if self.engine.running_mean:
+            for p, view in zip(params, views):
+                total = self._total.get(p)
+                if total is not None:
+                    view.mul_(self.size * self._local[p] / total) if total else view.zero_()
+        return self.hook.reduce(bucket)
 
     def _count(self, state: _Backward) -> None:
         """How many samples each parameter's ``.grad`` will average on this rank and on all (one

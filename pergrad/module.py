@@ -11,7 +11,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
-from .distributed import world_for
+from .distributed import DataParallel, running_ddp, world_for
 from .engine import Engine, Target
 from .errors import NormNotComputedError, PergradError, TargetError, TransformError, UnsupportedLayerError, module_label
 from .hooks import HookedLayer, LayerHooks, owners
@@ -387,7 +387,15 @@ class PerSampleModule:
         """At every call of the model: if its parameters are no longer the ones the wrapper was built
         for (replaced by ``load_state_dict(assign=True)``, a module swapped in, ``requires_grad``
         switched), wrap the model as it is now -- the registered transforms included -- and check the
-        next backward against autograd again (``verify``)."""
+        next backward against autograd again (``verify``). And if DDP was applied after wrapping (to the
+        model or a parent of it) and this is its forward, carry pergrad's gradients in its buckets from
+        now on (``pergrad.distributed``)."""
+        if self._engine.world is None and not self._engine.closed:
+            ddp = running_ddp(self.module)
+            if ddp is not None:
+                world = DataParallel(ddp, self._engine, late=True)
+                world.install()
+                self._engine.world = world
         if self._engine.closed or _layout(self._modules, self._canonical) == self._layout:
             return
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():

@@ -136,6 +136,11 @@ class Case:
     ddp: dict[str, Any] = field(default_factory=dict)  # DistributedDataParallel's options
     shard: str = "layers"  # FSDP2: fully_shard on each layer and the root, or on the root only
     raw: bool = False  # end the model with a module of the user's that uses its parameter directly
+    # DDP: "wrap-ddp" PerSampleModule(DDP(net)); "ddp-net" PerSampleModule(net) then DDP(net);
+    # "ddp-parent" PerSampleModule(net) then DDP(a parent of net), as Lightning's DDP strategy does
+    order: str = "wrap-ddp"
+    hook: str = ""  # a communication hook of the user's: "allreduce", "fp16" or "powersgd"
+    hook_first: bool = True  # registered before pergrad sees the DDP model (else right after wrapping)
 
 
 class Gate(nn.Module):
@@ -156,10 +161,35 @@ def make_model(raw: bool = False) -> nn.Sequential:
     return nn.Sequential(*layers, *([Gate(3)] if raw else [])).double()
 
 
+class Parent(nn.Module):
+    """What Lightning puts in DDP: a module holding the user's ``net`` (a LightningModule)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+def user_hook(name: str) -> tuple[Any, Callable[..., Any]]:
+    """A communication hook of the user's and its state."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "powersgd":
+        # rank 5 >= every weight's smaller dim, always compressed (from its 3rd step): exact to round-off
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=5, start_powerSGD_iter=2, min_compression_rate=0
+        )
+        return state, powerSGD_hook.powerSGD_hook
+    return None, {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook}[name]
+
+
 def targets(model: nn.Module, root: nn.Module, name: str) -> list[tuple[Any, transforms.Transform]]:
     """``model``: the Sequential (maybe sharded); ``root``: what the user wraps (the DDP model)."""
     return {
         "root": [(root, transforms.clip_norm(0.3))],
+        "clip": [(root, transforms.clip_norm(4.0))],  # about the median per-sample norm
         "module": [(model[2], transforms.normalize(1e-6))],
         "param": [(model[0].weight, transforms.clip_norm(0.2)), (model[4], transforms.square())],
         "none": [],
@@ -204,19 +234,42 @@ def _shard_model(model: nn.Module, how: str) -> None:
 def run_case(rank: int, world: int, case: Case) -> list[dict[str, Any]]:
     """Train ``case.steps`` steps; per step, every ``.grad`` (whole) and this rank's ``grad_sample``."""
     model = make_model(case.raw)
-    if case.kind == "ddp":
-        root: nn.Module = DistributedDataParallel(model, **case.ddp)
-    else:
-        _shard_model(model, case.shard)
-        root = model
-    psm = PerSampleModule(
-        root,
+    options = dict(
         keep_grad_sample=case.keep,
         loss_reduction=case.loss_reduction,
         reduction=case.reduction,
         accumulate=case.accumulate,
     )
-    for target, transform in targets(model, root, case.target):
+    hook = user_hook(case.hook) if case.hook else None
+    calls: list[int] = []  # the buckets the user's hook reduced in this step
+    if hook is not None:
+        state, fn = hook
+
+        def counted(state, bucket):  # type: ignore[no-untyped-def]  # (DDP checks annotations: none)
+            calls.append(bucket.index())
+            return fn(state, bucket)
+
+        hook = (state, counted)
+    if case.kind == "ddp" and case.order == "wrap-ddp":
+        root: nn.Module = DistributedDataParallel(model, **case.ddp)
+        if hook is not None and case.hook_first:
+            root.register_comm_hook(*hook)
+        psm = PerSampleModule(root, **options)
+        if hook is not None and not case.hook_first:
+            root.register_comm_hook(*hook)
+        wrapped = root
+    elif case.kind == "ddp":  # DDP applied after wrapping: pergrad finds it at the first forward
+        psm = PerSampleModule(model, **options)
+        root = DistributedDataParallel(model if case.order == "ddp-net" else Parent(model), **case.ddp)
+        if hook is not None and case.hook_first:  # (else after the first forward: see below)
+            root.register_comm_hook(*hook)
+        wrapped = model
+    else:
+        _shard_model(model, case.shard)
+        root = wrapped = model
+        psm = PerSampleModule(root, **options)
+    call = root if case.order != "wrap-ddp" else psm
+    for target, transform in targets(model, wrapped, case.target):
         psm.register_transform(target, transform)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     out = []
@@ -227,13 +280,17 @@ def run_case(rank: int, world: int, case: Case) -> list[dict[str, Any]]:
             if case.kind == "fsdp":
                 model.set_requires_gradient_sync(sync)  # type: ignore[operator]
             with contextlib.nullcontext() if sync or case.kind == "fsdp" else root.no_sync():  # type: ignore[operator]
-                loss = (psm(x) - t).pow(2).sum()
+                loss = (call(x) - t).pow(2).sum()
+                if hook is not None and not case.hook_first and case.order != "wrap-ddp" and not out and i == 0:
+                    root.register_comm_hook(*hook)  # pergrad found the DDP model in that forward
                 if case.kind == "fsdp" and case.shard == "layers":  # resharded after their forward
                     assert all(type(p).__name__ == "DTensor" for layer in model for p in layer.parameters())
                 (loss / len(x) if case.loss_reduction == "mean" else loss).backward()
         grads = {n: _plain(p.grad) for n, p in model.named_parameters()}
         kept = {n: p.grad_sample.clone() for n, p in model.named_parameters() if hasattr(p, "grad_sample")}
-        out.append({"grad": grads, "grad_sample": kept})
+        compressed = bool(getattr(hook[0], "p_memory_dict", None)) if hook is not None else False
+        out.append({"grad": grads, "grad_sample": kept, "hook_calls": len(calls), "compressed": compressed})
+        calls.clear()
         if case.target != "none" and not case.keep and len(out) > 1:  # after the first (checked) backward
             # the weights a transform covers ran detached: autograd computed no weight gradient for them
             assert psm._engine.detacher.current, "no weight ran detached"
@@ -293,12 +350,19 @@ def expected(case: Case, world: int) -> list[dict[str, Any]]:
 def check(pool: Pool, case: Case) -> None:
     results = pool.run(run_case, case)
     want = expected(case, pool.world)
+    # fp16_compress_hook: each rank's gradient rounded to float16 (and the weights drift by as much)
+    rtol, atol = (1e-2, 1e-4) if case.hook == "fp16" else (1e-7, 1e-10) if case.hook else (1e-9, 1e-12)
     for rank, steps in enumerate(results):
         for step, (got, exp) in enumerate(zip(steps, want)):
             for name, value in exp["grad"].items():
                 torch.testing.assert_close(
-                    got["grad"][name], value, rtol=1e-9, atol=1e-12, msg=f"rank {rank} step {step} {name}"
+                    got["grad"][name], value, rtol=rtol, atol=atol, msg=f"rank {rank} step {step} {name}"
                 )
+            if case.hook:  # the user's hook reduced the buckets; PowerSGD compressed from its 3rd step on
+                assert got["hook_calls"] > 0, (rank, step)
+                assert got["compressed"] == (case.hook == "powersgd" and step >= 2), (rank, step)
+            if case.hook == "fp16":  # .grad is what the hook decompressed: float16 values
+                assert all(torch.equal(v, v.half().double()) for v in got["grad"].values()), (rank, step)
             if case.keep:
                 assert set(got["grad_sample"]) == set(exp["grad"])
                 for name, value in exp["grad_sample"][rank].items():
@@ -332,6 +396,106 @@ DDP_CASES = [
 
 @pytest.mark.parametrize("case", DDP_CASES, ids=str)
 def test_ddp_grad_is_the_reduction_over_all_ranks_samples(pool2: Pool, case: Case) -> None:
+    check(pool2, case)
+
+
+LATE_DDP_CASES = [
+    # PerSampleModule(net), then DDP(net) or DDP(a parent of net): pergrad finds DDP at the first forward
+    Case("ddp", "clip", order="ddp-net", sizes=((3, 2), (2, 4)), steps=4),
+    Case("ddp", "clip", order="ddp-parent", sizes=((3,), (2,)), steps=4),
+    Case("ddp", "clip", order="ddp-net", ddp={"find_unused_parameters": True}, loss_reduction="sum", reduction="sum"),
+    Case("ddp", "clip", order="ddp-parent", ddp={"find_unused_parameters": True}, sizes=((2, 3), (4, 1))),
+    Case("ddp", "module", order="ddp-parent", keep=True, accumulate="samples", sizes=((2, 3), (3, 1)), no_sync=True),
+    Case("ddp", "param", order="ddp-net", keep=True, ddp={"bucket_cap_mb": 1e-6}, reduction="sum", sizes=((0,), (3,))),
+]
+
+
+@pytest.mark.parametrize("case", LATE_DDP_CASES, ids=str)
+def test_ddp_applied_after_wrapping(pool2: Pool, case: Case) -> None:
+    check(pool2, case)
+
+
+class Shifted(nn.Module):
+    """A parent with a parameter of its own, outside the wrapped ``net``: ``net(x) + offset``."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.offset = nn.Parameter(torch.linspace(-1, 1, 3, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x) + self.offset
+
+
+def parent_own_parameter(rank: int, world: int) -> list[float]:
+    """``PerSampleModule(net, accumulate="samples")``, then ``DDP(parent)``, micro-batches of different
+    sizes under ``no_sync``: net's ``.grad`` is the mean of ``clip(g_i)`` over every rank's samples,
+    the parent's ``offset`` keeps DDP's mean over ranks of autograd's gradient (in the same bucket).
+    Per step, the largest difference to a one-process reference on every rank's samples."""
+    sizes = ((2, 3), (4, 1))
+    model = Shifted(make_model())
+    ref = Shifted(make_model())
+    psm = PerSampleModule(model.net, accumulate="samples")
+    psm.register_transform(model.net, transforms.clip_norm(4.0))
+    ddp = DistributedDataParallel(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
+    gen = torch.Generator().manual_seed(1)
+    diffs = []
+    for step in range(3):
+        data = [
+            [(torch.randn(n, 4, generator=gen).double(), torch.randn(n, 3, generator=gen).double()) for n in s]
+            for s in sizes
+        ]
+        for i, (x, t) in enumerate(data[rank]):
+            with ddp.no_sync() if i < len(data[rank]) - 1 else contextlib.nullcontext():  # type: ignore[operator]
+                ((ddp(x) - t).pow(2).sum() / len(x)).backward()
+        flat = [mb for batches in data for mb in batches]
+        g = reference_grad_sample(ref, torch.cat([mb[0] for mb in flat]), torch.cat([mb[1] for mb in flat]))
+        net = [n for n in g if n.startswith("net.")]
+        want = {n: v.mean(0) for n, v in transforms.clip_norm(4.0).apply({n: g[n] for n in net}).items()}
+        means, start = [], 0  # autograd: each micro-batch's mean, added up per rank; DDP: the mean over ranks
+        for batches in data:
+            means.append(sum(g["offset"][start + sum(s) - n : start + sum(s)].mean(0) for n, s in _prefixes(batches)))
+            start += sum(len(mb[0]) for mb in batches)
+        want["offset"] = sum(means) / world
+        diffs.append(max(float((p.grad - want[n]).abs().max()) for n, p in model.named_parameters()))
+        if step > 0:
+            assert psm._engine.detacher.current, "no weight ran detached"
+        for n, p in ref.named_parameters():
+            p.grad = want[n].clone()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    psm.remove()
+    return diffs
+
+
+def _prefixes(batches: list[tuple[Tensor, Tensor]]) -> list[tuple[int, list[int]]]:
+    """Each micro-batch's size and the sizes up to and including it."""
+    sizes = [len(mb[0]) for mb in batches]
+    return [(n, sizes[: i + 1]) for i, n in enumerate(sizes)]
+
+
+def test_ddp_of_a_parent_with_parameters_of_its_own(pool2: Pool) -> None:
+    for diffs in pool2.run(parent_own_parameter):
+        assert max(diffs) < 1e-12, diffs
+
+
+HOOK_CASES = [
+    # the user's communication hook gets DDP's buckets with pergrad's transformed gradients in them
+    Case("ddp", "clip", hook="allreduce", sizes=((3, 2), (2, 4))),
+    Case("ddp", "clip", hook="allreduce", hook_first=False, accumulate="samples", sizes=((2, 3), (3, 1))),
+    Case("ddp", "clip", hook="fp16", hook_first=False, sizes=((3,), (2,))),
+    Case("ddp", "clip", hook="powersgd", steps=4, sizes=((3,), (4,))),
+    Case("ddp", "clip", hook="powersgd", hook_first=False, steps=4, loss_reduction="sum", reduction="sum"),
+    Case("ddp", "clip", hook="fp16", order="ddp-parent", ddp={"find_unused_parameters": True}),
+    Case("ddp", "clip", hook="allreduce", order="ddp-net", keep=True, sizes=((3,), (2,))),
+    Case("ddp", "clip", hook="allreduce", order="ddp-net", hook_first=False, sizes=((2, 3), (3, 1)), no_sync=True),
+]
+
+
+@pytest.mark.parametrize("case", HOOK_CASES, ids=str)
+def test_ddp_with_the_users_comm_hook(pool2: Pool, case: Case) -> None:
     check(pool2, case)
 
 
@@ -445,10 +609,26 @@ def refusals(rank: int, world: int, what: str) -> str:
     try:
         if what == "static_graph":
             PerSampleModule(DistributedDataParallel(model, static_graph=True))
-        elif what == "comm_hook":
+        elif what == "static_graph_late":  # DDP applied after wrapping: found at its first forward
+            psm = PerSampleModule(model)
+            DistributedDataParallel(model, static_graph=True)(torch.randn(2, 4, dtype=torch.float64))
+        elif what in ("builtin_before", "builtin_after"):
             ddp = DistributedDataParallel(model)
-            ddp.register_comm_hook(None, lambda state, bucket: _counting_allreduce(bucket))
-            PerSampleModule(ddp)
+            if what == "builtin_before":
+                ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+            psm = PerSampleModule(ddp)
+            ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+        elif what == "two_hooks":
+            ddp = DistributedDataParallel(model)
+            psm = PerSampleModule(ddp)
+            for _ in range(2):
+                ddp.register_comm_hook(*user_hook("allreduce"))
+        elif what == "two_wrappers":  # two wrapped models under one DDP (found at its first forward)
+            parent = nn.ModuleDict({"a": model, "b": make_model()})
+            psm, _second = PerSampleModule(parent["a"]), PerSampleModule(parent["b"])
+            ddp = DistributedDataParallel(Parent(parent))
+            ddp.module.forward = lambda x: parent["a"](x) + parent["b"](x)  # type: ignore[method-assign]
+            ddp(torch.randn(2, 4, dtype=torch.float64))
         elif what == "fsdp_samples":
             _shard_model(model, "layers")
             PerSampleModule(model, accumulate="samples")
@@ -467,7 +647,14 @@ def refusals(rank: int, world: int, what: str) -> str:
     ("what", "match"),
     [
         ("static_graph", r"PergradError: DistributedDataParallel\(static_graph=True\) is not supported"),
-        ("comm_hook", r"PergradError: .*communication hook registered already.*Wrap the DDP model before"),
+        ("static_graph_late", r"PergradError: DistributedDataParallel\(static_graph=True\) is not supported"),
+        ("builtin_before", r"PergradError: pergrad could not register .*a built-in hook .*ddp.register_comm_hook"),
+        ("builtin_after", r"PergradError: a built-in DDP communication hook .*register its Python equivalent"),
+        ("two_hooks", r"PergradError: .*has a communication hook already \(allreduce_hook\); DDP takes one"),
+        (
+            "two_wrappers",
+            r"PergradError: this DistributedDataParallel model holds two models wrapped by PerSampleModule",
+        ),
         ("fsdp_samples", r"ValueError: accumulate='samples' is not supported for FSDP2"),
         (
             "fsdp_no_sync",
