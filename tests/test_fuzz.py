@@ -6,7 +6,9 @@ reused within one forward, a layer called at two lengths in one forward, positio
 by the batch (without a batch dim, or a ``[1, T]`` buffer), and frozen parts; a random transform
 target (none, the whole model, one module, one parameter), a random ``keep_grad_sample``, a user's
 hook on a parameter (a tensor hook or a post-accumulate-grad hook) and a ``load_state_dict(...,
-assign=True)`` that replaces the parameters mid-run. Each example runs three steps with their own
+assign=True)`` that replaces the parameters mid-run, activation checkpointing of every block (reentrant
+or not), micro-batches (``accumulate="samples"``, or each loss divided by 2 with ``loss_scale=0.5``)
+and a loss scale (``grad_scaler=256``). Each example runs three steps with their own
 batch size and sequence length or spatial size, on both sides of the 16 positions per sample from
 which weights run detached; ``.grad``, ``grad_sample``, the norms and the hooks are checked on
 every step. The ``ci`` profile runs 300 derandomized examples (``HYPOTHESIS_PROFILE=long`` for
@@ -15,6 +17,7 @@ every step. The ``ci`` profile runs 300 derandomized examples (``HYPOTHESIS_PROF
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -97,34 +100,44 @@ class Net(nn.Module):
         if spec.tied:
             self.head.weight = self.emb.weight
 
+    checkpoint: str = "none"  # "reentrant" / "non-reentrant": every block under activation checkpointing
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x) if self.spec.vocab else x
         for b, layer in zip(self.spec.blocks, self.blocks, strict=True):
-            if b.kind in ("linear", "conv"):
-                h = torch.relu_(layer(h))  # in place on the layer's output
-            elif b.kind in ("residual", "conv_residual"):
-                out = layer(h)
-                out += h  # in-place residual add
-                h = torch.tanh(out)
-            elif b.kind == "reuse":
-                h = torch.tanh(layer(torch.tanh(layer(h))))
-            elif b.kind == "pool":  # the same Linear on [B, T, ..., D] and on [B, D], in either order
-                long = layer(h) if b.long_first else None
-                summary = layer(h.flatten(1, -2).mean(1))
-                long = layer(h) if long is None else long
-                h = torch.tanh(long) + summary.view(summary.shape[0], *[1] * (h.dim() - 2), -1)
-            elif b.kind == "positions":  # shared by the batch: no batch dim, or a batch dim of 1
-                t, extra = h.shape[1], h.dim() - 3
-                if b.bias:
-                    pos = layer(torch.arange(t)).view(t, *[1] * extra, -1)
-                else:
-                    pos = layer(self.position_ids[:, :t]).view(1, t, *[1] * extra, -1)
-                h = h + pos
+            if self.checkpoint == "none" or not h.requires_grad:  # (reentrant needs an input that requires grad)
+                h = self.block(b, layer, h)
             else:
-                h = layer(h)
+                run = functools.partial(self.block, b, layer)
+                h = torch.utils.checkpoint.checkpoint(run, h, use_reentrant=self.checkpoint == "reentrant")
         if self.spec.family == "image":  # average over positions: any spatial size
             h = h.flatten(2).mean(2)
         return self.head(h)
+
+    def block(self, b: Block, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if b.kind in ("linear", "conv"):
+            return torch.relu_(layer(h))  # in place on the layer's output
+        if b.kind in ("residual", "conv_residual"):
+            out = layer(h)
+            out += h  # in-place residual add
+            h = torch.tanh(out)
+        elif b.kind == "reuse":
+            h = torch.tanh(layer(torch.tanh(layer(h))))
+        elif b.kind == "pool":  # the same Linear on [B, T, ..., D] and on [B, D], in either order
+            long = layer(h) if b.long_first else None
+            summary = layer(h.flatten(1, -2).mean(1))
+            long = layer(h) if long is None else long
+            h = torch.tanh(long) + summary.view(summary.shape[0], *[1] * (h.dim() - 2), -1)
+        elif b.kind == "positions":  # shared by the batch: no batch dim, or a batch dim of 1
+            t, extra = h.shape[1], h.dim() - 3
+            if b.bias:
+                pos = layer(torch.arange(t)).view(t, *[1] * extra, -1)
+            else:
+                pos = layer(self.position_ids[:, :t]).view(1, t, *[1] * extra, -1)
+            h = h + pos
+        else:
+            h = layer(h)
+        return h
 
 
 widths = st.one_of(st.integers(1, 5), st.integers(1, 5), st.sampled_from([24, 40]))  # 24+: Gram form at T=16
@@ -222,10 +235,23 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
     hook_name = data.draw(st.sampled_from(trainable), label="hooked parameter") if trainable else ""
     replace_at = data.draw(st.sampled_from([None, None, 1, 2]), label="load_state_dict(assign=True) before step")
     set_to_none = data.draw(st.booleans(), label="zero_grad(set_to_none)")
+    model.checkpoint = data.draw(st.sampled_from(["none", "none", "reentrant", "non-reentrant"]), label="checkpoint")
+    # micro-batches: "samples" (accumulate="samples"), "divided" (each loss / k, loss_scale=1/k)
+    accumulation = data.draw(st.sampled_from(["none", "none", "samples", "divided"]), label="accumulation")
+    if accumulation != "none":
+        hook = HookLog("none")  # (a user's hook runs once per micro-batch)
+    loss_scale = data.draw(st.sampled_from([1.0, 1.0, 2.0**8]), label="grad_scaler (the loss scale)")
     params = dict(model.named_parameters())
     if hook_name:
         hook.attach(params[hook_name])
-    with PerSampleModule(model, keep_grad_sample=keep, track_norms=True) as psm:
+    options = {
+        "keep_grad_sample": keep,
+        "track_norms": True,
+        "accumulate": "samples" if accumulation == "samples" else "backward",
+        "grad_scaler": None if loss_scale == 1.0 else loss_scale,
+        "loss_scale": 0.5 if accumulation == "divided" else None,
+    }
+    with PerSampleModule(model, **options) as psm:  # type: ignore[arg-type]
         target_name, kind = "", "none"
         if choice == "root":
             psm.register_transform(model, transforms.clip_norm(0.5))
@@ -245,12 +271,23 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
                     hook.attach(params[hook_name])
             x, target = make_batch(spec, model, step, seed)
             batch = x.shape[0]
+            checkpointing, model.checkpoint = model.checkpoint, "none"  # torch.func runs the model plainly
             ref = reference_grad_sample(model, x, target)
+            model.checkpoint = checkpointing
             expected = expected_grad(ref, target_name, kind)
+            micro = [slice(0, batch)]
+            if accumulation != "none" and batch > 1:
+                micro = [slice(0, (batch + 1) // 2), slice((batch + 1) // 2, batch)]
+            if accumulation == "divided":  # .grad: (1/k) sum over micro-batches of their (1/b) sum_i T(g_i)
+                parts = [expected_grad({n: g[m] for n, g in ref.items()}, target_name, kind) for m in micro]
+                expected = {n: sum(part[n] for part in parts) * 0.5 for n in expected}
             psm.zero_grad(set_to_none)
             hook.seen.clear()
-            out = psm(x)
-            ((out - target).pow(2).sum() / batch).backward()
+            for m in micro:
+                rows = x[m].shape[0]
+                loss = (psm(x[m]) - target[m]).pow(2).sum() / rows
+                (loss * loss_scale * (0.5 if accumulation == "divided" else 1.0)).backward()
+            last = micro[-1]
             norms = psm.per_sample_norms()
             for name, p in model.named_parameters():
                 assert type(p) is nn.Parameter
@@ -258,10 +295,11 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
                     assert p.grad is None and not hasattr(p, "grad_sample")
                     continue
                 if keep:
-                    assert_close(p.grad_sample, ref[name], f"{what}: grad_sample of {name} in {spec}")
-                assert_close(p.grad, expected[name], f"{what}: .grad of {name} in {spec}")
-                assert_close(norms[name], ref[name].flatten(1).norm(dim=1), f"{what}: norm of {name} in {spec}")
+                    assert_close(p.grad_sample, ref[name][last], f"{what}: grad_sample of {name} in {spec}")
+                assert_close(p.grad / loss_scale, expected[name], f"{what}: .grad of {name} in {spec}")
+                assert_close(norms[name], ref[name][last].flatten(1).norm(dim=1), f"{what}: norm of {name} in {spec}")
             if hook.kind != "none" and hook_name:
                 assert len(hook.seen) == 1, f"{what}: the {hook.kind} hook on {hook_name} ran {len(hook.seen)} times"
                 want = ref[hook_name].mean(0) if hook.kind == "tensor" else expected[hook_name]
-                assert_close(hook.seen[0], want, f"{what}: what the {hook.kind} hook on {hook_name} saw")
+                got = hook.seen[0] / loss_scale
+                assert_close(got, want, f"{what}: what the {hook.kind} hook on {hook_name} saw")
