@@ -610,19 +610,28 @@ class Engine:
         """A backward that accumulates into part of a transform's target only -- ``backward(inputs=...)``
         naming some of its parameters: their per-sample gradients were computed, their ``AccumulateGrad``
         did not run -- cannot transform: ``T`` of a sample's gradient needs every parameter it covers (a
-        clipping norm over all of them)."""
+        clipping norm over all of them). Told from a parameter of a layer whose rule computes one op on
+        its parameters (an output gradient flowed, so they are in the graph); a rule over a subtree or
+        every input may give zeros for parameters off the loss's path."""
         for target in self.targets:
-            params = target.params.values()
-            if not any(p in state.reached for p in params):
+            if not any(p in state.reached for p in target.params.values()):
                 continue
-            left = [n for n, p in target.params.items() if p in known and p not in state.reached]
+            left = {p: n for n, p in target.params.items() if p in known and p not in state.reached}
             if left:
-                raise TransformError(
-                    f"this backward accumulates into some of the parameters the transform registered for "
-                    f"{target.label} covers, but not into {left} (backward(inputs=...) names part of them), "
-                    "although their per-sample gradients flowed: the transform of each sample's gradient needs "
-                    "all of them. Name every parameter the target covers in inputs, or none."
-                )
+                in_graph = {
+                    self.canonical(p)
+                    for layer in self.layers
+                    if not (layer.spec.subtree or layer.spec.all_inputs or layer.spec.parametrized)
+                    for _, p in layer.trainable()
+                }
+                names = [n for p, n in left.items() if p in in_graph]
+                if names:
+                    raise TransformError(
+                        f"this backward accumulates into some of the parameters the transform registered for "
+                        f"{target.label} covers, but not into {names} (backward(inputs=...) names part of them), "
+                        "although their per-sample gradients flowed: the transform of each sample's gradient "
+                        "needs all of them. Name every parameter the target covers in inputs, or none."
+                    )
 
     # -- post-accumulate-grad hooks of the parameters whose .grad pergrad writes -----------------
 
