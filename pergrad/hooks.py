@@ -321,6 +321,7 @@ class LayerHooks:
         on_recompute: Callable[[], None] | None = None,
         to_tap: ToTap | None = None,
         may_tap: Callable[[HookedLayer], bool] | None = None,
+        on_model_returned: Callable[[], None] | None = None,
     ) -> None:
         self._model = model
         self._on_recompute = on_recompute
@@ -333,6 +334,7 @@ class LayerHooks:
         self._on_output_grad = on_output_grad
         self._on_input_grad = on_input_grad
         self._on_model_call = on_model_call
+        self._on_model_returned = on_model_returned
         self._calls: dict[str, int] = {}
         self.generation = 0
         self.batch: BatchInfo | None = None  # the batch of the running call of the model
@@ -698,6 +700,8 @@ class LayerHooks:
         if self.batch is not None and self._graph_unchecked:  # the first forward that builds a graph
             self._graph_unchecked = False
             refuse_batch_statistics(output_tensors(output))
+        if self._on_model_returned is not None:
+            self._on_model_returned()
         labels = lm_loss.token_labels(kwargs) if self.batch is not None else None
         if labels is not None:
             lm_loss.watch(labels, output, self._token_loss_warning)
