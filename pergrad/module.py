@@ -155,6 +155,33 @@ def _hold_container(
     layers.extend(HookedLayer(name, container, RAW, param=p, host=host) for p in trainable)
 
 
+# modules that use a child's parameters without calling the child, and return a loss reduced over the batch
+_FUSED_LOSSES: tuple[type[nn.Module], ...] = tuple(
+    t for t in (getattr(nn, "LinearCrossEntropyLoss", None),) if isinstance(t, type)
+)
+
+
+def _refuse_fused_loss(name: str, module: nn.Module) -> None:
+    """``nn.LinearCrossEntropyLoss`` computes its logits from ``module.linear``'s weight inside
+    ``F.linear_cross_entropy`` (the Linear is never called) and returns the loss already reduced
+    over the batch: no rule sees its parameters, and its output has no per-sample part."""
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    if not trainable:
+        return
+    attr = name.rpartition(".")[2] or "<attribute>"
+    raise UnsupportedLayerError(
+        f"{module_label(name)} ({type(module).__module__}.{type(module).__qualname__}) multiplies its input by "
+        f"its parameters {trainable} inside F.linear_cross_entropy without calling its Linear, so no rule (nor "
+        "fallback=True) sees that product, and (unless reduction='none') it reduces the loss over the batch. Replace it with its own "
+        f"Linear, which holds the same parameters (parent.{attr} = parent.{attr}.linear), and compute the loss "
+        "from the logits it returns (unflattened to [N, num_classes, *out_features] if it has out_features): "
+        "F.cross_entropy(logits, target, reduction='none', weight=..., ignore_index=..., label_smoothing=...) "
+        "as the module had them, summed or averaged over each sample's positions, then summed "
+        "(loss_reduction='sum') or averaged (loss_reduction='mean') over the batch. Or freeze its parameters "
+        "with requires_grad_(False)."
+    )
+
+
 def _lazy_spec(module: nn.Module, registry: RuleRegistry) -> RuleSpec | None:
     """For a lazy module before its first forward (``nn.LazyLinear``, ``nn.LazyConv2d``, ...), the rule
     of the class it becomes then (``cls_to_become``, whose forward it runs): its parameters are
@@ -175,6 +202,8 @@ def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[
     for name, module in model.named_modules():
         if any(layer.spec.subtree and _inside(name, layer.name) for layer in layers):
             continue  # inside a module whose rule covers its whole subtree
+        if isinstance(module, _FUSED_LOSSES) and registry.lookup_type(type(module)) is None:
+            _refuse_fused_loss(name, module)
         if _in_parametrizations(model, name):
             continue  # the original tensors of a parametrized module: its rule covers them
         parametrized = parametrize.is_parametrized(module)
