@@ -96,3 +96,42 @@ def test_lazy_layer_with_fallback_and_transform_by_parameter_name() -> None:
         for name, p in model.named_parameters():
             assert_close(p.grad_sample, ref[name], f"step {step} {name}.grad_sample")
             assert_close(p.grad, ref[name].mean(0) * (2 if name == "0.weight" else 1), f"step {step} {name}.grad")
+
+
+class LazyScale(nn.modules.lazy.LazyModuleMixin, nn.Module):
+    """A lazy module of one's own, that stays of its class (no ``cls_to_become``): ``y = x * w``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.parameter.UninitializedParameter(dtype=torch.float64)
+
+    def initialize_parameters(self, x: torch.Tensor) -> None:
+        if self.has_uninitialized_params():
+            with torch.no_grad():
+                self.w.materialize((x.shape[-1],))
+                self.w.uniform_(0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_own_lazy_module_with_raw_parameters_or_fallback(fallback: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(LazyScale(), nn.Tanh(), nn.LazyLinear(3)).double()
+    psm = PerSampleModule(model, fallback=fallback)
+    psm.register_transform(model, transforms.clip_norm(CLIP))
+    gen = torch.Generator().manual_seed(1)
+    for step, b in enumerate(SIZES):
+        x = torch.randn(b, 5, generator=gen, dtype=torch.float64)
+        y = torch.randn(b, 3, generator=gen, dtype=torch.float64)
+        psm.zero_grad()
+        run_pergrad(psm, x, y)
+        ref = reference_grad_sample(model, x, y)
+        expected = clipped_mean(ref, list(ref))
+        for name, p in model.named_parameters():
+            assert_close(p.grad_sample, ref[name], f"step {step} {name}.grad_sample")
+            assert_close(p.grad, expected[name], f"step {step} {name}.grad")
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.5 * p.grad
