@@ -531,6 +531,10 @@ class LayerHooks:
             computed = None if capture is None else capture.take(layer.label)
             a = LayerCall(args, kwargs, batch_dim) if all_inputs else _first_input(args, kwargs)
             batched = output if all_inputs else a
+            dims = _output_dims(layer, returned, batch_dim) if every else ()
+            reduced = bool(dims) and all(dim is None for dim in dims)
+            if reduced:  # it returns no batch (a loss reduced over it): the batch is its first input's
+                batched = _first_input(args, kwargs)
             if not isinstance(batched, Tensor):
                 raise TypeError(f"pergrad: {layer.label} was called without a tensor input")
             if self.batch is not None and not all_inputs:
@@ -539,7 +543,7 @@ class LayerHooks:
                     assert isinstance(a, Tensor)
                     return self._keep_shared(layer, a, output, batch_dim, group, detached, computed)
             shape = output.shape
-            if packed_batch is None and (batched.dim() <= batch_dim or len(shape) <= batch_dim):
+            if packed_batch is None and (batched.dim() <= batch_dim or (len(shape) <= batch_dim and not reduced)):
                 raise BatchSizeError(
                     f"{layer.label} got input of shape {tuple(batched.shape)}, which has "
                     f"no batch dim {batch_dim}; pergrad needs batched inputs"
@@ -547,7 +551,7 @@ class LayerHooks:
                 )
             batch_size = batched.shape[batch_dim] if packed_batch is None else packed_batch
             if isinstance(a, LayerCall) and every:
-                a = replace(a, output_dims=_output_dims(layer, returned, batch_dim), batch_size=batch_size)
+                a = replace(a, output_dims=dims, batch_size=batch_size)
             kept_input: Any = a if isinstance(a, LayerCall) or batch_first else batch_to_front(a, False)
             if computed is not None:
                 kept_input = Computed(kept_input, computed)

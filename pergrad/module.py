@@ -182,6 +182,13 @@ def _refuse_fused_loss(name: str, module: nn.Module) -> None:
     )
 
 
+def _covers_subtree(module: nn.Module, registry: RuleRegistry) -> bool:
+    """Whether ``module``'s rule covers its submodules' parameters (``subtree``) and some of them are
+    trainable: it is hooked without parameters of its own (``nn.LinearCrossEntropyLoss``)."""
+    spec = registry.lookup_type(type(module))
+    return spec is not None and spec.subtree and any(p.requires_grad for p in module.parameters())
+
+
 def _lazy_spec(module: nn.Module, registry: RuleRegistry) -> RuleSpec | None:
     """For a lazy module before its first forward (``nn.LazyLinear``, ``nn.LazyConv2d``, ...), the rule
     of the class it becomes then (``cls_to_become``, whose forward it runs): its parameters are
@@ -211,7 +218,7 @@ def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[
         if parametrized:  # its parametrized tensors are computed from these
             plists = parametrizations_of(module).named_parameters()
             trainable += [f"parametrizations.{n}" for n, p in plists if p.requires_grad]
-        if not trainable:
+        if not (trainable or _covers_subtree(module, registry)):
             continue
         if isinstance(module, _CONTAINERS):
             _hold_container(model, name, module, trainable, layers, fallback)

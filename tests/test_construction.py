@@ -1,6 +1,5 @@
 """Wrapping is all or nothing: a ``PerSampleModule(...)`` that raises leaves the model exactly as it
-was (hooks, parameters, accumulate-grad hooks), so a later wrap works and trains exactly. Modules
-pergrad cannot give per-sample gradients are refused when wrapping, with a fix that works."""
+was (hooks, parameters, accumulate-grad hooks), so a later wrap works and trains exactly."""
 
 from __future__ import annotations
 
@@ -10,12 +9,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import pergrad.module
-from pergrad import PerSampleModule, UnsupportedLayerError, transforms
+from pergrad import PerSampleModule, transforms
 from pergrad.distributed import World
 from pergrad.errors import PergradError
 from pergrad.hooks import LayerHooks
@@ -139,65 +137,3 @@ def test_ddp_with_a_communication_hook_is_refused_and_left_alone(one_process_gro
 
 def _allreduce(bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
-
-
-class FusedHead(nn.Module):
-    """A body and torch's fused ``nn.LinearCrossEntropyLoss`` (logits over ``classes`` x 2 positions)."""
-
-    def __init__(self, classes: int = 6) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = nn.Linear(4, 5)
-        self.loss = nn.LinearCrossEntropyLoss(5, classes, out_features=(2,), bias=True, reduction="sum")
-        self.double()
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.loss(torch.tanh(self.body(x)), y)
-
-
-@pytest.mark.skipif(not hasattr(nn, "LinearCrossEntropyLoss"), reason="torch without nn.LinearCrossEntropyLoss")
-@pytest.mark.parametrize("fallback", [False, True])
-def test_linear_cross_entropy_loss_is_refused_at_wrap_with_a_fix_that_works(fallback: bool) -> None:
-    model = FusedHead()
-    before = state(model)
-    with pytest.raises(
-        UnsupportedLayerError,
-        match=r"layer 'loss' \(torch.nn.modules.loss.LinearCrossEntropyLoss\) multiplies its input by its parameters "
-        r"\['linear.weight', 'linear.bias'\].*parent.loss = parent.loss.linear.*reduction='none'",
-    ):
-        PerSampleModule(model, fallback=fallback)
-    assert state(model) == before
-    # frozen, it is no concern of pergrad's
-    model.loss.requires_grad_(False)
-    PerSampleModule(model).remove()
-    model.loss.requires_grad_(True)
-
-    # the fix the message gives: its own Linear (the same parameters), the loss computed per sample
-    fused, classes = model.loss, model.loss.num_classes
-    body = nn.Sequential(model.body, nn.Tanh(), fused.linear)
-    assert body[2].weight is fused.linear.weight
-
-    def per_sample_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        tokens = F.cross_entropy(logits.unflatten(1, (classes, 2)), y, reduction="none")  # [N, 2]
-        return tokens.sum()  # sum over the batch of each sample's sum over its positions
-
-    psm = PerSampleModule(body, loss_reduction="sum")
-    psm.register_transform(body, transforms.clip_norm(CLIP))
-    gen = torch.Generator().manual_seed(2)
-    for step, b in enumerate((4, 1, 5, 3)):
-        x = torch.randn(b, 4, generator=gen, dtype=torch.float64)
-        y = torch.randint(0, classes, (b, 2), generator=gen)
-        psm.zero_grad()
-        loss = per_sample_loss(psm(x), y)
-        assert_close(loss, fused(torch.tanh(model.body(x)), y), f"step {step}: the same loss as the fused module")
-        loss.backward()
-        ref = reference_grad_sample(body, x, y, loss=per_sample_loss)
-        norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in ref.values()]).sum(0).sqrt()
-        factor = (CLIP / norms).clamp(max=1)
-        for name, p in body.named_parameters():
-            assert_close(p.grad_sample, ref[name], f"step {step} {name}.grad_sample")
-            assert_close(p.grad, (ref[name] * factor.view(-1, *[1] * p.dim())).sum(0), f"step {step} {name}.grad")
-        with torch.no_grad():
-            for p in body.parameters():
-                p -= 0.5 * p.grad
-    psm.remove()
