@@ -352,7 +352,7 @@ class PerSampleModule:
         self.reduction = reduction
         self.batch_first = batch_first
         self._registry = default_registry if rules is None else rules
-        self._fallback, self._verify = fallback, verify
+        self._fallback, self._verify, self._detach_transformed = fallback, verify, detach_transformed
         self._engine = Engine(
             param_names={},
             loss_reduction=loss_reduction,
@@ -422,6 +422,9 @@ class PerSampleModule:
         engine = self._engine
         engine.param_names = {self._canonical(p): name for name, p in model.named_parameters() if p.requires_grad}
         self._lazy = any(map(_lazy, self._modules))
+        # a call that materialises a lazy module is bound at its end (``_after_call``) and its backward
+        # checked (``verify``), which needs every weight attached: none runs detached until then
+        engine.detach_transformed = self._detach_transformed and not self._lazy
         engine.layers = self._layers
         engine.detacher.candidates(self._layers, model)
         engine.clear_targets()

@@ -135,3 +135,51 @@ def test_own_lazy_module_with_raw_parameters_or_fallback(fallback: bool) -> None
         with torch.no_grad():
             for p in model.parameters():
                 p -= 0.5 * p.grad
+
+
+class LateBranch(nn.Module):
+    """A convolution whose weight runs detached once checked, and a lazy head first called later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 3)
+        self.head = nn.Linear(12, 3)
+        self.late = nn.LazyLinear(3)
+        self.use_late = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x)).flatten(1)
+        return self.head(h) + self.late(h) if self.use_late else self.head(h)
+
+
+def test_lazy_module_first_called_after_some_steps() -> None:
+    """The call that materialises it is checked against autograd, so no weight runs detached before;
+    from the step after, the transformed convolution's weight does again."""
+    torch.manual_seed(0)
+    model = LateBranch().double()
+    psm = PerSampleModule(model)
+    psm.register_transform(model.conv, transforms.clip_norm(CLIP))
+    gen = torch.Generator().manual_seed(1)
+    for step, b in enumerate((3, 4, 2, 5, 3)):
+        model.use_late = step >= 2
+        x = torch.randn(b, 2, 6, generator=gen, dtype=torch.float64)
+        y = torch.randn(b, 3, generator=gen, dtype=torch.float64)
+        psm.zero_grad()
+        run_pergrad(psm, x, y)
+        if model.use_late:
+            ref = reference_grad_sample(model, x, y)
+        else:  # torch.func cannot read the lazy module's parameters yet
+            late, model.late = model.late, nn.Identity()
+            ref = reference_grad_sample(model, x, y)
+            model.late = late
+        expected = clipped_mean(ref, ["conv.weight", "conv.bias"])
+        for name, p in model.named_parameters():
+            if name.startswith("late") and not model.use_late:
+                continue
+            assert_close(p.grad_sample, ref[name], f"step {step} {name}.grad_sample")
+            assert_close(p.grad, expected[name], f"step {step} {name}.grad")
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 0.5 * p.grad
+    assert psm._engine.detacher.current, "the convolution's weight runs detached again"
