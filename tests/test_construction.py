@@ -122,18 +122,14 @@ def one_process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def test_ddp_with_a_communication_hook_is_refused_and_left_alone(one_process_group: None) -> None:
+def test_ddp_with_a_builtin_communication_hook_is_refused_and_left_alone(one_process_group: None) -> None:
     """The world's install raises after the layers' hooks were installed: all of them go again."""
     model = mlp()
     ddp = DistributedDataParallel(model)
-    ddp.register_comm_hook(None, lambda state, bucket: _allreduce(bucket))
-    before = state(ddp)
-    with pytest.raises(PergradError, match="communication hook registered already"):
+    ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    before, attributes = state(ddp), dict(vars(ddp))
+    with pytest.raises(PergradError, match="could not register its DDP communication hook"):
         PerSampleModule(ddp)
-    assert state(ddp) == before
-    psm = PerSampleModule(model)  # the module inside, which has no hook of DDP's
+    assert state(ddp) == before and vars(ddp) == attributes
+    psm = PerSampleModule(model)  # the module inside, with no DDP of pergrad's
     train_exactly(model, psm)
-
-
-def _allreduce(bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
