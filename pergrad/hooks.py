@@ -321,6 +321,7 @@ class LayerHooks:
         on_recompute: Callable[[], None] | None = None,
         to_tap: ToTap | None = None,
         may_tap: Callable[[HookedLayer], bool] | None = None,
+        on_model_returned: Callable[[], None] | None = None,
     ) -> None:
         self._model = model
         self._on_recompute = on_recompute
@@ -333,6 +334,7 @@ class LayerHooks:
         self._on_output_grad = on_output_grad
         self._on_input_grad = on_input_grad
         self._on_model_call = on_model_call
+        self._on_model_returned = on_model_returned
         self._calls: dict[str, int] = {}
         self.generation = 0
         self.batch: BatchInfo | None = None  # the batch of the running call of the model
@@ -529,6 +531,10 @@ class LayerHooks:
             computed = None if capture is None else capture.take(layer.label)
             a = LayerCall(args, kwargs, batch_dim) if all_inputs else _first_input(args, kwargs)
             batched = output if all_inputs else a
+            dims = _output_dims(layer, returned, batch_dim) if every else ()
+            reduced = bool(dims) and all(dim is None for dim in dims)
+            if reduced:  # it returns no batch (a loss reduced over it): the batch is its first input's
+                batched = _first_input(args, kwargs)
             if not isinstance(batched, Tensor):
                 raise TypeError(f"pergrad: {layer.label} was called without a tensor input")
             if self.batch is not None and not all_inputs:
@@ -537,7 +543,7 @@ class LayerHooks:
                     assert isinstance(a, Tensor)
                     return self._keep_shared(layer, a, output, batch_dim, group, detached, computed)
             shape = output.shape
-            if packed_batch is None and (batched.dim() <= batch_dim or len(shape) <= batch_dim):
+            if packed_batch is None and (batched.dim() <= batch_dim or (len(shape) <= batch_dim and not reduced)):
                 raise BatchSizeError(
                     f"{layer.label} got input of shape {tuple(batched.shape)}, which has "
                     f"no batch dim {batch_dim}; pergrad needs batched inputs"
@@ -545,7 +551,7 @@ class LayerHooks:
                 )
             batch_size = batched.shape[batch_dim] if packed_batch is None else packed_batch
             if isinstance(a, LayerCall) and every:
-                a = replace(a, output_dims=_output_dims(layer, returned, batch_dim), batch_size=batch_size)
+                a = replace(a, output_dims=dims, batch_size=batch_size)
             kept_input: Any = a if isinstance(a, LayerCall) or batch_first else batch_to_front(a, False)
             if computed is not None:
                 kept_input = Computed(kept_input, computed)
@@ -698,6 +704,8 @@ class LayerHooks:
         if self.batch is not None and self._graph_unchecked:  # the first forward that builds a graph
             self._graph_unchecked = False
             refuse_batch_statistics(output_tensors(output))
+        if self._on_model_returned is not None:
+            self._on_model_returned()
         labels = lm_loss.token_labels(kwargs) if self.batch is not None else None
         if labels is not None:
             lm_loss.watch(labels, output, self._token_loss_warning)

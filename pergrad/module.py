@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
@@ -70,11 +72,12 @@ def _inside(name: str, parent: str) -> bool:
 
 def _layout(modules: list[nn.Module], canonical: Callable[[nn.Parameter], nn.Parameter]) -> tuple[object, ...]:
     """What the wrapper was built for: every module's children and parameters (by identity) and
-    whether each parameter requires grad. Cheap enough to compare at every forward."""
+    whether each parameter requires grad (and is materialised). Cheap enough to compare at every forward."""
     return tuple(
         (
+            type(m),  # a lazy module becomes its cls_to_become in its first forward
             *map(id, m._modules.values()),
-            *((id(canonical(p)), p.requires_grad) for p in m._parameters.values() if p is not None),
+            *((id(canonical(p)), p.requires_grad, is_lazy(p)) for p in m._parameters.values() if p is not None),
         )
         for m in modules
     )
@@ -152,11 +155,62 @@ def _hold_container(
     layers.extend(HookedLayer(name, container, RAW, param=p, host=host) for p in trainable)
 
 
+# modules that use a child's parameters without calling the child, and return a loss reduced over the batch
+_FUSED_LOSSES: tuple[type[nn.Module], ...] = tuple(
+    t for t in (getattr(nn, "LinearCrossEntropyLoss", None),) if isinstance(t, type)
+)
+
+
+def _refuse_fused_loss(name: str, module: nn.Module) -> None:
+    """``nn.LinearCrossEntropyLoss`` computes its logits from ``module.linear``'s weight inside
+    ``F.linear_cross_entropy`` (the Linear is never called) and returns the loss already reduced
+    over the batch: no rule sees its parameters, and its output has no per-sample part."""
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    if not trainable:
+        return
+    attr = name.rpartition(".")[2] or "<attribute>"
+    raise UnsupportedLayerError(
+        f"{module_label(name)} ({type(module).__module__}.{type(module).__qualname__}) multiplies its input by "
+        f"its parameters {trainable} inside F.linear_cross_entropy without calling its Linear, so no rule (nor "
+        "fallback=True) sees that product, and (unless reduction='none') it reduces the loss over the batch. Replace it with its own "
+        f"Linear, which holds the same parameters (parent.{attr} = parent.{attr}.linear), and compute the loss "
+        "from the logits it returns (unflattened to [N, num_classes, *out_features] if it has out_features): "
+        "F.cross_entropy(logits, target, reduction='none', weight=..., ignore_index=..., label_smoothing=...) "
+        "as the module had them, summed or averaged over each sample's positions, then summed "
+        "(loss_reduction='sum') or averaged (loss_reduction='mean') over the batch. Or freeze its parameters "
+        "with requires_grad_(False)."
+    )
+
+
+def _covers_subtree(module: nn.Module, registry: RuleRegistry) -> bool:
+    """Whether ``module``'s rule covers its submodules' parameters (``subtree``) and some of them are
+    trainable: it is hooked without parameters of its own (``nn.LinearCrossEntropyLoss``)."""
+    spec = registry.lookup_type(type(module))
+    return spec is not None and spec.subtree and any(p.requires_grad for p in module.parameters())
+
+
+def _lazy_spec(module: nn.Module, registry: RuleRegistry) -> RuleSpec | None:
+    """For a lazy module before its first forward (``nn.LazyLinear``, ``nn.LazyConv2d``, ...), the rule
+    of the class it becomes then (``cls_to_become``, whose forward it runs): its parameters are
+    materialised in its own forward pre-hook (or by ``load_state_dict``), before pergrad's hooks run."""
+    becomes = getattr(module, "cls_to_become", None) if isinstance(module, LazyModuleMixin) else None
+    return None if becomes is None else registry.lookup_type(becomes)
+
+
+def _lazy(module: nn.Module) -> bool:
+    """Whether ``module`` is a lazy module whose parameters or class change in its next forward."""
+    if not isinstance(module, LazyModuleMixin):
+        return False
+    return module.has_uninitialized_params() or getattr(module, "cls_to_become", None) is not None
+
+
 def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[HookedLayer]:
     layers: list[HookedLayer] = []
     for name, module in model.named_modules():
         if any(layer.spec.subtree and _inside(name, layer.name) for layer in layers):
             continue  # inside a module whose rule covers its whole subtree
+        if isinstance(module, _FUSED_LOSSES) and registry.lookup_type(type(module)) is None:
+            _refuse_fused_loss(name, module)
         if _in_parametrizations(model, name):
             continue  # the original tensors of a parametrized module: its rule covers them
         parametrized = parametrize.is_parametrized(module)
@@ -164,13 +218,13 @@ def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[
         if parametrized:  # its parametrized tensors are computed from these
             plists = parametrizations_of(module).named_parameters()
             trainable += [f"parametrizations.{n}" for n, p in plists if p.requires_grad]
-        if not trainable:
+        if not (trainable or _covers_subtree(module, registry)):
             continue
         if isinstance(module, _CONTAINERS):
             _hold_container(model, name, module, trainable, layers, fallback)
             continue
         layer_type = base_type(module)
-        spec = registry.lookup_type(layer_type)
+        spec = registry.lookup_type(layer_type) or _lazy_spec(module, registry)
         if spec is None and fallback:
             spec = FALLBACK
         if spec is None and not parametrized and _plain_module(module, registry):
@@ -298,7 +352,7 @@ class PerSampleModule:
         self.reduction = reduction
         self.batch_first = batch_first
         self._registry = default_registry if rules is None else rules
-        self._fallback, self._verify = fallback, verify
+        self._fallback, self._verify, self._detach_transformed = fallback, verify, detach_transformed
         self._engine = Engine(
             param_names={},
             loss_reduction=loss_reduction,
@@ -320,26 +374,32 @@ class PerSampleModule:
         self._layers: list[HookedLayer] = []
         self._accumulators: list[Any] = []
         self._accumulate_handles: list[RemovableHandle] = []
+        self._hooks: LayerHooks | None = None
         self._bind()  # raises for unsupported layers before any hook is installed
         on_input = self._engine.on_input_grad if keep_activation_grads else None
         detacher = self._engine.detacher
         to_detach = detacher.for_call if detach_transformed else None
-        self._hooks = LayerHooks(
-            model,
-            batch_first,
-            self._engine.on_output_grad,
-            on_input,
-            to_detach,
-            self._sync,
-            detacher.may_detach,
-            on_recompute=self._engine.on_recompute,
-            to_tap=self._engine.taps.tap,
-            may_tap=self._engine.may_tap,
-        )
-        self._install_hooks()
-        self._install_accumulate_hooks()
-        if self._engine.world is not None:
-            self._engine.world.install()
+        try:  # all or nothing: a construction that fails leaves the model as it was
+            self._hooks = LayerHooks(
+                model,
+                batch_first,
+                self._engine.on_output_grad,
+                on_input,
+                to_detach,
+                self._sync,
+                detacher.may_detach,
+                on_recompute=self._engine.on_recompute,
+                to_tap=self._engine.taps.tap,
+                may_tap=self._engine.may_tap,
+                on_model_returned=self._after_call,
+            )
+            self._install_hooks()
+            self._install_accumulate_hooks()
+            if self._engine.world is not None:
+                self._engine.world.install()
+        except BaseException:
+            self._uninstall()
+            raise
 
     @property
     def loss_scale(self) -> LossScaleLike:
@@ -361,6 +421,10 @@ class PerSampleModule:
         self._layout = _layout(self._modules, self._canonical)
         engine = self._engine
         engine.param_names = {self._canonical(p): name for name, p in model.named_parameters() if p.requires_grad}
+        self._lazy = any(map(_lazy, self._modules))
+        # a call that materialises a lazy module is bound at its end (``_after_call``) and its backward
+        # checked (``verify``), which needs every weight attached: none runs detached until then
+        engine.detach_transformed = self._detach_transformed and not self._lazy
         engine.layers = self._layers
         engine.detacher.candidates(self._layers, model)
         engine.clear_targets()
@@ -370,13 +434,15 @@ class PerSampleModule:
 
     def _install_hooks(self) -> None:
         """The layers' forward hooks, for the layers and transforms as they are now."""
+        assert self._hooks is not None
         self._engine.detacher.reset()
         self._hooks.install(self._layers)
 
     def _install_accumulate_hooks(self) -> None:
         for handle in self._accumulate_handles:
             handle.remove()
-        params = list(self._engine.param_names)
+        # a lazy module's parameters get theirs once materialised (``_after_call``)
+        params = [p for p in self._engine.param_names if not is_lazy(p)]
         # AccumulateGrad nodes are cached weakly by their parameter: hold them so hooks stay on them.
         self._accumulators = [get_gradient_edge(p).node for p in params]
         self._accumulate_handles = [
@@ -409,6 +475,13 @@ class PerSampleModule:
         for param in before - set(self._engine.param_names):
             self._engine.recycle(param)  # no grad_sample left on parameters the model no longer holds
         self._engine.verify_backwards = 1 if self._verify else 0
+
+    def _after_call(self) -> None:
+        """At the end of every call of the model while it holds lazy modules before their first
+        forward: those that this call materialised (each in its own forward, after ``_sync`` ran)
+        are bound now, before the backward of the call that materialised them."""
+        if self._lazy:
+            self._sync()
 
     def _accumulate_hook(self, param: nn.Parameter) -> Callable[[tuple[Tensor, ...]], tuple[Tensor, ...] | None]:
         engine = self._engine
@@ -614,17 +687,22 @@ class PerSampleModule:
         for p in self.module.parameters():
             self._engine.recycle(p)
 
-    def remove(self) -> None:
-        """Remove every hook and every ``grad_sample``: the model is as it was before wrapping."""
+    def _uninstall(self) -> None:
+        """Take away everything the wrapper installed on the model (also of one half built)."""
         self._engine.closed = True
         if self._engine.world is not None:
             self._engine.world.close()
         self._engine.restore_deferred_hooks()
-        self._hooks.remove()
+        if self._hooks is not None:
+            self._hooks.remove()
         for handle in self._accumulate_handles:
             handle.remove()
         self._accumulate_handles.clear()
         self._accumulators.clear()
+
+    def remove(self) -> None:
+        """Remove every hook and every ``grad_sample``: the model is as it was before wrapping."""
+        self._uninstall()
         self._clear_grad_sample()
         self._engine.pool.clear()
 

@@ -131,7 +131,8 @@ class RuleSpec:
     returns it (``batch_dim``: the wrapper's); its gradient then comes with the batch on dim 0. None
     hands the gradient over as returned (a PackedSequence's data; an output whose batch the rule
     finds itself, as the fallback does). The rule finds them in ``LayerCall.output_dims``, and the
-    batch size in ``LayerCall.batch_size``.
+    batch size in ``LayerCall.batch_size``. A layer whose every output is handed over as returned
+    (None), such as a loss reduced over the batch, has its batch size read off its first input.
     """
 
     fn: Rule

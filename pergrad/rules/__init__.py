@@ -7,6 +7,7 @@ from .embedding import embedding, embedding_bag
 from .fallback import fallback
 from .hf import conv1d, gemma3n_rms_norm, gemma_rms_norm, llama_rms_norm, olmo2_rms_norm, t5_layer_norm
 from .linear import linear
+from .loss import linear_cross_entropy
 from .norm import batch_norm_eval, group_norm, instance_norm, layer_norm, rms_norm
 from .recurrent import recurrent
 
@@ -24,6 +25,7 @@ __all__ = [
     "instance_norm",
     "layer_norm",
     "linear",
+    "linear_cross_entropy",
     "llama_rms_norm",
     "olmo2_rms_norm",
     "recurrent",

@@ -236,7 +236,8 @@ def _twin(layer: nn.Module) -> nn.Module:
     shapes only)."""
     assert isinstance(layer, _ConvTransposeNd)
     conv_type = _ConvNd[_ConvTransposeNd.index(type(layer))]
-    c_in, c_out = layer.in_channels, layer.out_channels
+    # from the weight, [C_in, C_out / g, *kernel]: a lazy layer materialised by load_state_dict keeps in_channels=0
+    c_in, c_out = layer.weight.shape[0], layer.weight.shape[1] * layer.groups
     geometry: dict[str, Any] = {
         "kernel_size": layer.kernel_size, "stride": layer.stride, "padding": 0,
         "dilation": layer.dilation, "groups": layer.groups,
