@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,13 +45,16 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._C import DisableTorchFunctionSubclass
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .errors import BatchSizeError, SharedInputError
 
 
 class _Local(threading.local):
-    pulling = False  # a default for every thread (a missing attribute would raise, slowly, at every hook)
+    # defaults for every thread (a missing attribute would raise, slowly, at every hook)
+    pulling = False
+    provenance: Provenance | None = None  # the running forward's (see ``Provenance``)
 
 
 _local = _Local()
@@ -131,13 +135,15 @@ def classify(a: Any, output: Tensor, dim: int, batch: BatchInfo, where: str) -> 
     """The group of a layer call on input ``a`` with ``output`` (batch on ``dim``), or None where
     it is an ordinary batched call. See the module docstring."""
     if isinstance(a, Shared):
-        group = a.origins[0].group
-        return None if group.state == "batched" else group
+        live = [o for o in a.origins if o.group.state != "batched"]
+        return live[0].group if live else None
     if not isinstance(a, Tensor):
         return None
     size, a_shape, out_shape = batch.size, a.shape, output.shape
     has_batch = len(out_shape) > dim and out_shape[dim] == size and len(a_shape) > dim and a_shape[dim] == size
-    if a.grad_fn is not None:
+    found = provenance()
+    carried = a.grad_fn is not None if found is None else found.carries(a)  # outside the forward: by its history
+    if carried:
         if not has_batch and not (size == 1 and len(out_shape) > dim and out_shape[dim] == 1):
             raise BatchSizeError(
                 f"{where} got input of shape {tuple(a.shape)} computed from the batch, but the model was called with "
@@ -145,15 +151,13 @@ def classify(a: Any, output: Tensor, dim: int, batch: BatchInfo, where: str) -> 
                 "another dim mixes samples for pergrad)"
             )
         return None
-    if isinstance(a, torch.nn.Parameter) and not batch.from_inputs(a):
-        return Group("shared", size, dim)
-    if not has_batch:
+    if not has_batch or (isinstance(a, torch.nn.Parameter) and not batch.from_inputs(a)):
         return Group("shared", size, dim)
     if size == 1 or batch.from_inputs(a) or a.stride(dim) == 0:
         return None
-    if not a.is_floating_point() or _storage(a) in batch.buffers():
-        return Group("maybe", size, dim)
-    return None
+    if found is None and a.is_floating_point() and _storage(a) not in batch.buffers():
+        return None
+    return Group("maybe", size, dim)
 
 
 def per_sample_input(a: Tensor, output: Tensor, dim: int, size: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
@@ -258,10 +262,13 @@ def _label(origins: list[Origin]) -> str:
 
 
 def _batch_evidence(flat: list[Any], group: Group, aligned: Callable[[Tensor], int | None]) -> bool:
-    """Whether an untracked tensor operand has the batch where ``aligned`` puts the batch dim
-    (parameters are the model's own, never the batch, whatever their shape)."""
+    """Whether an untracked tensor operand computed from the batch (``Provenance``) has it where
+    ``aligned`` puts the batch dim. Outside the model's forward nothing is known to carry it."""
+    found = provenance()
+    if found is None:
+        return False
     for t in flat:
-        if isinstance(t, Tensor) and not isinstance(t, Shared | torch.nn.Parameter):
+        if isinstance(t, Tensor) and not isinstance(t, Shared) and found.carries(t):
             k = aligned(t)
             if k is not None and 0 <= k < t.dim() and t.shape[k] == group.batch and t.stride(k) != 0:
                 return True
@@ -307,6 +314,9 @@ def _meet(
             # row a matrix of its own, so the batch is a broadcast dim the shared operand expands along
             with DisableTorchFunctionSubclass():
                 rows = left.unsqueeze(-2)
+            found = provenance()
+            if found is not None:  # (ops inside an op the mode sees are not seen again)
+                found.mark(rows)
             out_rows = torch.matmul(rows, right)
             with DisableTorchFunctionSubclass():
                 return out_rows.squeeze(-2)
@@ -322,10 +332,19 @@ def _meet(
             for o in live:
                 o.group.state = "shared"
             return _expanded(x, live, rank)
-        if live[0].group.state == "maybe" and _batch_evidence(flat, group, aligned):
+        if all(o.group.state == "maybe" for o in live):  # aligned with the batch of an operand that carries it
             for o in live:
                 o.group.state = "batched"
             return x
+        maybe = [o for o in live if o.group.state == "maybe"]
+        if maybe:
+            raise SharedInputError(
+                f"{_label([o for o in live if o not in maybe])} is shared by the batch, and it was combined with "
+                f"{_label(maybe)}, whose input was created inside the forward (not computed from the model's "
+                f"inputs) with {group.batch} on the batch dim, before either met the batch: pergrad cannot tell "
+                f"whether that dim is the batch. If that input is the same for every sample, give it a batch dim of "
+                "size 1 (ids[None]); if it is one row per sample, pass it to the model as an argument."
+            )
         raise SharedInputError(
             f"{_label(live)} is shared by the batch (its input or parameter has no batch dim), but {func.__name__} "
             f"combines its dim {k} of size {x.shape[k]} with the batch dim of the other operands: pergrad cannot "
@@ -437,13 +456,18 @@ def _unknown(
     if func in _LAYER_OPS:  # weights never carry the batch: only the layer's input can
         candidates = [args[0]] if args else []
     if _batch_evidence(candidates, group, lambda t: group.dim):
-        if all(o.group.state == "maybe" for o in origins):
-            for o in origins:
-                o.group.state = "batched"
-            return _plain(func, args, kwargs)
         if func is _F.embedding and len(args) > 1 and isinstance(args[1], Shared) and not isinstance(args[0], Shared):
             return _embedding(args, kwargs, origins)
         name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+        maybe = [o for o in origins if o.group.state == "maybe"]
+        if maybe:
+            raise SharedInputError(
+                f"{_label(maybe)} got an input created inside the forward (not computed from the model's inputs) "
+                f"with {group.batch} on the batch dim, and its output meets the batch in {name}, which does not "
+                "show whether that dim is the batch (broadcasting ops do: +, *, matmul, where, expand). If that "
+                "input is the same for every sample, give it a batch dim of size 1 (ids[None]); if it is one row "
+                "per sample, pass it to the model as an argument."
+            )
         raise SharedInputError(
             f"{_label(origins)} is shared by the batch (it has no batch dim), and it meets the batch in {name}, "
             "which pergrad cannot split per sample (it splits broadcasting ops: +, *, matmul, where, expand, "
@@ -451,3 +475,101 @@ def _unknown(
             "fallback=True to PerSampleModule."
         )
     return _wrap(_plain(func, args, kwargs), origins)
+
+
+# -- which tensors carry the batch ----------------------------------------------------------------
+
+_IN_PLACE_DUNDERS = frozenset(
+    f"__{op}__"
+    for op in (
+        "setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul",
+        "iand", "ior", "ixor", "ilshift", "irshift",
+    )
+)  # fmt: skip
+
+
+def _writes_into_first(name: str) -> bool:
+    """Whether an op writes into its first argument (``x.add_(y)``, ``x[i] = y``, ``x += y``)."""
+    return name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
+
+
+def _tensors(values: Any) -> Iterator[Tensor]:
+    """The tensors among ``values`` and in the lists and tuples among them (``torch.cat([x, y])``)."""
+    for v in values:
+        if isinstance(v, Tensor):
+            yield v
+        elif isinstance(v, list | tuple):
+            yield from (t for t in v if isinstance(t, Tensor))
+
+
+class Provenance(TorchFunctionMode):
+    """Which tensors of one forward of the model carry the batch, by where they came from.
+
+    The model's tensor arguments with the batch on the batch dim carry it, and so does every tensor
+    an op computes from one of them (``labels[:, :-1]``, ``ids != pad``, ``x.clone()``,
+    ``torch.cat``, ``masked_fill``), or writes into in place from one (``shifted[:, 1:] =
+    labels[:, :-1]`` makes ``shifted`` carry it). Tensors created inside the forward
+    (``torch.arange(T)``, ``torch.ones``, ``x.new_zeros(...)``, ``torch.zeros_like(x)``: their
+    values do not come from ``x``), buffers and their slices, parameters, and what ops compute from
+    those alone do not, whatever their size. Active (a ``TorchFunctionMode``, so every torch op is
+    seen) for the model's forward only; tensors are held by weak reference."""
+
+    def __init__(self, seeds: list[Tensor]) -> None:
+        super().__init__()
+        self._marks: dict[int, weakref.ref[Tensor]] = {}
+        self._before: Provenance | None = None
+        for t in seeds:
+            self.mark(t)
+
+    def mark(self, t: Tensor) -> None:
+        """Count ``t`` as carrying the batch."""
+        key, marks = id(t), self._marks
+        if key not in marks:
+            marks[key] = weakref.ref(t, lambda _, key=key: marks.pop(key, None))  # type: ignore[misc]
+
+    def carries(self, t: Tensor) -> bool:
+        """Whether ``t`` was computed from the batch (itself, or the tensor it is a view of)."""
+        marks = self._marks
+        if id(t) in marks:
+            return True
+        with torch._C.DisableTorchFunction():
+            base = t._base
+        return base is not None and id(base) in marks
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # an attribute: x.T, x.data, x.shape (the last not a tensor)
+            if isinstance(result, Tensor) and args and isinstance(args[0], Tensor) and self.carries(args[0]):
+                self.mark(result)
+            return result
+        operands = args[1:] if func in _NEW else args  # x.new_zeros(n): nothing of x's values
+        if not any(self.carries(t) for t in _tensors((*operands, *kwargs.values()))):
+            return result
+        if _writes_into_first(name) and args and isinstance(args[0], Tensor):
+            self.mark(args[0])
+            with torch._C.DisableTorchFunction():
+                base = args[0]._base
+            if base is not None:
+                self.mark(base)
+        out = kwargs.get("out")
+        for t in _tensors((result, *(out if isinstance(out, tuple | list) else (out,)))):
+            self.mark(t)
+        return result
+
+    def __enter__(self) -> Provenance:
+        super().__enter__()
+        self._before, _local.provenance = _local.provenance, self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _local.provenance = self._before
+        super().__exit__(*exc)
+
+
+def provenance() -> Provenance | None:
+    """The running forward's ``Provenance`` (None outside the model's forward)."""
+    return _local.provenance
