@@ -292,6 +292,31 @@ def _out_shape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         return None
 
 
+def _refuse_guess(func: Callable[..., Any], flat: list[Any], group: Group, aligned: Callable[[Tensor], int]) -> None:
+    """Refuse an op that broadcasts a tracked tensor along the batch-sized dim of another that may
+    carry the batch, before either met a tensor computed from the batch: whether that broadcast is
+    over the samples (then it must be split here) is not known yet."""
+    spread, maybe = [], []
+    for x in flat:
+        if not isinstance(x, Shared):
+            continue
+        live = [o for o in x.origins if o.group.state != "batched"]
+        k = aligned(x)
+        if k < 0 or x.shape[k] == 1:
+            spread += live
+        elif live and all(o.group.state == "maybe" for o in live):
+            maybe += live
+    if spread and maybe:
+        raise SharedInputError(
+            f"{_label(spread)} is shared by the batch, and {func.__name__} broadcasts it along dim {group.dim} of "
+            f"{_label(maybe)}, whose input was created inside the forward (not computed from the model's inputs) "
+            f"with {group.batch} on the batch dim, before either met the batch: pergrad cannot tell whether that dim "
+            "is the batch. Add a tensor computed from the model's inputs first (x + pos + seg, not pos + seg + x); "
+            "or, if that input is the same for every sample, give it a batch dim of size 1 (ids[None]); if it is "
+            "one row per sample, pass it to the model as an argument."
+        )
+
+
 def _meet(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], origins: list[Origin]
 ) -> Any:
@@ -306,6 +331,7 @@ def _meet(
         return group.dim - (rank - t.dim())
 
     if not _batch_evidence(flat, group, aligned):  # only shared tensors and constants: still shared
+        _refuse_guess(func, flat, group, aligned)
         return _wrap(_plain(func, args, kwargs), origins)
     if func in _MATMUL and group.dim == rank - 2:
         left, right = (args[1], args[0]) if func is Tensor.__rmatmul__ else (args[0], args[1])
