@@ -84,6 +84,9 @@ class Group:
     state: str
     batch: int  # B
     dim: int  # where the batch is in the activations
+    # groups broadcast along this one's batch-sized dim before either met the batch: shared if this
+    # one turns out batched (see ``_defer``)
+    then_shared: list[Group] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -95,6 +98,19 @@ class Origin:
     group: Group
     label: str  # for messages: "layer 'pos' (Embedding)"
     delivered: int = 0  # meetings whose per-sample gradient arrived in this backward
+    # a stand-in for ``parent`` in the tensors computed from a ``_defer`` expansion of it: void
+    # once any of ``unless`` turns out batched (its per-sample gradient is delivered there)
+    parent: Origin | None = None
+    unless: tuple[Group, ...] = ()
+
+    def live(self) -> bool:
+        """Whether this origin still needs its per-sample gradient caught downstream."""
+        return self.group.state != "batched" and not any(g.state == "batched" for g in self.unless)
+
+
+def _roots(origins: list[Origin]) -> list[Origin]:
+    """``origins`` with stand-ins replaced by the origins they stand for (each once)."""
+    return list(dict.fromkeys(o.parent or o for o in origins))
 
 
 @dataclass(frozen=True)
@@ -135,7 +151,7 @@ def classify(a: Any, output: Tensor, dim: int, batch: BatchInfo, where: str) -> 
     """The group of a layer call on input ``a`` with ``output`` (batch on ``dim``), or None where
     it is an ordinary batched call. See the module docstring."""
     if isinstance(a, Shared):
-        live = [o for o in a.origins if o.group.state != "batched"]
+        live = [o for o in a.origins if o.live()]
         return live[0].group if live else None
     if not isinstance(a, Tensor):
         return None
@@ -220,12 +236,12 @@ class Shared(Tensor):
         # conversions (the other tensor gives only its dtype or device) and x.T, x.mT: x's own tracking
         if func in _LIKE or func in _VIEW_ATTRIBUTES:
             own = args[0].origins if isinstance(args[0], Shared) else ()
-            return _wrap(_plain(func, args, kwargs), [o for o in own if o.group.state != "batched"])
+            return _wrap(_plain(func, args, kwargs), [o for o in own if o.live()])
         if func in _GRAD or func in _NEW or getattr(func, "__name__", "") == "__get__":
             return _plain(func, args, kwargs)  # autograd, fresh tensors, attributes (shape, grad_fn, _base)
         flat = tree_flatten((args, kwargs))[0]
         tracked = [t for t in flat if isinstance(t, Shared)]
-        origins = list(dict.fromkeys(o for t in tracked for o in t.origins if o.group.state != "batched"))
+        origins = list(dict.fromkeys(o for t in tracked for o in t.origins if o.live()))
         if not origins:
             return _plain(func, args, kwargs)
         if func in _ELEMENTWISE or func in _MATMUL or func in _SDPA:
@@ -292,29 +308,56 @@ def _out_shape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         return None
 
 
-def _refuse_guess(func: Callable[..., Any], flat: list[Any], group: Group, aligned: Callable[[Tensor], int]) -> None:
-    """Refuse an op that broadcasts a tracked tensor along the batch-sized dim of another that may
-    carry the batch, before either met a tensor computed from the batch: whether that broadcast is
-    over the samples (then it must be split here) is not known yet."""
-    spread, maybe = [], []
-    for x in flat:
+def _defer(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    origins: list[Origin],
+    rank: int,
+    aligned: Callable[[Tensor], int],
+) -> Any:
+    """A broadcasting op without an operand computed from the batch: its result stays tracked.
+
+    Where it broadcasts a tracked tensor S along the batch-sized dim of one that may carry the batch
+    (M, ``"maybe"``: ``pos(arange(T)) + seg(torch.zeros(B, T))``), that dim is the batch exactly when
+    M turns out batched. So S is expanded along it here, its hook delivering each sample's gradient
+    only in that case (S's group is then shared); the result tracks S, through a stand-in, only for
+    the other case, where the broadcast was over positions and S meets the batch later."""
+    group = origins[0].group
+    if func in _MATMUL and group.dim >= rank - 2:  # the batch-sized dim is a matrix dim: not a broadcast
+        return _wrap(_plain(func, args, kwargs), origins)
+    spread: list[Shared] = []
+    maybe: list[Origin] = []
+    for x in tree_flatten((args, kwargs))[0]:
         if not isinstance(x, Shared):
             continue
-        live = [o for o in x.origins if o.group.state != "batched"]
+        live = [o for o in x.origins if o.live()]
         k = aligned(x)
-        if k < 0 or x.shape[k] == 1:
-            spread += live
-        elif live and all(o.group.state == "maybe" for o in live):
-            maybe += live
-    if spread and maybe:
-        raise SharedInputError(
-            f"{_label(spread)} is shared by the batch, and {func.__name__} broadcasts it along dim {group.dim} of "
-            f"{_label(maybe)}, whose input was created inside the forward (not computed from the model's inputs) "
-            f"with {group.batch} on the batch dim, before either met the batch: pergrad cannot tell whether that dim "
-            "is the batch. Add a tensor computed from the model's inputs first (x + pos + seg, not pos + seg + x); "
-            "or, if that input is the same for every sample, give it a batch dim of size 1 (ids[None]); if it is "
-            "one row per sample, pass it to the model as an argument."
-        )
+        if live and (k < 0 or x.shape[k] == 1):
+            spread.append(x)
+            continue
+        direct = [o for o in live if not o.unless]  # (stand-ins of earlier deferrals: broadcast along it)
+        if direct and x.shape[k] == group.batch and all(o.group.state == "maybe" for o in direct):
+            maybe += direct
+    if not (spread and maybe):
+        return _wrap(_plain(func, args, kwargs), origins)
+    when = tuple({id(o.group): o.group for o in maybe}.values())
+    stand_ins: dict[int, Origin] = {}
+    for x in spread:
+        for o in x.origins:
+            if o.live() and id(o) not in stand_ins:
+                root = o.parent or o
+                stand_ins[id(o)] = Origin(o.tensor, o.deliver, o.group, o.label, parent=root, unless=(*o.unless, *when))
+                for g in when:
+                    g.then_shared.append(o.group)
+
+    def replace(x: Any) -> Any:
+        if any(x is y for y in spread):
+            return _expanded(x, _roots([o for o in x.origins if o.live()]), rank, when=when)
+        return x
+
+    result = _plain(func, tree_map(replace, args), tree_map(replace, kwargs))
+    return _wrap(result, [stand_ins.get(id(o), o) for o in origins])
 
 
 def _meet(
@@ -331,8 +374,7 @@ def _meet(
         return group.dim - (rank - t.dim())
 
     if not _batch_evidence(flat, group, aligned):  # only shared tensors and constants: still shared
-        _refuse_guess(func, flat, group, aligned)
-        return _wrap(_plain(func, args, kwargs), origins)
+        return _defer(func, args, kwargs, origins, rank, aligned)
     if func in _MATMUL and group.dim == rank - 2:
         left, right = (args[1], args[0]) if func is Tensor.__rmatmul__ else (args[0], args[1])
         if isinstance(right, Shared) and isinstance(left, Tensor) and not isinstance(left, Shared) and left.dim() >= 2:
@@ -350,26 +392,31 @@ def _meet(
     def replace(x: Any) -> Any:
         if not isinstance(x, Shared):
             return x
-        live = [o for o in x.origins if o.group.state != "batched"]
+        live = [o for o in x.origins if o.live()]
         if not live:
             return x
         k = aligned(x)
         if k < 0 or x.shape[k] == 1:  # broadcast over the batch: it meets the batch here
             for o in live:
                 o.group.state = "shared"
-            return _expanded(x, live, rank)
-        if all(o.group.state == "maybe" for o in live):  # aligned with the batch of an operand that carries it
-            for o in live:
+            return _expanded(x, _roots(live), rank)
+        direct = [o for o in live if not o.unless]  # (stand-ins: broadcast along this dim, see _defer)
+        maybe = [o for o in direct if o.group.state == "maybe"]
+        if maybe and len(maybe) == len(direct):  # aligned with the batch of an operand that carries it
+            for o in maybe:
                 o.group.state = "batched"
-            return x
-        maybe = [o for o in live if o.group.state == "maybe"]
+                for spread in o.group.then_shared:
+                    if spread.state == "maybe":
+                        spread.state = "shared"
+            if not any(o.live() for o in live):
+                return x
         if maybe:
             raise SharedInputError(
-                f"{_label([o for o in live if o not in maybe])} is shared by the batch, and it was combined with "
-                f"{_label(maybe)}, whose input was created inside the forward (not computed from the model's "
-                f"inputs) with {group.batch} on the batch dim, before either met the batch: pergrad cannot tell "
-                f"whether that dim is the batch. If that input is the same for every sample, give it a batch dim of "
-                "size 1 (ids[None]); if it is one row per sample, pass it to the model as an argument."
+                f"{_label([o for o in live if o.live() and o not in maybe])} is shared by the batch, and it was "
+                f"combined with {_label(maybe)}, whose input was created inside the forward (not computed from the "
+                f"model's inputs) with {group.batch} on the batch dim, before either met the batch: pergrad cannot "
+                "tell whether that dim is the batch. If that input is the same for every sample, give it a batch "
+                "dim of size 1 (ids[None]); if it is one row per sample, pass it to the model as an argument."
             )
         raise SharedInputError(
             f"{_label(live)} is shared by the batch (its input or parameter has no batch dim), but {func.__name__} "
@@ -381,9 +428,12 @@ def _meet(
     return _plain(func, tree_map(replace, args), tree_map(replace, kwargs))
 
 
-def _expanded(x: Shared, origins: list[Origin], rank: int, dim: int | None = None) -> Tensor:
+def _expanded(
+    x: Shared, origins: list[Origin], rank: int, dim: int | None = None, when: tuple[Group, ...] = ()
+) -> Tensor:
     """``x`` expanded to the batch explicitly (rank ``rank``, batch on ``dim``, by default the
-    group's), with a hook that catches each sample's gradient before the expansion's backward sums it."""
+    group's), with a hook that catches each sample's gradient before the expansion's backward sums it
+    (only where every group of ``when`` turned out batched: see ``_defer``)."""
     group = origins[0].group
     dim = group.dim if dim is None else dim
     with DisableTorchFunctionSubclass():
@@ -394,7 +444,7 @@ def _expanded(x: Shared, origins: list[Origin], rank: int, dim: int | None = Non
 
     def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
         g = grad_outputs[0]
-        if g is None or pulling():
+        if g is None or pulling() or not all(group.state == "batched" for group in when):
             return
         _pull_back(x, origins, g.movedim(dim, 0).reshape(size, *shape))
 
@@ -431,7 +481,7 @@ def _expand(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
         return _wrap(result, origins)  # the batch is not what this expansion adds
     for o in origins:
         o.group.state = "shared"
-    expanded = _expanded(x, origins, rank)
+    expanded = _expanded(x, _roots(origins), rank)
     if func in _names("repeat"):  # the batch factor is done: repeat the other dims as asked
         factors = [1 if i == group.dim else s // max(e, 1) for i, (s, e) in enumerate(zip(out, expanded.shape))]
         with DisableTorchFunctionSubclass():
@@ -459,10 +509,10 @@ def _embedding(args: tuple[Any, ...], kwargs: dict[str, Any], origins: list[Orig
             "pass max_norm=None and scale_grad_by_freq=False."
         )
     group = origins[0].group
-    live = [o for o in weight.origins if o.group.state != "batched"]
+    live = [o for o in weight.origins if o.live()]
     for o in live:
         o.group.state = "shared"
-    per_sample = _expanded(weight, live, weight.dim() + 1, dim=0)  # [B, V, D]
+    per_sample = _expanded(weight, _roots(live), weight.dim() + 1, dim=0)  # [B, V, D]
     with DisableTorchFunctionSubclass():
         ids_b = ids.movedim(group.dim, 0)
         samples = torch.arange(group.batch, device=ids.device).view(-1, *([1] * (ids_b.dim() - 1)))
@@ -490,9 +540,9 @@ def _unknown(
             raise SharedInputError(
                 f"{_label(maybe)} got an input created inside the forward (not computed from the model's inputs) "
                 f"with {group.batch} on the batch dim, and its output meets the batch in {name}, which does not "
-                "show whether that dim is the batch (broadcasting ops do: +, *, matmul, where, expand). If that "
-                "input is the same for every sample, give it a batch dim of size 1 (ids[None]); if it is one row "
-                "per sample, pass it to the model as an argument."
+                "show whether that dim is the batch. Write that op as a broadcasting one (+, *, matmul, where, "
+                "expand: h @ pos.mT for einsum('btd,sd->bts', h, pos)), or, if that input is one row per sample, "
+                "pass it to the model as an argument."
             )
         raise SharedInputError(
             f"{_label(origins)} is shared by the batch (it has no batch dim), and it meets the batch in {name}, "

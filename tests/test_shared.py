@@ -438,3 +438,68 @@ def test_shared_tensors_combined_with_a_buffer_before_the_batch(steps: list[tupl
     torch.manual_seed(12)
     for keep, clip, stats in MODES:
         run(Combined().double(), ids(9), token_loss, keep, clip, stats, steps=steps)
+
+
+class BeforeTheBatch(nn.Module):
+    """Shared tensors broadcast along the batch-sized dim of one that may carry the batch before
+    either meets the batch: a segment embedding of ``torch.zeros(B, T)`` (one row per sample) plus
+    ``pos(arange(T))`` and a raw ``[1, D]`` parameter; the raw parameter plus ``pos2(arange(T))``
+    (positions, which later broadcast over the batch)."""
+
+    def __init__(self, vocab: int = 9, dim: int = 5) -> None:
+        super().__init__()
+        self.tok, self.seg = nn.Embedding(vocab, dim), nn.Embedding(2, dim)
+        self.pos, self.pos2 = nn.Embedding(24, dim), nn.Embedding(24, dim)
+        self.offset = nn.Parameter(torch.randn(1, dim))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        positions = torch.arange(t)
+        h = (self.seg(torch.zeros(b, t, dtype=torch.long)) + self.pos(positions) + self.offset) + self.tok(idx)
+        h = h * torch.sigmoid(self.offset + self.pos2(positions))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("steps", [SQUARE, STEPS], ids=["square", "mixed"])
+def test_shared_tensors_combined_before_the_batch(steps: list[tuple[int, int]]) -> None:
+    torch.manual_seed(13)
+    for keep, clip, stats in MODES:
+        run(BeforeTheBatch().double(), ids(9), token_loss, keep, clip, stats, steps=steps)
+
+
+class Undecided(nn.Module):
+    """A layer input created inside the forward with the batch size on its batch dim, whose output
+    never meets a tensor computed from the model's inputs in a broadcasting op (``how``: reaches
+    the loss alone; meets the batch in einsum, or in the matmul that says the same)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.seg = nn.Embedding(2, 3) if how == "alone" else nn.Identity()
+        self.pos, self.lin = nn.Embedding(24, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        if self.how == "alone":
+            return self.lin(x).sum() + self.seg(torch.zeros(b, t, dtype=torch.long)).sum()
+        h, pos = self.lin(x), self.pos(torch.arange(t))
+        scores = torch.einsum("btd,sd->bts", h, pos) if self.how == "einsum" else h @ pos.mT
+        return (scores.softmax(-1) @ h).mean(1)
+
+
+def test_inputs_created_inside_the_forward_that_cannot_be_decided_are_clear_errors() -> None:
+    x = torch.randn(4, 4, 3)
+    with PerSampleModule(Undecided("alone")) as psm:
+        loss = psm(x)
+        with pytest.raises(SharedInputError, match=r"^layer 'seg' \(Embedding\) got an input of shape \(4, 4\) created "
+                           r"inside the forward.*reached the loss without.*pass it to the model as an argument"):  # fmt: skip
+            loss.backward()
+    with (
+        PerSampleModule(Undecided("einsum")) as psm,
+        pytest.raises(SharedInputError, match=r"^layer 'pos' \(Embedding\) got an input created inside the forward.*"
+                      r"meets the batch in einsum.*h @ pos.mT"),
+    ):  # fmt: skip
+        psm(x)
+    torch.manual_seed(14)
+    run(Undecided("matmul").double(), floats(3, 3), squared, True, 0.5, False, steps=SQUARE)  # the fix it names
