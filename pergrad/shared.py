@@ -605,11 +605,16 @@ class Provenance(TorchFunctionMode):
 
     def carries(self, t: Tensor) -> bool:
         """Whether ``t`` was computed from the batch (itself, or the tensor it is a view of)."""
+        if id(t) in self._marks:
+            return True
+        with torch._C.DisableTorchFunction():
+            return self._carries(t)
+
+    def _carries(self, t: Tensor) -> bool:  # (where torch functions are not seen: in this mode's handler)
         marks = self._marks
         if id(t) in marks:
             return True
-        with torch._C.DisableTorchFunction():
-            base = t._base
+        base = t._base
         return base is not None and id(base) in marks
 
     def __torch_function__(
@@ -619,16 +624,15 @@ class Provenance(TorchFunctionMode):
         result = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name == "__get__":  # an attribute: x.T, x.data, x.shape (the last not a tensor)
-            if isinstance(result, Tensor) and args and isinstance(args[0], Tensor) and self.carries(args[0]):
+            if isinstance(result, Tensor) and args and isinstance(args[0], Tensor) and self._carries(args[0]):
                 self.mark(result)
             return result
         operands = args[1:] if func in _NEW else args  # x.new_zeros(n): nothing of x's values
-        if not any(self.carries(t) for t in _tensors((*operands, *kwargs.values()))):
+        if not any(self._carries(t) for t in _tensors((*operands, *kwargs.values()))):
             return result
         if _writes_into_first(name) and args and isinstance(args[0], Tensor):
             self.mark(args[0])
-            with torch._C.DisableTorchFunction():
-                base = args[0]._base
+            base = args[0]._base
             if base is not None:
                 self.mark(base)
         out = kwargs.get("out")
