@@ -17,16 +17,25 @@ result is each sample's own output gradient ``d_i``, and its rule gives ``g_i = 
 with the shared input ``a``; for a raw parameter, it is ``g_i`` itself.
 
 Which layer inputs are shared, given the batch size B of the model's call (its first tensor
-argument) and the batch dim:
+argument) and the batch dim, follows from where the input came from (``Provenance`` follows every
+op of the model's forward), never from its size alone:
 
-- derived from a shared tensor (a ``Shared`` input), or a parameter that is not one of the
-  model's inputs: shared;
-- without autograd history and without the batch (its batch dim has size 1, or is missing, or has
-  another size): shared. With autograd history and not of size B: an error (the batch was folded);
-- of size B, but an integer tensor (ids) or a buffer that is not (a view of) one of the model's
-  inputs: *maybe* shared (``torch.arange(T)`` with T == B). Its output is tracked until it meets
-  a batched tensor: broadcast over the batch means shared, aligned with another operand's batch
-  dim means batched (then the tracking stops).
+- computed from the model's batched tensor arguments (a view, ``labels[:, :-1]``, a shifted copy
+  written in place, a mask): batched; without the batch on the batch dim, an error (it was folded);
+- derived from a shared tensor (a ``Shared`` input), a parameter, or anything else without the batch
+  on the batch dim (its size there is 1, or missing, or another): shared;
+- created inside the forward with B on the batch dim (``torch.arange(T)`` with T == B,
+  ``torch.zeros(B, T)``, ``sin(arange(T)[:, None] * f)``, a buffer's rows ``table[:T]``): *maybe*
+  shared. Its output is tracked until it meets a tensor computed from the batch: broadcast over the
+  batch means shared, aligned with its batch dim means batched (then the tracking stops). A shared
+  tensor broadcast along such a dim before either met the batch is caught there for the case
+  that dim turns out to be the batch (``_defer``). Where an op cannot tell (``einsum``), or the
+  output reaches the loss undecided, pergrad raises.
+
+Outside the model's forward (a submodule called on its own, recomputation under checkpointing)
+nothing is followed: a layer input with autograd history or a float one that is not a buffer
+counts as batched by its size, as before, and nothing there counts as evidence that resolves a
+*maybe* (which then raises at the backward).
 
 A shared tensor that meets the batch in an op pergrad does not know how to split (``F.linear``
 with a shared weight, indexing) raises an error that names the op and the fix.
