@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from . import lm_loss
@@ -35,6 +36,7 @@ from .shared import (
     BatchInfo,
     Group,
     Origin,
+    Provenance,
     Shared,
     batch_of_call,
     classify,
@@ -344,6 +346,8 @@ class LayerHooks:
         self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation), with_kwargs=True)
         self._token_loss_warning = lm_loss.warner()
         self._root_out = model.register_forward_hook(ModuleHook(self, self._model_returned), with_kwargs=True)
+        self._provenance: list[Provenance] = []  # of the running forwards of the model (nested calls: several)
+        self._root_done = model.register_forward_hook(ModuleHook(self, self._forward_done), always_call=True)
         self._handles: list[RemovableHandle] = []
         self._graph_unchecked = True  # the first graph is checked for batch statistics (pergrad.coupling)
         self._captures: dict[str, Capture] = {}  # parametrized layers: what their parametrizations computed
@@ -421,6 +425,7 @@ class LayerHooks:
         self.batch = batch_of_call(args, kwargs, dim, self._buffers) if tracking else None
         x = args[0] if args else None
         if self._on_input_grad is None or not (torch.is_grad_enabled() and isinstance(x, Tensor) and x.requires_grad):
+            self._follow(args, kwargs)
             return None
         # a view of the input is a fresh node of this forward: its pre-hook sees d loss / d input
         view = x.view_as(x)
@@ -432,7 +437,30 @@ class LayerHooks:
                 on_input_grad(generation, batch_to_front(grad_outputs[0], batch_first))
 
         view.grad_fn.register_prehook(catch)
+        self._follow((view, *args[1:]), kwargs)
         return (view, *args[1:]), kwargs
+
+    def _follow(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Follow, for this forward, which tensors carry the batch (``pergrad.shared.Provenance``),
+        starting from the call's tensor arguments with the batch on the batch dim."""
+        batch = self.batch
+        if batch is None:
+            return
+        tensors = args if not kwargs and all(isinstance(a, Tensor) for a in args) else tree_flatten((args, kwargs))[0]
+        dim, size = batch.dim, batch.size
+        seeds = [t for t in tensors if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == size]
+        found = Provenance(seeds)
+        found.__enter__()
+        self._provenance.append(found)
+
+    def _forward_done(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Forward hook of the root (also when the forward raised): stop following the batch."""
+        if not self._provenance:
+            return
+        found = self._provenance.pop()
+        stack = torch._C._len_torch_function_stack()
+        if stack and torch._C._get_function_stack_at(stack - 1) is found:
+            found.__exit__(None, None, None)
 
     def _buffers(self) -> frozenset[int]:
         """The storages of the model's buffers (computed once per forward, when first asked)."""
@@ -659,6 +687,14 @@ class LayerHooks:
                     )
                 origin.delivered = 0
                 return
+            if group.state == "maybe":
+                raise SharedInputError(
+                    f"{layer.label} got an input of shape {tuple(a.shape)} created inside the forward (not computed "
+                    f"from the model's inputs) with {size} on the batch dim {dim}, and its output reached the loss "
+                    "without meeting a tensor computed from the model's inputs in an op that shows whether that dim "
+                    "is the batch. If that input is the same for every sample, give it a batch dim of size 1 "
+                    "(ids[None]); if it is one row per sample, pass it to the model as an argument."
+                )
             assert batched is not None, "only a group that may be batched turns out batched"
             on_output_grad(batched, batch_to_front(d.reshape(shape), dim == 0))
 
@@ -714,3 +750,4 @@ class LayerHooks:
         self.uninstall()
         self._root.remove()
         self._root_out.remove()
+        self._root_done.remove()

@@ -17,16 +17,25 @@ result is each sample's own output gradient ``d_i``, and its rule gives ``g_i = 
 with the shared input ``a``; for a raw parameter, it is ``g_i`` itself.
 
 Which layer inputs are shared, given the batch size B of the model's call (its first tensor
-argument) and the batch dim:
+argument) and the batch dim, follows from where the input came from (``Provenance`` follows every
+op of the model's forward), never from its size alone:
 
-- derived from a shared tensor (a ``Shared`` input), or a parameter that is not one of the
-  model's inputs: shared;
-- without autograd history and without the batch (its batch dim has size 1, or is missing, or has
-  another size): shared. With autograd history and not of size B: an error (the batch was folded);
-- of size B, but an integer tensor (ids) or a buffer that is not (a view of) one of the model's
-  inputs: *maybe* shared (``torch.arange(T)`` with T == B). Its output is tracked until it meets
-  a batched tensor: broadcast over the batch means shared, aligned with another operand's batch
-  dim means batched (then the tracking stops).
+- computed from the model's batched tensor arguments (a view, ``labels[:, :-1]``, a shifted copy
+  written in place, a mask): batched; without the batch on the batch dim, an error (it was folded);
+- derived from a shared tensor (a ``Shared`` input), a parameter, or anything else without the batch
+  on the batch dim (its size there is 1, or missing, or another): shared;
+- created inside the forward with B on the batch dim (``torch.arange(T)`` with T == B,
+  ``torch.zeros(B, T)``, ``sin(arange(T)[:, None] * f)``, a buffer's rows ``table[:T]``): *maybe*
+  shared. Its output is tracked until it meets a tensor computed from the batch: broadcast over the
+  batch means shared, aligned with its batch dim means batched (then the tracking stops). A shared
+  tensor broadcast along such a dim before either met the batch is caught there for the case
+  that dim turns out to be the batch (``_defer``). Where an op cannot tell (``einsum``), or the
+  output reaches the loss undecided, pergrad raises.
+
+Outside the model's forward (a submodule called on its own, recomputation under checkpointing)
+nothing is followed: a layer input with autograd history or a float one that is not a buffer
+counts as batched by its size, as before, and nothing there counts as evidence that resolves a
+*maybe* (which then raises at the backward).
 
 A shared tensor that meets the batch in an op pergrad does not know how to split (``F.linear``
 with a shared weight, indexing) raises an error that names the op and the fix.
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,13 +54,16 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._C import DisableTorchFunctionSubclass
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .errors import BatchSizeError, SharedInputError
 
 
 class _Local(threading.local):
-    pulling = False  # a default for every thread (a missing attribute would raise, slowly, at every hook)
+    # defaults for every thread (a missing attribute would raise, slowly, at every hook)
+    pulling = False
+    provenance: Provenance | None = None  # the running forward's (see ``Provenance``)
 
 
 _local = _Local()
@@ -80,6 +93,9 @@ class Group:
     state: str
     batch: int  # B
     dim: int  # where the batch is in the activations
+    # groups broadcast along this one's batch-sized dim before either met the batch: shared if this
+    # one turns out batched (see ``_defer``)
+    then_shared: list[Group] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -91,6 +107,19 @@ class Origin:
     group: Group
     label: str  # for messages: "layer 'pos' (Embedding)"
     delivered: int = 0  # meetings whose per-sample gradient arrived in this backward
+    # a stand-in for ``parent`` in the tensors computed from a ``_defer`` expansion of it: void
+    # once any of ``unless`` turns out batched (its per-sample gradient is delivered there)
+    parent: Origin | None = None
+    unless: tuple[Group, ...] = ()
+
+    def live(self) -> bool:
+        """Whether this origin still needs its per-sample gradient caught downstream."""
+        return self.group.state != "batched" and not any(g.state == "batched" for g in self.unless)
+
+
+def _roots(origins: list[Origin]) -> list[Origin]:
+    """``origins`` with stand-ins replaced by the origins they stand for (each once)."""
+    return list(dict.fromkeys(o.parent or o for o in origins))
 
 
 @dataclass(frozen=True)
@@ -131,13 +160,15 @@ def classify(a: Any, output: Tensor, dim: int, batch: BatchInfo, where: str) -> 
     """The group of a layer call on input ``a`` with ``output`` (batch on ``dim``), or None where
     it is an ordinary batched call. See the module docstring."""
     if isinstance(a, Shared):
-        group = a.origins[0].group
-        return None if group.state == "batched" else group
+        live = [o for o in a.origins if o.live()]
+        return live[0].group if live else None
     if not isinstance(a, Tensor):
         return None
     size, a_shape, out_shape = batch.size, a.shape, output.shape
     has_batch = len(out_shape) > dim and out_shape[dim] == size and len(a_shape) > dim and a_shape[dim] == size
-    if a.grad_fn is not None:
+    found = provenance()
+    carried = a.grad_fn is not None if found is None else found.carries(a)  # outside the forward: by its history
+    if carried:
         if not has_batch and not (size == 1 and len(out_shape) > dim and out_shape[dim] == 1):
             raise BatchSizeError(
                 f"{where} got input of shape {tuple(a.shape)} computed from the batch, but the model was called with "
@@ -145,15 +176,13 @@ def classify(a: Any, output: Tensor, dim: int, batch: BatchInfo, where: str) -> 
                 "another dim mixes samples for pergrad)"
             )
         return None
-    if isinstance(a, torch.nn.Parameter) and not batch.from_inputs(a):
-        return Group("shared", size, dim)
-    if not has_batch:
+    if not has_batch or (isinstance(a, torch.nn.Parameter) and not batch.from_inputs(a)):
         return Group("shared", size, dim)
     if size == 1 or batch.from_inputs(a) or a.stride(dim) == 0:
         return None
-    if not a.is_floating_point() or _storage(a) in batch.buffers():
-        return Group("maybe", size, dim)
-    return None
+    if found is None and a.is_floating_point() and _storage(a) not in batch.buffers():
+        return None
+    return Group("maybe", size, dim)
 
 
 def per_sample_input(a: Tensor, output: Tensor, dim: int, size: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
@@ -216,12 +245,12 @@ class Shared(Tensor):
         # conversions (the other tensor gives only its dtype or device) and x.T, x.mT: x's own tracking
         if func in _LIKE or func in _VIEW_ATTRIBUTES:
             own = args[0].origins if isinstance(args[0], Shared) else ()
-            return _wrap(_plain(func, args, kwargs), [o for o in own if o.group.state != "batched"])
+            return _wrap(_plain(func, args, kwargs), [o for o in own if o.live()])
         if func in _GRAD or func in _NEW or getattr(func, "__name__", "") == "__get__":
             return _plain(func, args, kwargs)  # autograd, fresh tensors, attributes (shape, grad_fn, _base)
         flat = tree_flatten((args, kwargs))[0]
         tracked = [t for t in flat if isinstance(t, Shared)]
-        origins = list(dict.fromkeys(o for t in tracked for o in t.origins if o.group.state != "batched"))
+        origins = list(dict.fromkeys(o for t in tracked for o in t.origins if o.live()))
         if not origins:
             return _plain(func, args, kwargs)
         if func in _ELEMENTWISE or func in _MATMUL or func in _SDPA:
@@ -258,10 +287,13 @@ def _label(origins: list[Origin]) -> str:
 
 
 def _batch_evidence(flat: list[Any], group: Group, aligned: Callable[[Tensor], int | None]) -> bool:
-    """Whether an untracked tensor operand has the batch where ``aligned`` puts the batch dim
-    (parameters are the model's own, never the batch, whatever their shape)."""
+    """Whether an untracked tensor operand computed from the batch (``Provenance``) has it where
+    ``aligned`` puts the batch dim. Outside the model's forward nothing is known to carry it."""
+    found = provenance()
+    if found is None:
+        return False
     for t in flat:
-        if isinstance(t, Tensor) and not isinstance(t, Shared | torch.nn.Parameter):
+        if isinstance(t, Tensor) and not isinstance(t, Shared) and found.carries(t):
             k = aligned(t)
             if k is not None and 0 <= k < t.dim() and t.shape[k] == group.batch and t.stride(k) != 0:
                 return True
@@ -285,6 +317,58 @@ def _out_shape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         return None
 
 
+def _defer(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    origins: list[Origin],
+    rank: int,
+    aligned: Callable[[Tensor], int],
+) -> Any:
+    """A broadcasting op without an operand computed from the batch: its result stays tracked.
+
+    Where it broadcasts a tracked tensor S along the batch-sized dim of one that may carry the batch
+    (M, ``"maybe"``: ``pos(arange(T)) + seg(torch.zeros(B, T))``), that dim is the batch exactly when
+    M turns out batched. So S is expanded along it here, its hook delivering each sample's gradient
+    only in that case (S's group is then shared); the result tracks S, through a stand-in, only for
+    the other case, where the broadcast was over positions and S meets the batch later."""
+    group = origins[0].group
+    if func in _MATMUL and group.dim >= rank - 2:  # the batch-sized dim is a matrix dim: not a broadcast
+        return _wrap(_plain(func, args, kwargs), origins)
+    spread: list[Shared] = []
+    maybe: list[Origin] = []
+    for x in tree_flatten((args, kwargs))[0]:
+        if not isinstance(x, Shared):
+            continue
+        live = [o for o in x.origins if o.live()]
+        k = aligned(x)
+        if live and (k < 0 or x.shape[k] == 1):
+            spread.append(x)
+            continue
+        direct = [o for o in live if not o.unless]  # (stand-ins of earlier deferrals: broadcast along it)
+        if direct and x.shape[k] == group.batch and all(o.group.state == "maybe" for o in direct):
+            maybe += direct
+    if not (spread and maybe):
+        return _wrap(_plain(func, args, kwargs), origins)
+    when = tuple({id(o.group): o.group for o in maybe}.values())
+    stand_ins: dict[int, Origin] = {}
+    for x in spread:
+        for o in x.origins:
+            if o.live() and id(o) not in stand_ins:
+                root = o.parent or o
+                stand_ins[id(o)] = Origin(o.tensor, o.deliver, o.group, o.label, parent=root, unless=(*o.unless, *when))
+                for g in when:
+                    g.then_shared.append(o.group)
+
+    def replace(x: Any) -> Any:
+        if any(x is y for y in spread):
+            return _expanded(x, _roots([o for o in x.origins if o.live()]), rank, when=when)
+        return x
+
+    result = _plain(func, tree_map(replace, args), tree_map(replace, kwargs))
+    return _wrap(result, [stand_ins.get(id(o), o) for o in origins])
+
+
 def _meet(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], origins: list[Origin]
 ) -> Any:
@@ -299,7 +383,7 @@ def _meet(
         return group.dim - (rank - t.dim())
 
     if not _batch_evidence(flat, group, aligned):  # only shared tensors and constants: still shared
-        return _wrap(_plain(func, args, kwargs), origins)
+        return _defer(func, args, kwargs, origins, rank, aligned)
     if func in _MATMUL and group.dim == rank - 2:
         left, right = (args[1], args[0]) if func is Tensor.__rmatmul__ else (args[0], args[1])
         if isinstance(right, Shared) and isinstance(left, Tensor) and not isinstance(left, Shared) and left.dim() >= 2:
@@ -307,6 +391,9 @@ def _meet(
             # row a matrix of its own, so the batch is a broadcast dim the shared operand expands along
             with DisableTorchFunctionSubclass():
                 rows = left.unsqueeze(-2)
+            found = provenance()
+            if found is not None:  # (ops inside an op the mode sees are not seen again)
+                found.mark(rows)
             out_rows = torch.matmul(rows, right)
             with DisableTorchFunctionSubclass():
                 return out_rows.squeeze(-2)
@@ -314,18 +401,32 @@ def _meet(
     def replace(x: Any) -> Any:
         if not isinstance(x, Shared):
             return x
-        live = [o for o in x.origins if o.group.state != "batched"]
+        live = [o for o in x.origins if o.live()]
         if not live:
             return x
         k = aligned(x)
         if k < 0 or x.shape[k] == 1:  # broadcast over the batch: it meets the batch here
             for o in live:
                 o.group.state = "shared"
-            return _expanded(x, live, rank)
-        if live[0].group.state == "maybe" and _batch_evidence(flat, group, aligned):
-            for o in live:
+            return _expanded(x, _roots(live), rank)
+        direct = [o for o in live if not o.unless]  # (stand-ins: broadcast along this dim, see _defer)
+        maybe = [o for o in direct if o.group.state == "maybe"]
+        if maybe and len(maybe) == len(direct):  # aligned with the batch of an operand that carries it
+            for o in maybe:
                 o.group.state = "batched"
-            return x
+                for spread in o.group.then_shared:
+                    if spread.state == "maybe":
+                        spread.state = "shared"
+            if not any(o.live() for o in live):
+                return x
+        if maybe:
+            raise SharedInputError(
+                f"{_label([o for o in live if o.live() and o not in maybe])} is shared by the batch, and it was "
+                f"combined with {_label(maybe)}, whose input was created inside the forward (not computed from the "
+                f"model's inputs) with {group.batch} on the batch dim, before either met the batch: pergrad cannot "
+                "tell whether that dim is the batch. If that input is the same for every sample, give it a batch "
+                "dim of size 1 (ids[None]); if it is one row per sample, pass it to the model as an argument."
+            )
         raise SharedInputError(
             f"{_label(live)} is shared by the batch (its input or parameter has no batch dim), but {func.__name__} "
             f"combines its dim {k} of size {x.shape[k]} with the batch dim of the other operands: pergrad cannot "
@@ -336,9 +437,12 @@ def _meet(
     return _plain(func, tree_map(replace, args), tree_map(replace, kwargs))
 
 
-def _expanded(x: Shared, origins: list[Origin], rank: int, dim: int | None = None) -> Tensor:
+def _expanded(
+    x: Shared, origins: list[Origin], rank: int, dim: int | None = None, when: tuple[Group, ...] = ()
+) -> Tensor:
     """``x`` expanded to the batch explicitly (rank ``rank``, batch on ``dim``, by default the
-    group's), with a hook that catches each sample's gradient before the expansion's backward sums it."""
+    group's), with a hook that catches each sample's gradient before the expansion's backward sums it
+    (only where every group of ``when`` turned out batched: see ``_defer``)."""
     group = origins[0].group
     dim = group.dim if dim is None else dim
     with DisableTorchFunctionSubclass():
@@ -349,7 +453,7 @@ def _expanded(x: Shared, origins: list[Origin], rank: int, dim: int | None = Non
 
     def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
         g = grad_outputs[0]
-        if g is None or pulling():
+        if g is None or pulling() or not all(group.state == "batched" for group in when):
             return
         _pull_back(x, origins, g.movedim(dim, 0).reshape(size, *shape))
 
@@ -386,7 +490,7 @@ def _expand(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
         return _wrap(result, origins)  # the batch is not what this expansion adds
     for o in origins:
         o.group.state = "shared"
-    expanded = _expanded(x, origins, rank)
+    expanded = _expanded(x, _roots(origins), rank)
     if func in _names("repeat"):  # the batch factor is done: repeat the other dims as asked
         factors = [1 if i == group.dim else s // max(e, 1) for i, (s, e) in enumerate(zip(out, expanded.shape))]
         with DisableTorchFunctionSubclass():
@@ -414,10 +518,10 @@ def _embedding(args: tuple[Any, ...], kwargs: dict[str, Any], origins: list[Orig
             "pass max_norm=None and scale_grad_by_freq=False."
         )
     group = origins[0].group
-    live = [o for o in weight.origins if o.group.state != "batched"]
+    live = [o for o in weight.origins if o.live()]
     for o in live:
         o.group.state = "shared"
-    per_sample = _expanded(weight, live, weight.dim() + 1, dim=0)  # [B, V, D]
+    per_sample = _expanded(weight, _roots(live), weight.dim() + 1, dim=0)  # [B, V, D]
     with DisableTorchFunctionSubclass():
         ids_b = ids.movedim(group.dim, 0)
         samples = torch.arange(group.batch, device=ids.device).view(-1, *([1] * (ids_b.dim() - 1)))
@@ -437,13 +541,18 @@ def _unknown(
     if func in _LAYER_OPS:  # weights never carry the batch: only the layer's input can
         candidates = [args[0]] if args else []
     if _batch_evidence(candidates, group, lambda t: group.dim):
-        if all(o.group.state == "maybe" for o in origins):
-            for o in origins:
-                o.group.state = "batched"
-            return _plain(func, args, kwargs)
         if func is _F.embedding and len(args) > 1 and isinstance(args[1], Shared) and not isinstance(args[0], Shared):
             return _embedding(args, kwargs, origins)
         name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+        maybe = [o for o in origins if o.group.state == "maybe"]
+        if maybe:
+            raise SharedInputError(
+                f"{_label(maybe)} got an input created inside the forward (not computed from the model's inputs) "
+                f"with {group.batch} on the batch dim, and its output meets the batch in {name}, which does not "
+                "show whether that dim is the batch. Write that op as a broadcasting one (+, *, matmul, where, "
+                "expand: h @ pos.mT for einsum('btd,sd->bts', h, pos)), or, if that input is one row per sample, "
+                "pass it to the model as an argument."
+            )
         raise SharedInputError(
             f"{_label(origins)} is shared by the batch (it has no batch dim), and it meets the batch in {name}, "
             "which pergrad cannot split per sample (it splits broadcasting ops: +, *, matmul, where, expand, "
@@ -451,3 +560,105 @@ def _unknown(
             "fallback=True to PerSampleModule."
         )
     return _wrap(_plain(func, args, kwargs), origins)
+
+
+# -- which tensors carry the batch ----------------------------------------------------------------
+
+_IN_PLACE_DUNDERS = frozenset(
+    f"__{op}__"
+    for op in (
+        "setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul",
+        "iand", "ior", "ixor", "ilshift", "irshift",
+    )
+)  # fmt: skip
+
+
+def _writes_into_first(name: str) -> bool:
+    """Whether an op writes into its first argument (``x.add_(y)``, ``x[i] = y``, ``x += y``)."""
+    return name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
+
+
+def _tensors(values: Any) -> Iterator[Tensor]:
+    """The tensors among ``values`` and in the lists and tuples among them (``torch.cat([x, y])``)."""
+    for v in values:
+        if isinstance(v, Tensor):
+            yield v
+        elif isinstance(v, list | tuple):
+            yield from (t for t in v if isinstance(t, Tensor))
+
+
+class Provenance(TorchFunctionMode):
+    """Which tensors of one forward of the model carry the batch, by where they came from.
+
+    The model's tensor arguments with the batch on the batch dim carry it, and so does every tensor
+    an op computes from one of them (``labels[:, :-1]``, ``ids != pad``, ``x.clone()``,
+    ``torch.cat``, ``masked_fill``), or writes into in place from one (``shifted[:, 1:] =
+    labels[:, :-1]`` makes ``shifted`` carry it). Tensors created inside the forward
+    (``torch.arange(T)``, ``torch.ones``, ``x.new_zeros(...)``, ``torch.zeros_like(x)``: their
+    values do not come from ``x``), buffers and their slices, parameters, and what ops compute from
+    those alone do not, whatever their size. Active (a ``TorchFunctionMode``, so every torch op is
+    seen) for the model's forward only; tensors are held by weak reference."""
+
+    def __init__(self, seeds: list[Tensor]) -> None:
+        super().__init__()
+        self._marks: dict[int, weakref.ref[Tensor]] = {}
+        self._before: Provenance | None = None
+        for t in seeds:
+            self.mark(t)
+
+    def mark(self, t: Tensor) -> None:
+        """Count ``t`` as carrying the batch."""
+        key, marks = id(t), self._marks
+        if key not in marks:
+            marks[key] = weakref.ref(t, lambda _, key=key: marks.pop(key, None))  # type: ignore[misc]
+
+    def carries(self, t: Tensor) -> bool:
+        """Whether ``t`` was computed from the batch (itself, or the tensor it is a view of)."""
+        if id(t) in self._marks:
+            return True
+        with torch._C.DisableTorchFunction():
+            return self._carries(t)
+
+    def _carries(self, t: Tensor) -> bool:  # (where torch functions are not seen: in this mode's handler)
+        marks = self._marks
+        if id(t) in marks:
+            return True
+        base = t._base
+        return base is not None and id(base) in marks
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # an attribute: x.T, x.data, x.shape (the last not a tensor)
+            if isinstance(result, Tensor) and args and isinstance(args[0], Tensor) and self._carries(args[0]):
+                self.mark(result)
+            return result
+        operands = args[1:] if func in _NEW else args  # x.new_zeros(n): nothing of x's values
+        if not any(self._carries(t) for t in _tensors((*operands, *kwargs.values()))):
+            return result
+        if _writes_into_first(name) and args and isinstance(args[0], Tensor):
+            self.mark(args[0])
+            base = args[0]._base
+            if base is not None:
+                self.mark(base)
+        out = kwargs.get("out")
+        for t in _tensors((result, *(out if isinstance(out, tuple | list) else (out,)))):
+            self.mark(t)
+        return result
+
+    def __enter__(self) -> Provenance:
+        super().__enter__()
+        self._before, _local.provenance = _local.provenance, self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _local.provenance = self._before
+        super().__exit__(*exc)
+
+
+def provenance() -> Provenance | None:
+    """The running forward's ``Provenance`` (None outside the model's forward)."""
+    return _local.provenance

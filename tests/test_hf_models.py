@@ -64,6 +64,7 @@ def check(
     batch: Callable[[int, int, torch.Generator], tuple[dict[str, torch.Tensor], torch.Tensor]],
     loss: Callable[..., torch.Tensor],
     float32_inside: bool = False,
+    steps: list[tuple[int, int]] = STEPS,
 ) -> None:
     """``float32_inside``: the model computes its norms in float32 even in float64 (HF's RMSNorm and
     T5LayerNorm cast), so one batched backward and the per-sample ones agree to float32 round-off."""
@@ -81,7 +82,7 @@ def check(
         with PerSampleModule(model, keep_grad_sample=keep, track_norms=True) as psm:
             if clip is not None:
                 psm.register_transform(model, transforms.clip_norm(clip))
-            for b, t in STEPS:
+            for b, t in steps:
                 inputs, labels = batch(b, t, gen)
                 ref = per_sample(plain, inputs, labels, loss)
                 expected = clipped_mean(ref, clip) if clip is not None else {n: g.mean(0) for n, g in ref.items()}
@@ -197,6 +198,29 @@ def test_t5_relative_position_buckets() -> None:
         return losses.view(labels.shape[0], -1).sum(1)
 
     check(model, batch, loss, float32_inside=True)
+
+
+@pytest.mark.parametrize("steps", [[(3, 5), (2, 17), (4, 3)], [(3, 3), (17, 17), (4, 4)]], ids=["T!=B", "T==B"])
+def test_t5_trained_on_labels_alone(steps: list[tuple[int, int]]) -> None:
+    """``model(input_ids=..., labels=...)`` as T5's docs train it: the decoder's input ids are the labels
+    shifted right inside the model (``new_zeros`` + slice assign), not one of the model's inputs."""
+    torch.manual_seed(7)
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_decoder_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+
+    def batch(b: int, t: int, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        ids = torch.randint(1, VOCAB, (b, t), generator=gen)
+        labels = torch.randint(1, VOCAB, (b, t), generator=gen)
+        return {"input_ids": ids, "labels": labels}, labels
+
+    def loss(out: object, labels: torch.Tensor) -> torch.Tensor:
+        logits = out.logits  # type: ignore[attr-defined]
+        losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+        return losses.view(labels.shape[0], -1).sum(1)
+
+    check(transformers.T5ForConditionalGeneration(config), batch, loss, float32_inside=True, steps=steps)
 
 
 def test_vit_cls_token_and_position_embeddings() -> None:

@@ -6,6 +6,7 @@ shared input looks batched) and crosses the 16-position threshold from which wei
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
@@ -18,7 +19,27 @@ from tests.reference import assert_close, reference_grad_sample
 from tests.test_fused import check_statistics
 
 STEPS = [(3, 5), (4, 4), (2, 17), (5, 5), (3, 16), (1, 3)]  # (batch, length): T == B twice
+SQUARE = [(4, 4), (17, 17), (5, 5), (16, 16), (3, 3)]  # T == B on every step, on both sides of 16
 MODES = [(True, None, False), (False, 0.5, False), (True, 0.5, False), (False, None, True)]  # keep, clip, stats
+
+
+Reference = Callable[
+    [nn.Module, torch.Tensor, torch.Tensor, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]],
+    dict[str, torch.Tensor],
+]
+
+
+def one_at_a_time(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``{name: [B, *p.shape]}`` by plain autograd on each sample alone (batch first): for models
+    whose forward writes into tensors, which torch.func's vmap cannot batch."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    rows = []
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(loss(model(x[i : i + 1]), y[i : i + 1]), list(params.values()), allow_unused=True)
+        rows.append([torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads, strict=True)])
+    return {n: torch.stack([r[k] for r in rows]) for k, n in enumerate(params)}
 
 
 def token_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -45,7 +66,12 @@ def run(
     clip: float | None,
     stats: bool,
     batch_first: bool = True,
+    steps: list[tuple[int, int]] = STEPS,
+    reference: Reference | None = None,
 ) -> None:
+    """Several steps of (batch, length) ``steps``, every step's ``grad_sample``, ``.grad`` and norms
+    against ``reference`` (torch.func on each sample's own loss unless given) in float64."""
+    plain = copy.deepcopy(model)  # for a reference that runs the model itself
     gen = torch.Generator().manual_seed(0)
     dim = 0 if batch_first else 1
     with PerSampleModule(
@@ -53,9 +79,12 @@ def run(
     ) as psm:
         if clip is not None:
             psm.register_transform(model, transforms.clip_norm(clip))
-        for step, (b, t) in enumerate(STEPS):
+        for step, (b, t) in enumerate(steps):
             x, y = batch(b, t, gen)
-            ref = reference_grad_sample(model, x, y, loss=loss, batch_dim=dim)
+            if reference is None:
+                ref = reference_grad_sample(model, x, y, loss=loss, batch_dim=dim)
+            else:
+                ref = reference(plain, x, y, loss)
             want = expected(ref, clip)
             psm.zero_grad()
             (loss(psm(x), y) / b).backward()
@@ -320,3 +349,157 @@ def test_parameters_of_a_parameter_dict_that_no_module_calls() -> None:
     with pytest.raises(UnsupportedLayerError, match=r"^layer 'b' \(ParameterList\) holds trainable parameters "
                        r"\['0'\], but no module of the model that is called encloses it"):  # fmt: skip
         PerSampleModule(nn.ModuleDict({"b": nn.ParameterList([nn.Parameter(torch.randn(2))])}))
+
+
+# -- tensors built inside the forward: whether they carry the batch follows from where they came from
+
+
+class ShiftedLabels(nn.Module):
+    """A decoder trained on its labels alone, as encoder-decoders are: its input ids are the labels
+    shifted right inside the forward (``how``), plus a learned ``pos(torch.arange(T))`` and a
+    segment embedding of ``torch.zeros(B, T)`` (built with the batch, the same for every sample)."""
+
+    def __init__(self, how: str, vocab: int = 9, dim: int = 6) -> None:
+        super().__init__()
+        self.how = how
+        self.tok, self.pos, self.seg = nn.Embedding(vocab, dim), nn.Embedding(24, dim), nn.Embedding(2, dim)
+        self.norm, self.mlp = nn.LayerNorm(dim), nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        b, t = labels.shape
+        if self.how == "assign":  # T5's _shift_right
+            dec = labels.new_zeros(labels.shape)
+            dec[..., 1:] = labels[..., :-1].clone()
+        elif self.how == "cat":
+            dec = torch.cat([labels.new_zeros(b, 1), labels[:, :-1]], 1)
+        elif self.how == "masked_fill":
+            dec = labels.roll(1, 1).masked_fill(torch.arange(t) == 0, 0)
+        else:  # clone, then in place
+            dec = labels.clone()
+            dec[:, 1:] = labels[:, :-1]
+            dec[:, 0] = 0
+        h = self.tok(dec) + self.pos(torch.arange(t)) + self.seg(torch.zeros(b, t, dtype=torch.long))
+        return self.head(torch.tanh(self.mlp(self.norm(h))))
+
+
+@pytest.mark.parametrize("how", ["assign", "cat", "masked_fill", "clone"])
+@pytest.mark.parametrize("steps", [SQUARE, STEPS], ids=["square", "mixed"])
+def test_decoder_inputs_shifted_inside_the_forward(how: str, steps: list[tuple[int, int]]) -> None:
+    torch.manual_seed(10)
+    for keep, clip, stats in MODES[:2]:
+        run(ShiftedLabels(how).double(), ids(9), token_loss, keep, clip, stats, steps=steps, reference=one_at_a_time)
+
+
+class Sinusoidal(nn.Module):
+    """Fourier features computed on the fly, ``sin(arange(T)[:, None] * freqs)`` (a float tensor
+    created inside the forward, not a buffer), through a Linear, added to every sample."""
+
+    def __init__(self, dim: int = 4, features: int = 6) -> None:
+        super().__init__()
+        self.features = features
+        self.inp, self.fourier, self.out = nn.Linear(dim, dim), nn.Linear(features, dim), nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        freqs = torch.exp(-torch.arange(self.features, dtype=x.dtype) / self.features)
+        waves = torch.sin(torch.arange(t, dtype=x.dtype)[:, None] * freqs)  # [T, F]
+        return self.out(torch.tanh(self.inp(x) + self.fourier(waves))).mean(1)
+
+
+@pytest.mark.parametrize("steps", [SQUARE, STEPS], ids=["square", "mixed"])
+def test_float_features_computed_inside_the_forward(steps: list[tuple[int, int]]) -> None:
+    torch.manual_seed(11)
+    for keep, clip, stats in MODES:
+        run(Sinusoidal().double(), floats(4, 3), squared, keep, clip, stats, steps=steps)
+
+
+class Combined(nn.Module):
+    """Shared tensors combined with a plain length-T tensor (a buffer's rows ``table[:T]``) before
+    they meet the batch: ``pos(arange(T)) + table[:T]``, and a raw ``[1, D]`` parameter + the table."""
+
+    def __init__(self, vocab: int = 9, dim: int = 5) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(24, dim))
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(24, dim)
+        self.offset = nn.Parameter(torch.randn(1, dim))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        rows = self.table[:t]
+        h = self.tok(idx) + (self.pos(torch.arange(t)) + rows)
+        h = h * torch.sigmoid(self.offset + rows)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("steps", [SQUARE, STEPS], ids=["square", "mixed"])
+def test_shared_tensors_combined_with_a_buffer_before_the_batch(steps: list[tuple[int, int]]) -> None:
+    torch.manual_seed(12)
+    for keep, clip, stats in MODES:
+        run(Combined().double(), ids(9), token_loss, keep, clip, stats, steps=steps)
+
+
+class BeforeTheBatch(nn.Module):
+    """Shared tensors broadcast along the batch-sized dim of one that may carry the batch before
+    either meets the batch: a segment embedding of ``torch.zeros(B, T)`` (one row per sample) plus
+    ``pos(arange(T))`` and a raw ``[1, D]`` parameter; the raw parameter plus ``pos2(arange(T))``
+    (positions, which later broadcast over the batch)."""
+
+    def __init__(self, vocab: int = 9, dim: int = 5) -> None:
+        super().__init__()
+        self.tok, self.seg = nn.Embedding(vocab, dim), nn.Embedding(2, dim)
+        self.pos, self.pos2 = nn.Embedding(24, dim), nn.Embedding(24, dim)
+        self.offset = nn.Parameter(torch.randn(1, dim))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        positions = torch.arange(t)
+        h = (self.seg(torch.zeros(b, t, dtype=torch.long)) + self.pos(positions) + self.offset) + self.tok(idx)
+        h = h * torch.sigmoid(self.offset + self.pos2(positions))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("steps", [SQUARE, STEPS], ids=["square", "mixed"])
+def test_shared_tensors_combined_before_the_batch(steps: list[tuple[int, int]]) -> None:
+    torch.manual_seed(13)
+    for keep, clip, stats in MODES:
+        run(BeforeTheBatch().double(), ids(9), token_loss, keep, clip, stats, steps=steps)
+
+
+class Undecided(nn.Module):
+    """A layer input created inside the forward with the batch size on its batch dim, whose output
+    never meets a tensor computed from the model's inputs in a broadcasting op (``how``: reaches
+    the loss alone; meets the batch in einsum, or in the matmul that says the same)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.seg = nn.Embedding(2, 3) if how == "alone" else nn.Identity()
+        self.pos, self.lin = nn.Embedding(24, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        if self.how == "alone":
+            return self.lin(x).sum() + self.seg(torch.zeros(b, t, dtype=torch.long)).sum()
+        h, pos = self.lin(x), self.pos(torch.arange(t))
+        scores = torch.einsum("btd,sd->bts", h, pos) if self.how == "einsum" else h @ pos.mT
+        return (scores.softmax(-1) @ h).mean(1)
+
+
+def test_inputs_created_inside_the_forward_that_cannot_be_decided_are_clear_errors() -> None:
+    x = torch.randn(4, 4, 3)
+    with PerSampleModule(Undecided("alone")) as psm:
+        loss = psm(x)
+        with pytest.raises(SharedInputError, match=r"^layer 'seg' \(Embedding\) got an input of shape \(4, 4\) created "
+                           r"inside the forward.*reached the loss without.*pass it to the model as an argument"):  # fmt: skip
+            loss.backward()
+    with (
+        PerSampleModule(Undecided("einsum")) as psm,
+        pytest.raises(SharedInputError, match=r"^layer 'pos' \(Embedding\) got an input created inside the forward.*"
+                      r"meets the batch in einsum.*h @ pos.mT"),
+    ):  # fmt: skip
+        psm(x)
+    torch.manual_seed(14)
+    run(Undecided("matmul").double(), floats(3, 3), squared, True, 0.5, False, steps=SQUARE)  # the fix it names
