@@ -30,7 +30,7 @@ from .coupling import refuse_batch_statistics
 from .detach import Detached
 from .errors import BatchMixingError, BatchSizeError, SharedInputError, module_label
 from .layout import batch_to_front
-from .parametrized import Capture, Computed, parametrizations_of, sites
+from .parametrized import Capture, Computed, parametrization_parameters, parametrizations_of, sites
 from .registry import LayerCall, RuleSpec, output_tensors
 from .shared import (
     BatchInfo,
@@ -71,8 +71,7 @@ class HookedLayer:
             own = {id(p): (n, p) for n, p in reversed(params.items()) if p is not None}
             found = [(n, p) for n, p in reversed(own.values()) if p.requires_grad]  # first name of each, in order
         if self.spec.parametrized:  # the original tensors its parametrized ones are computed from
-            plists = parametrizations_of(self.module)
-            found += [(f"parametrizations.{n}", p) for n, p in plists.named_parameters() if p.requires_grad]
+            found += parametrization_parameters(self.module)
         return found
 
     @functools.cached_property
@@ -393,6 +392,15 @@ class LayerHooks:
         capture = self._captures[layer.name] = Capture(sites(layer.module, layer.spec.subtree))
         self._handles.append(layer.module.register_forward_pre_hook(ModuleHook(self, lambda m, args: capture.start())))
         for site in capture.sites:
+            if site.hooked:  # computed by the owner's pre-hook, an attribute of the owner during its call
+
+                def read(
+                    m: nn.Module, args: tuple[Any, ...], out: Any, key: str = site.key, t: str = site.tensor
+                ) -> None:
+                    capture.record(key, m.__dict__.get(t))
+
+                self._handles.append(site.owner.register_forward_hook(ModuleHook(self, read)))
+                continue
 
             def record(m: nn.Module, args: tuple[Any, ...], out: Any, key: str = site.key) -> None:
                 capture.record(key, out)
