@@ -332,7 +332,7 @@ class LayerHooks:
         self._detached: dict[str, Detached] = {}  # layer name -> parameters detached for the running call
         self._to_tap, self._may_tap = to_tap, may_tap  # see ``pergrad.reach``
         self._tapped: dict[nn.Module, list[tuple[str, Tensor, Tensor]]] = {}  # (name, parameter, tap) per call
-        self._on_output_grad = on_output_grad
+        self._on_output_grad = self._reaching(on_output_grad)
         self._on_input_grad = on_input_grad
         self._on_model_call = on_model_call
         self._on_model_returned = on_model_returned
@@ -342,6 +342,9 @@ class LayerHooks:
         self._buffer_storages: frozenset[int] | None = None
         # raw parameters swapped for a call, by the module whose call it is: (holder, name, parameter, alias)
         self._swapped: dict[nn.Module, list[tuple[nn.Module, str, Tensor, Tensor]]] = {}
+        # calls of the model running (nested: several); whether the running forward is a direct call
+        # of its layers (not through the model); the forward the latest output gradient belongs to
+        self._in_model, self._direct, self._reached = 0, False, -1
         self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation), with_kwargs=True)
         self._token_loss_warning = lm_loss.warner()
         self._root_out = model.register_forward_hook(ModuleHook(self, self._model_returned), with_kwargs=True)
@@ -359,6 +362,9 @@ class LayerHooks:
             if layer.spec.raw:
                 raw.setdefault(layer.module if layer.host is None else layer.host, []).append(layer)
                 continue
+            batch_dim = 0 if self._batch_first or layer.spec.batch_dim_fixed else 1
+            enter = ModuleHook(self, self._direct_call([layer.name], batch_dim))
+            self._handles.append(layer.module.register_forward_pre_hook(enter, with_kwargs=True))
             spec = layer.spec
             detachable = not (spec.all_inputs or spec.subtree or spec.parametrized)
             if self._to_detach is not None and detachable and (self._may_detach is None or self._may_detach(layer)):
@@ -380,6 +386,8 @@ class LayerHooks:
             hook = ModuleHook(self, self._keeper(layer))
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
         for module, own in raw.items():
+            enter = ModuleHook(self, self._direct_call([layer.name for layer in own], 0 if self._batch_first else 1))
+            self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
             self._handles.append(module.register_forward_pre_hook(ModuleHook(self, self._tracker(own))))
             self._handles.append(module.register_forward_hook(ModuleHook(self, self._untracker), always_call=True))
         for name, module in self._model.named_modules():
@@ -422,15 +430,11 @@ class LayerHooks:
     def _next_generation(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        self._in_model += 1  # (back down in ``_forward_done``, also when this raises)
         if self._on_model_call is not None:
             self._on_model_call()
-        self.generation += 1
-        self._calls.clear()
-        self._buffer_storages = None
-        tracking = torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
-        tracking = tracking and not torch.compiler.is_compiling()
-        dim = 0 if self._batch_first else 1
-        self.batch = batch_of_call(args, kwargs, dim, self._buffers) if tracking else None
+        self._direct = False
+        self._new_forward(args, kwargs, 0 if self._batch_first else 1)
         x = args[0] if args else None
         if self._on_input_grad is None or not (torch.is_grad_enabled() and isinstance(x, Tensor) and x.requires_grad):
             self._follow(args, kwargs)
@@ -454,21 +458,67 @@ class LayerHooks:
         batch = self.batch
         if batch is None:
             return
-        tensors = args if not kwargs and all(isinstance(a, Tensor) for a in args) else tree_flatten((args, kwargs))[0]
+        if not kwargs and all(isinstance(a, Tensor) for a in args):
+            tensors: Any = args
+        else:
+            tensors = tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, PackedSequence))[0]
         dim, size = batch.dim, batch.size
         seeds = [t for t in tensors if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == size]
+        seeds += [t.data for t in tensors if isinstance(t, PackedSequence) and int(t.batch_sizes[0]) == size]
         found = Provenance(seeds)
         found.__enter__()
         self._provenance.append(found)
 
     def _forward_done(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """Forward hook of the root (also when the forward raised): stop following the batch."""
+        self._in_model = max(self._in_model - 1, 0)
         if not self._provenance:
             return
         found = self._provenance.pop()
         stack = torch._C._len_torch_function_stack()
         if stack and torch._C._get_function_stack_at(stack - 1) is found:
             found.__exit__(None, None, None)
+
+    def _new_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> None:
+        """A forward starts (a call of the model, or a direct call of its layers): its generation, and
+        its batch read from the call's arguments."""
+        self.generation += 1
+        self._calls.clear()
+        self._buffer_storages = None
+        tracking = torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+        tracking = tracking and not torch.compiler.is_compiling()
+        self.batch = batch_of_call(args, kwargs, dim, self._buffers) if tracking else None
+
+    def _direct_call(self, names: list[str], dim: int) -> Callable[..., None]:
+        """Forward pre-hook of a hooked layer (or a module with raw parameters; ``names``: the hooked
+        layers it is) for calls outside a call of the model (``model.backbone(x)``, then
+        ``model.head(h)``): the first such call starts a forward whose batch is read from its
+        arguments, as a call of the model starts one. The calls after it belong to that forward,
+        until a backward has reached it or a layer is called again (a forward of its own: a
+        backward through both is refused, as for two calls of the model)."""
+
+        def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._in_model or not torch.is_grad_enabled() or pulling():
+                return
+            if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+                return
+            if torch._C._current_graph_task_id() != -1:
+                return  # computed again inside a backward (activation checkpointing): its forward's
+            if self._direct and self._reached != self.generation and not any(n in self._calls for n in names):
+                return  # a later call of the running direct forward
+            self._direct = True
+            self._new_forward(args, kwargs, dim)
+
+        return enter
+
+    def _reaching(self, on_output_grad: OnOutputGrad) -> OnOutputGrad:
+        """``on_output_grad``, noting which forward a backward has reached (see ``_direct_call``)."""
+
+        def reached(kept: Kept, *rest: Any) -> None:
+            self._reached = kept.generation
+            on_output_grad(kept, *rest)
+
+        return reached
 
     def _buffers(self) -> frozenset[int]:
         """The storages of the model's buffers (computed once per forward, when first asked)."""

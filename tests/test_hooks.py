@@ -336,3 +336,70 @@ def test_a_gradient_through_an_output_the_rule_does_not_take_names_the_layer_and
             r"layer '0' \(Pair\) .* an output of the layer that its rule does not take",
         ):
             loss.backward()
+
+
+class Backbone(nn.Module):
+    """Token and position embeddings (``pos(arange(T))``: shared by the batch), then a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos, self.mix = nn.Embedding(7, 4), nn.Embedding(8, 4), nn.Linear(4, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mix(self.tok(ids) + self.pos(torch.arange(ids.shape[1])))).mean(1)
+
+
+class TwoStage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone, self.head = Backbone(), nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(ids))
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["materialised", "fused"])
+def test_submodules_called_directly_after_calls_of_the_model(keep: bool) -> None:
+    """``model.backbone(ids)`` then ``model.head(h)``, between calls of the model with other batch
+    sizes: each direct forward reads its batch from its first layer's call (the position embedding
+    stays shared, also where T == B), and its backward replaces ``grad_sample``. Exact at every step."""
+    torch.manual_seed(12)
+    model = TwoStage().double()
+    gen = torch.Generator().manual_seed(0)
+    with PerSampleModule(model, keep_grad_sample=keep, track_norms=True) as psm:
+        psm.register_transform(model, pergrad.transforms.clip_norm(0.6))
+        for step, (b, t, through_model) in enumerate([(5, 3, False), (3, 3, True), (2, 5, False), (6, 4, False)]):
+            if through_model:  # a call of the model with another batch size, backpropagated
+                model.zero_grad()
+                psm(torch.randint(0, 7, (7, 2), generator=gen)).pow(2).sum().backward()
+            else:  # one that is not
+                psm(torch.randint(0, 7, (4, 2), generator=gen))
+            ids, target = torch.randint(0, 7, (b, t), generator=gen), torch.randn(b, 3, generator=gen).double()
+            ref = reference_grad_sample(model, ids, target)
+            norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
+            factor = (0.6 / norms).clamp(max=1)
+            model.zero_grad()
+            out = model.head(model.backbone(ids))
+            ((out - target).pow(2).sum() / b).backward()
+            for name, p in model.named_parameters():
+                what = f"step {step} (B={b}, T={t}) {name}"
+                if keep:
+                    assert_close(p.grad_sample, ref[name], what)
+                assert_close(psm.per_sample_norms()[name], ref[name].flatten(1).norm(dim=1), what)
+                assert_close(p.grad, (ref[name] * factor.view(-1, *([1] * p.dim()))).mean(0), what)
+            assert (model.head.weight in psm._engine.detacher.current) == (step > 0)
+
+
+def test_a_layer_called_directly_twice_in_one_backward_is_an_error() -> None:
+    """Its second direct call starts a forward of its own: the samples of the two are not known to be
+    the same, so one backward through both is refused (not summed per sample)."""
+    model = TwoStage().double()
+    with PerSampleModule(model) as psm:
+        h = model.backbone(torch.randint(0, 7, (3, 2)))
+        loss = model.head(h).sum() + model.head(h.flip(0)).sum()
+        with pytest.raises(HookStateError, match=r"two different forward calls.*called directly.*wrap the module"):
+            loss.backward()
+        model.zero_grad()
+        ids = torch.randint(0, 7, (3, 2))
+        psm(ids).pow(2).sum().backward()  # through the model: fine again
+        assert model.head.weight.grad_sample.shape == (3, 3, 4)
