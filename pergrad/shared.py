@@ -16,9 +16,9 @@ back through the ops between the shared layer output (or parameter) and ``s``; f
 result is each sample's own output gradient ``d_i``, and its rule gives ``g_i = rule(a, d_i)``
 with the shared input ``a``; for a raw parameter, it is ``g_i`` itself.
 
-Which layer inputs are shared, given the batch size B of the model's call (its first tensor
-argument) and the batch dim, follows from where the input came from (``Provenance`` follows every
-op of the model's forward), never from its size alone:
+Which layer inputs are shared, given the batch size B of the model's call (``batch_of_call``)
+and the batch dim, follows from where the input came from (``Provenance`` follows every op of the
+model's forward), never from its size alone:
 
 - computed from the model's batched tensor arguments (a view, ``labels[:, :-1]``, a shifted copy
   written in place, a mask): batched; without the batch on the batch dim, an error (it was folded);
