@@ -511,6 +511,17 @@ class LayerHooks:
 
         return enter
 
+    def _refuse_direct(self, label: str, what: str) -> None:
+        """Refuse a call in a direct forward (``_direct_call``) that needs the batch followed through
+        the forward (``pergrad.shared.Provenance``, active in a call of the model only)."""
+        if self._direct and not self._in_model and torch._C._current_graph_task_id() == -1:
+            raise SharedInputError(
+                f"{label} was called {what} outside a call of the wrapped model (a submodule called directly); "
+                "pergrad follows which tensors carry the batch through the model's forward only, so it cannot "
+                "split this call's gradient per sample. Call it through the wrapped model (a forward that makes "
+                "these calls), or wrap the module you call (PerSampleModule(model.backbone)) instead of the model."
+            )
+
     def _reaching(self, on_output_grad: OnOutputGrad) -> OnOutputGrad:
         """``on_output_grad``, noting which forward a backward has reached (see ``_direct_call``)."""
 
@@ -627,6 +638,7 @@ class LayerHooks:
                 group = classify(a, output, batch_dim, self.batch, layer.label)
                 if group is not None:
                     assert isinstance(a, Tensor)
+                    self._refuse_direct(layer.label, f"on an input shared by the batch (shape {tuple(a.shape)})")
                     return self._keep_shared(layer, a, output, batch_dim, group, detached, computed)
             shape = output.shape
             if packed_batch is None and (batched.dim() <= batch_dim or (len(shape) <= batch_dim and not reduced)):
@@ -767,6 +779,7 @@ class LayerHooks:
             batch = self.batch
             if batch is None or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
                 return
+            self._refuse_direct(layers[0].label, "with raw parameters shared by the batch")
             saved: list[tuple[nn.Module, str, Tensor, Tensor]] = []
             for layer in layers:
                 holder = layer.module  # the module itself, or a ParameterDict/ParameterList of it

@@ -339,20 +339,25 @@ def test_a_gradient_through_an_output_the_rule_does_not_take_names_the_layer_and
 
 
 class Backbone(nn.Module):
-    """Token and position embeddings (``pos(arange(T))``: shared by the batch), then a Linear."""
+    """Token embeddings, with ``positions`` position embeddings (``pos(arange(T))``: shared by the
+    batch), then a Linear."""
 
-    def __init__(self) -> None:
+    def __init__(self, positions: bool) -> None:
         super().__init__()
-        self.tok, self.pos, self.mix = nn.Embedding(7, 4), nn.Embedding(8, 4), nn.Linear(4, 4)
+        self.tok, self.mix = nn.Embedding(7, 4), nn.Linear(4, 4)
+        self.pos = nn.Embedding(8, 4) if positions else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.mix(self.tok(ids) + self.pos(torch.arange(ids.shape[1])))).mean(1)
+        h = self.tok(ids)
+        if self.pos is not None:
+            h = h + self.pos(torch.arange(ids.shape[1]))
+        return torch.tanh(self.mix(h)).mean(1)
 
 
 class TwoStage(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, positions: bool = False) -> None:
         super().__init__()
-        self.backbone, self.head = Backbone(), nn.Linear(4, 3)
+        self.backbone, self.head = Backbone(positions), nn.Linear(4, 3)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.backbone(ids))
@@ -361,8 +366,8 @@ class TwoStage(nn.Module):
 @pytest.mark.parametrize("keep", [True, False], ids=["materialised", "fused"])
 def test_submodules_called_directly_after_calls_of_the_model(keep: bool) -> None:
     """``model.backbone(ids)`` then ``model.head(h)``, between calls of the model with other batch
-    sizes: each direct forward reads its batch from its first layer's call (the position embedding
-    stays shared, also where T == B), and its backward replaces ``grad_sample``. Exact at every step."""
+    sizes: each direct forward reads its batch from its first layer's call, and its backward
+    replaces ``grad_sample``. Exact at every step."""
     torch.manual_seed(12)
     model = TwoStage().double()
     gen = torch.Generator().manual_seed(0)
@@ -403,3 +408,28 @@ def test_a_layer_called_directly_twice_in_one_backward_is_an_error() -> None:
         ids = torch.randint(0, 7, (3, 2))
         psm(ids).pow(2).sum().backward()  # through the model: fine again
         assert model.head.weight.grad_sample.shape == (3, 3, 4)
+
+
+def test_a_layer_called_directly_on_an_input_shared_by_the_batch_is_refused() -> None:
+    """The position embedding's input is shared by the batch: which tensors carry the batch is
+    followed through the model's forward only. The fix the message gives works."""
+    torch.manual_seed(13)
+    model = TwoStage(positions=True).double()
+    ids = torch.randint(0, 7, (3, 4))
+    with (
+        PerSampleModule(model) as psm,
+        pytest.raises(
+            pergrad.SharedInputError,
+            match=r"layer 'backbone.pos' \(Embedding\) was called on an input shared by the batch \(shape \(4,\)\) "
+            r"outside a call of the wrapped model .* wrap the module you call \(PerSampleModule\(model.backbone\)\)",
+        ),
+    ):
+        psm(ids)  # through the model: fine
+        model.head(model.backbone(ids))
+    ref = reference_grad_sample(model.backbone, ids, torch.zeros(3, 4, dtype=torch.float64))
+    with PerSampleModule(model.backbone) as psm:
+        for step in range(3):
+            model.zero_grad()
+            model.backbone(ids).pow(2).sum().div(3).backward()
+            for name, p in model.backbone.named_parameters():
+                assert_close(p.grad_sample, ref[name], f"step {step} {name}")
