@@ -355,7 +355,7 @@ class Backbone(nn.Module):
 
 
 class TwoStage(nn.Module):
-    def __init__(self, positions: bool = False) -> None:
+    def __init__(self, positions: bool) -> None:
         super().__init__()
         self.backbone, self.head = Backbone(positions), nn.Linear(4, 3)
 
@@ -363,31 +363,42 @@ class TwoStage(nn.Module):
         return self.head(self.backbone(ids))
 
 
+class Stages(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh())
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
 @pytest.mark.parametrize("keep", [True, False], ids=["materialised", "fused"])
 def test_submodules_called_directly_after_calls_of_the_model(keep: bool) -> None:
-    """``model.backbone(ids)`` then ``model.head(h)``, between calls of the model with other batch
-    sizes: each direct forward reads its batch from its first layer's call, and its backward
-    replaces ``grad_sample``. Exact at every step."""
+    """``model.backbone(x)`` then ``model.head(h)``, after calls of the model with other batch sizes
+    or after the previous step's direct calls (of the same size): each direct forward reads its
+    batch from its first layer's call, and its backward replaces ``grad_sample``. Exact at every step."""
     torch.manual_seed(12)
-    model = TwoStage().double()
+    model = Stages().double()
     gen = torch.Generator().manual_seed(0)
     with PerSampleModule(model, keep_grad_sample=keep, track_norms=True) as psm:
         psm.register_transform(model, pergrad.transforms.clip_norm(0.6))
-        for step, (b, t, through_model) in enumerate([(5, 3, False), (3, 3, True), (2, 5, False), (6, 4, False)]):
-            if through_model:  # a call of the model with another batch size, backpropagated
+        steps = [(5, "forward"), (3, "none"), (3, "none"), (2, "backward"), (4, "none"), (6, "forward")]
+        for step, (b, model_call) in enumerate(steps):
+            if model_call == "backward":  # a call of the model with another batch size, backpropagated
                 model.zero_grad()
-                psm(torch.randint(0, 7, (7, 2), generator=gen)).pow(2).sum().backward()
-            else:  # one that is not
-                psm(torch.randint(0, 7, (4, 2), generator=gen))
-            ids, target = torch.randint(0, 7, (b, t), generator=gen), torch.randn(b, 3, generator=gen).double()
-            ref = reference_grad_sample(model, ids, target)
+                psm(torch.randn(7, 3, generator=gen, dtype=torch.float64)).pow(2).sum().backward()
+            elif model_call == "forward":  # one that is not
+                psm(torch.randn(4, 3, generator=gen, dtype=torch.float64))
+            x, target = torch.randn(b, 3, generator=gen, dtype=torch.float64), torch.randn(b, 3, generator=gen)
+            model.zero_grad()
+            out = model.head(model.backbone(x))
+            ((out - target).pow(2).sum() / b).backward()
+            ref = reference_grad_sample(model, x, target.double())  # (after: it calls the model)
             norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
             factor = (0.6 / norms).clamp(max=1)
-            model.zero_grad()
-            out = model.head(model.backbone(ids))
-            ((out - target).pow(2).sum() / b).backward()
             for name, p in model.named_parameters():
-                what = f"step {step} (B={b}, T={t}) {name}"
+                what = f"step {step} (B={b}) {name}"
                 if keep:
                     assert_close(p.grad_sample, ref[name], what)
                 assert_close(psm.per_sample_norms()[name], ref[name].flatten(1).norm(dim=1), what)
@@ -398,7 +409,7 @@ def test_submodules_called_directly_after_calls_of_the_model(keep: bool) -> None
 def test_a_layer_called_directly_twice_in_one_backward_is_an_error() -> None:
     """Its second direct call starts a forward of its own: the samples of the two are not known to be
     the same, so one backward through both is refused (not summed per sample)."""
-    model = TwoStage().double()
+    model = TwoStage(positions=False).double()
     with PerSampleModule(model) as psm:
         h = model.backbone(torch.randint(0, 7, (3, 2)))
         loss = model.head(h).sum() + model.head(h.flip(0)).sum()
