@@ -265,7 +265,9 @@ class Engine:
             raise HookStateError(
                 f"one backward pass reached {module_label(layer.name)} through two different forward calls of the model; "
                 "per-sample gradients would mix samples of different batches. Run backward once per forward, "
-                "or concatenate the batches into one forward."
+                "or concatenate the batches into one forward. (Layers called directly, outside a call of the "
+                "wrapped model, make one forward until one of them is called again: to call a layer twice in one "
+                "forward, call it in the wrapped model's forward, or wrap the module whose forward calls it twice.)"
             )
         elif kept.batch_size != state.batch_size:
             raise BatchSizeError(

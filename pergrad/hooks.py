@@ -30,7 +30,7 @@ from .coupling import refuse_batch_statistics
 from .detach import Detached
 from .errors import BatchMixingError, BatchSizeError, SharedInputError, module_label
 from .layout import batch_to_front
-from .parametrized import Capture, Computed, parametrizations_of, sites
+from .parametrized import Capture, Computed, parametrization_parameters, parametrizations_of, sites
 from .registry import LayerCall, RuleSpec, output_tensors
 from .shared import (
     BatchInfo,
@@ -71,8 +71,7 @@ class HookedLayer:
             own = {id(p): (n, p) for n, p in reversed(params.items()) if p is not None}
             found = [(n, p) for n, p in reversed(own.values()) if p.requires_grad]  # first name of each, in order
         if self.spec.parametrized:  # the original tensors its parametrized ones are computed from
-            plists = parametrizations_of(self.module)
-            found += [(f"parametrizations.{n}", p) for n, p in plists.named_parameters() if p.requires_grad]
+            found += parametrization_parameters(self.module)
         return found
 
     @functools.cached_property
@@ -333,7 +332,7 @@ class LayerHooks:
         self._detached: dict[str, Detached] = {}  # layer name -> parameters detached for the running call
         self._to_tap, self._may_tap = to_tap, may_tap  # see ``pergrad.reach``
         self._tapped: dict[nn.Module, list[tuple[str, Tensor, Tensor]]] = {}  # (name, parameter, tap) per call
-        self._on_output_grad = on_output_grad
+        self._on_output_grad = self._reaching(on_output_grad)
         self._on_input_grad = on_input_grad
         self._on_model_call = on_model_call
         self._on_model_returned = on_model_returned
@@ -343,6 +342,9 @@ class LayerHooks:
         self._buffer_storages: frozenset[int] | None = None
         # raw parameters swapped for a call, by the module whose call it is: (holder, name, parameter, alias)
         self._swapped: dict[nn.Module, list[tuple[nn.Module, str, Tensor, Tensor]]] = {}
+        # calls of the model running (nested: several); whether the running forward is a direct call
+        # of its layers (not through the model); the forward the latest output gradient belongs to
+        self._in_model, self._direct, self._reached = 0, False, -1
         self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation), with_kwargs=True)
         self._token_loss_warning = lm_loss.warner()
         self._root_out = model.register_forward_hook(ModuleHook(self, self._model_returned), with_kwargs=True)
@@ -360,6 +362,9 @@ class LayerHooks:
             if layer.spec.raw:
                 raw.setdefault(layer.module if layer.host is None else layer.host, []).append(layer)
                 continue
+            batch_dim = 0 if self._batch_first or layer.spec.batch_dim_fixed else 1
+            enter = ModuleHook(self, self._direct_call([layer.name], batch_dim))
+            self._handles.append(layer.module.register_forward_pre_hook(enter, with_kwargs=True))
             spec = layer.spec
             detachable = not (spec.all_inputs or spec.subtree or spec.parametrized)
             if self._to_detach is not None and detachable and (self._may_detach is None or self._may_detach(layer)):
@@ -381,6 +386,8 @@ class LayerHooks:
             hook = ModuleHook(self, self._keeper(layer))
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
         for module, own in raw.items():
+            enter = ModuleHook(self, self._direct_call([layer.name for layer in own], 0 if self._batch_first else 1))
+            self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
             self._handles.append(module.register_forward_pre_hook(ModuleHook(self, self._tracker(own))))
             self._handles.append(module.register_forward_hook(ModuleHook(self, self._untracker), always_call=True))
         for name, module in self._model.named_modules():
@@ -393,6 +400,15 @@ class LayerHooks:
         capture = self._captures[layer.name] = Capture(sites(layer.module, layer.spec.subtree))
         self._handles.append(layer.module.register_forward_pre_hook(ModuleHook(self, lambda m, args: capture.start())))
         for site in capture.sites:
+            if site.hooked:  # computed by the owner's pre-hook, an attribute of the owner during its call
+
+                def read(
+                    m: nn.Module, args: tuple[Any, ...], out: Any, key: str = site.key, t: str = site.tensor
+                ) -> None:
+                    capture.record(key, m.__dict__.get(t))
+
+                self._handles.append(site.owner.register_forward_hook(ModuleHook(self, read)))
+                continue
 
             def record(m: nn.Module, args: tuple[Any, ...], out: Any, key: str = site.key) -> None:
                 capture.record(key, out)
@@ -414,15 +430,11 @@ class LayerHooks:
     def _next_generation(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        self._in_model += 1  # (back down in ``_forward_done``, also when this raises)
         if self._on_model_call is not None:
             self._on_model_call()
-        self.generation += 1
-        self._calls.clear()
-        self._buffer_storages = None
-        tracking = torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
-        tracking = tracking and not torch.compiler.is_compiling()
-        dim = 0 if self._batch_first else 1
-        self.batch = batch_of_call(args, kwargs, dim, self._buffers) if tracking else None
+        self._direct = False
+        self._new_forward(args, kwargs, 0 if self._batch_first else 1)
         x = args[0] if args else None
         if self._on_input_grad is None or not (torch.is_grad_enabled() and isinstance(x, Tensor) and x.requires_grad):
             self._follow(args, kwargs)
@@ -446,21 +458,78 @@ class LayerHooks:
         batch = self.batch
         if batch is None:
             return
-        tensors = args if not kwargs and all(isinstance(a, Tensor) for a in args) else tree_flatten((args, kwargs))[0]
+        if not kwargs and all(isinstance(a, Tensor) for a in args):
+            tensors: Any = args
+        else:
+            tensors = tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, PackedSequence))[0]
         dim, size = batch.dim, batch.size
         seeds = [t for t in tensors if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == size]
+        seeds += [t.data for t in tensors if isinstance(t, PackedSequence) and int(t.batch_sizes[0]) == size]
         found = Provenance(seeds)
         found.__enter__()
         self._provenance.append(found)
 
     def _forward_done(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """Forward hook of the root (also when the forward raised): stop following the batch."""
+        self._in_model = max(self._in_model - 1, 0)
         if not self._provenance:
             return
         found = self._provenance.pop()
         stack = torch._C._len_torch_function_stack()
         if stack and torch._C._get_function_stack_at(stack - 1) is found:
             found.__exit__(None, None, None)
+
+    def _new_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> None:
+        """A forward starts (a call of the model, or a direct call of its layers): its generation, and
+        its batch read from the call's arguments."""
+        self.generation += 1
+        self._calls.clear()
+        self._buffer_storages = None
+        tracking = torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+        tracking = tracking and not torch.compiler.is_compiling()
+        self.batch = batch_of_call(args, kwargs, dim, self._buffers) if tracking else None
+
+    def _direct_call(self, names: list[str], dim: int) -> Callable[..., None]:
+        """Forward pre-hook of a hooked layer (or a module with raw parameters; ``names``: the hooked
+        layers it is) for calls outside a call of the model (``model.backbone(x)``, then
+        ``model.head(h)``): the first such call starts a forward whose batch is read from its
+        arguments, as a call of the model starts one. The calls after it belong to that forward,
+        until a backward has reached it or a layer is called again (a forward of its own: a
+        backward through both is refused, as for two calls of the model)."""
+
+        def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._in_model or not torch.is_grad_enabled() or pulling():
+                return
+            if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+                return
+            if torch._C._current_graph_task_id() != -1:
+                return  # computed again inside a backward (activation checkpointing): its forward's
+            if self._direct and self._reached != self.generation and not any(n in self._calls for n in names):
+                return  # a later call of the running direct forward
+            self._direct = True
+            self._new_forward(args, kwargs, dim)
+
+        return enter
+
+    def _refuse_direct(self, label: str, what: str) -> None:
+        """Refuse a call in a direct forward (``_direct_call``) that needs the batch followed through
+        the forward (``pergrad.shared.Provenance``, active in a call of the model only)."""
+        if self._direct and not self._in_model and torch._C._current_graph_task_id() == -1:
+            raise SharedInputError(
+                f"{label} was called {what} outside a call of the wrapped model (a submodule called directly); "
+                "pergrad follows which tensors carry the batch through the model's forward only, so it cannot "
+                "split this call's gradient per sample. Call it through the wrapped model (a forward that makes "
+                "these calls), or wrap the module you call (PerSampleModule(model.backbone)) instead of the model."
+            )
+
+    def _reaching(self, on_output_grad: OnOutputGrad) -> OnOutputGrad:
+        """``on_output_grad``, noting which forward a backward has reached (see ``_direct_call``)."""
+
+        def reached(kept: Kept, *rest: Any) -> None:
+            self._reached = kept.generation
+            on_output_grad(kept, *rest)
+
+        return reached
 
     def _buffers(self) -> frozenset[int]:
         """The storages of the model's buffers (computed once per forward, when first asked)."""
@@ -569,6 +638,7 @@ class LayerHooks:
                 group = classify(a, output, batch_dim, self.batch, layer.label)
                 if group is not None:
                     assert isinstance(a, Tensor)
+                    self._refuse_direct(layer.label, f"on an input shared by the batch (shape {tuple(a.shape)})")
                     return self._keep_shared(layer, a, output, batch_dim, group, detached, computed)
             shape = output.shape
             if packed_batch is None and (batched.dim() <= batch_dim or (len(shape) <= batch_dim and not reduced)):
@@ -709,6 +779,7 @@ class LayerHooks:
             batch = self.batch
             if batch is None or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
                 return
+            self._refuse_direct(layers[0].label, "with raw parameters shared by the batch")
             saved: list[tuple[nn.Module, str, Tensor, Tensor]] = []
             for layer in layers:
                 holder = layer.module  # the module itself, or a ParameterDict/ParameterList of it

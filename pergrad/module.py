@@ -18,7 +18,7 @@ from .engine import Engine, Target
 from .errors import NormNotComputedError, PergradError, TargetError, TransformError, UnsupportedLayerError, module_label
 from .hooks import HookedLayer, LayerHooks, owners
 from .loss_scale import GradScalerLike, LossScaleLike, factor_reader, loss_scale_reader
-from .parametrized import base_type, parametrizations_of, parametrized_spec, sites
+from .parametrized import base_type, check_hooked, hooked_originals, parametrizations_of, parametrized_spec, sites
 from .registry import RuleRegistry, RuleSpec, default_registry, fsdp_wrapped, registration, type_names
 from .rules.fallback import fallback as fallback_rule
 from .rules.fallback import output_dims as fallback_output_dims
@@ -71,13 +71,14 @@ def _inside(name: str, parent: str) -> bool:
 
 
 def _layout(modules: list[nn.Module], canonical: Callable[[nn.Parameter], nn.Parameter]) -> tuple[object, ...]:
-    """What the wrapper was built for: every module's children and parameters (by identity) and
-    whether each parameter requires grad (and is materialised). Cheap enough to compare at every forward."""
+    """What the wrapper was built for: every module's children and parameters (by identity and
+    name: ``prune.remove`` puts ``weight_orig`` back as ``weight``) and whether each parameter
+    requires grad (and is materialised). Cheap enough to compare at every forward."""
     return tuple(
         (
             type(m),  # a lazy module becomes its cls_to_become in its first forward
             *map(id, m._modules.values()),
-            *((id(canonical(p)), p.requires_grad, is_lazy(p)) for p in m._parameters.values() if p is not None),
+            *((n, id(canonical(p)), p.requires_grad, is_lazy(p)) for n, p in m._parameters.items() if p is not None),
         )
         for m in modules
     )
@@ -214,6 +215,8 @@ def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[
         if _in_parametrizations(model, name):
             continue  # the original tensors of a parametrized module: its rule covers them
         parametrized = parametrize.is_parametrized(module)
+        check_hooked(f"{module_label(name)} ({type(module).__name__})", module)
+        reparametrized = parametrized or bool(hooked_originals(module))  # its rule covers computed tensors
         trainable = _own_trainable(module)
         if parametrized:  # its parametrized tensors are computed from these
             plists = parametrizations_of(module).named_parameters()
@@ -227,11 +230,11 @@ def _discover(model: nn.Module, registry: RuleRegistry, fallback: bool) -> list[
         spec = registry.lookup_type(layer_type) or _lazy_spec(module, registry)
         if spec is None and fallback:
             spec = FALLBACK
-        if spec is None and not parametrized and _plain_module(module, registry):
+        if spec is None and not reparametrized and _plain_module(module, registry):
             layers.extend(HookedLayer(name, module, RAW, param=p) for p in trainable)
             continue
         if spec is None:
-            kind = ", parametrized" if parametrized else ""
+            kind = ", parametrized" if reparametrized else ""
             raise UnsupportedLayerError(
                 f"{module_label(name)} ({layer_type.__module__}.{layer_type.__qualname__}{kind}) has trainable "
                 f"parameters {trainable} but no per-sample rule: {_advice(layer_type, registry)} Supported types: "

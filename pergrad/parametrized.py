@@ -22,6 +22,14 @@ the parametrization keeps the ``W`` the call used (with its autograd history), a
 backward, before autograd frees that history. Nothing runs the parametrization again: spectral
 norm's power iteration is not advanced a second time and the pull-back uses the same ``u``, ``v``
 as the forward; a random parametrization uses the same draw.
+
+torch's older, hook-based reparametrizations work the same way: ``torch.nn.utils.prune`` (``W =
+weight_orig * weight_mask``), the legacy ``torch.nn.utils.weight_norm`` (``W`` from ``weight_g``,
+``weight_v``) and ``torch.nn.utils.spectral_norm`` (``W = weight_orig / sigma``, ``sigma`` from the
+power iteration's ``u``, ``v``). Their forward pre-hook computes ``W`` from the module's own
+parameters and sets it as a plain attribute of the module, where the call reads it; a forward hook
+on the module keeps it (the attribute the call used), and the pull-back above goes to those
+parameters (``HOOKED``): ``g_i(weight_orig) = mask * g_i(W)`` for pruning.
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize, prune
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
-from .errors import HookStateError
+from .errors import HookStateError, UnsupportedLayerError
 from .registry import RuleSpec
 from .shared import pulling_back
 
@@ -51,11 +61,61 @@ class Computed:
 @dataclass(frozen=True)
 class Site:
     """A parametrized tensor that a layer's rule covers: ``key`` relative to the layer, held by
-    ``owner`` (the layer itself or a submodule) under ``tensor``."""
+    ``owner`` (the layer itself or a submodule) under ``tensor``. ``hooked``: computed by a forward
+    pre-hook of ``owner`` (``hooked_originals``) rather than by ``torch.nn.utils.parametrize``."""
 
     key: str
     owner: nn.Module
     tensor: str
+    hooked: bool = False
+
+
+#: The forward pre-hooks of torch's hook-based reparametrizations: each computes a tensor of the
+#: module (its name read off the hook) from parameters of the module (their suffixes).
+HOOKED: dict[type, tuple[str, tuple[str, ...]]] = {
+    prune.BasePruningMethod: ("_tensor_name", ("_orig",)),
+    WeightNorm: ("name", ("_g", "_v")),
+    SpectralNorm: ("name", ("_orig",)),
+}
+
+
+def hooked_originals(module: nn.Module) -> dict[str, list[str]]:
+    """``{tensor: names of the module's parameters it is computed from}`` for every hook-based
+    reparametrization of ``module`` (``HOOKED``)."""
+    found: dict[str, list[str]] = {}
+    for hook in module._forward_pre_hooks.values():
+        for cls, (attribute, suffixes) in HOOKED.items():
+            if isinstance(hook, cls):
+                tensor = getattr(hook, attribute)
+                found[tensor] = [tensor + suffix for suffix in suffixes]
+    return found
+
+
+def check_hooked(label: str, module: nn.Module) -> None:
+    """Refuse a hook-based reparametrization of ``module`` (named ``label`` in messages) that computes
+    its tensor from another reparametrized tensor (``weight_norm``, then ``prune`` of ``weight_v``):
+    the forward's graph of the tensor leads there, not to parameters."""
+    for hook in module._forward_pre_hooks.values():
+        for cls, (attribute, suffixes) in HOOKED.items():
+            if not isinstance(hook, cls):
+                continue
+            tensor = getattr(hook, attribute)
+            for name in (tensor + suffix for suffix in suffixes):
+                if not isinstance(module._parameters.get(name), nn.Parameter):
+                    raise UnsupportedLayerError(
+                        f"{label}: {type(hook).__name__} computes its {tensor!r} from {name!r}, which is not a "
+                        "parameter of the layer but reparametrized itself; pergrad pulls per-sample gradients back "
+                        "through one reparametrization per tensor. Keep one: undo the other with "
+                        "torch.nn.utils.prune.remove, torch.nn.utils.remove_weight_norm or remove_spectral_norm."
+                    )
+
+
+def parametrization_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The trainable tensors ``module``'s own parametrized tensors are computed from, by name
+    relative to it, that are not its own parameters: those of ``torch.nn.utils.parametrize``."""
+    if not parametrize.is_parametrized(module):
+        return []
+    return [(f"parametrizations.{n}", p) for n, p in parametrizations_of(module).named_parameters() if p.requires_grad]
 
 
 def parametrizations_of(module: nn.Module) -> nn.ModuleDict:
@@ -79,8 +139,11 @@ def sites(module: nn.Module, subtree: bool) -> list[Site]:
     """The parametrized tensors of ``module`` and, with ``subtree``, of its submodules."""
     found: list[Site] = []
     for path, m in module.named_modules() if subtree else [("", module)]:
-        if not in_parametrizations(path) and parametrize.is_parametrized(m):
+        if in_parametrizations(path):
+            continue
+        if parametrize.is_parametrized(m):
             found.extend(Site(f"{path}.{t}" if path else t, m, t) for t in parametrizations_of(m))
+        found.extend(Site(f"{path}.{t}" if path else t, m, t, hooked=True) for t in hooked_originals(m))
     return found
 
 
@@ -119,11 +182,14 @@ def stand_in(module: nn.Module, tensors: dict[str, Tensor]) -> nn.Module:
             inner.setdefault(child, {})[rest] = t
     cls = base_type(module) if own else type(module)
     twin = cls.__new__(cls)
-    state = dict(module.__dict__)
+    state = {k: v for k, v in module.__dict__.items() if k not in own}  # a hooked tensor is an attribute
     if own:
+        hooked = hooked_originals(module)
         computed = {name: nn.Parameter(t, requires_grad=bool(originals(module, name))) for name, t in own.items()}
-        state["_parameters"] = {**module._parameters, **computed}
-    modules = {k: m for k, m in module._modules.items() if not (own and k == "parametrizations")}
+        inputs = {p for name in own for p in hooked.get(name, [])}  # not the layer's own parameters any more
+        state["_parameters"] = {**{k: p for k, p in module._parameters.items() if k not in inputs}, **computed}
+    dropped = "parametrizations" if own and parametrize.is_parametrized(module) else None
+    modules = {k: m for k, m in module._modules.items() if k != dropped}
     state["_modules"] = {k: stand_in(m, inner[k]) if k in inner and m is not None else m for k, m in modules.items()}
     for key, value in state.items():
         if "hooks" in key and isinstance(value, dict):
@@ -137,6 +203,9 @@ def originals(module: nn.Module, key: str) -> list[tuple[str, nn.Parameter]]:
     from, named relative to ``module``: its originals and the parameters of its parametrizations."""
     path, _, tensor = key.rpartition(".")
     owner = module.get_submodule(path) if path else module
+    if not parametrize.is_parametrized(owner, tensor):  # a hook-based reparametrization (``HOOKED``)
+        own = [(name, owner._parameters.get(name)) for name in hooked_originals(owner)[tensor]]
+        return [(f"{path}.{n}" if path else n, p) for n, p in own if isinstance(p, nn.Parameter) and p.requires_grad]
     prefix = f"{path}.parametrizations.{tensor}." if path else f"parametrizations.{tensor}."
     plist = parametrizations_of(owner)[tensor]
     return [(prefix + n, p) for n, p in plist.named_parameters() if p.requires_grad]
@@ -187,7 +256,8 @@ class Capture:
     """The tensors a parametrized layer's parametrizations computed during one of its calls.
 
     ``start`` runs in the layer's forward pre-hook, ``record`` in each parametrization's forward
-    hook, ``take`` in the layer's forward hook. A tensor read from ``parametrize.cached()``'s cache
+    hook (for a hook-based one, in its module's forward hook: the tensor its pre-hook set for the
+    call), ``take`` in the layer's forward hook. A tensor read from ``parametrize.cached()``'s cache
     is not computed in the call: it is the cached tensor itself.
     """
 
@@ -209,16 +279,22 @@ class Capture:
             name = site.key
             found = seen.get(name, [])
             if len(found) > 1:
+                how = (
+                    f"Call {site.key.rpartition('.')[0]!r} once per call of the layer."
+                    if site.hooked
+                    else "Read it once in forward (or run the model under torch.nn.utils.parametrize.cached())."
+                )
                 raise HookStateError(
                     f"{label} computed its parametrized {name!r} {len(found)} times in one call; pergrad pulls "
-                    "per-sample gradients back through one computation per call. Read it once in forward "
-                    "(or run the model under torch.nn.utils.parametrize.cached())."
+                    f"per-sample gradients back through one computation per call. {how}"
                 )
             if found:
                 out[name] = found[0]
                 continue
             # under parametrize.cached() a call after the first reads the cached tensor
-            cached = parametrize._cache.get((id(site.owner), site.tensor)) if parametrize._cache_enabled else None
+            cached = None
+            if not site.hooked and parametrize._cache_enabled:
+                cached = parametrize._cache.get((id(site.owner), site.tensor))
             if cached is None and "." in name:
                 continue  # a submodule this call did not run
             if cached is None:

@@ -16,9 +16,9 @@ back through the ops between the shared layer output (or parameter) and ``s``; f
 result is each sample's own output gradient ``d_i``, and its rule gives ``g_i = rule(a, d_i)``
 with the shared input ``a``; for a raw parameter, it is ``g_i`` itself.
 
-Which layer inputs are shared, given the batch size B of the model's call (its first tensor
-argument) and the batch dim, follows from where the input came from (``Provenance`` follows every
-op of the model's forward), never from its size alone:
+Which layer inputs are shared, given the batch size B of the model's call (``batch_of_call``)
+and the batch dim, follows from where the input came from (``Provenance`` follows every op of the
+model's forward), never from its size alone:
 
 - computed from the model's batched tensor arguments (a view, ``labels[:, :-1]``, a shifted copy
   written in place, a mask): batched; without the batch on the batch dim, an error (it was folded);
@@ -54,8 +54,9 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._C import DisableTorchFunctionSubclass
+from torch.nn.utils.rnn import PackedSequence
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
 from .errors import BatchSizeError, SharedInputError
 
@@ -145,15 +146,59 @@ def _storage(t: Tensor) -> int:
 def batch_of_call(
     args: tuple[Any, ...], kwargs: dict[str, Any], dim: int, buffers: Callable[[], frozenset[int]]
 ) -> BatchInfo | None:
-    """The batch size of a model call: the batch dim of its first tensor argument with that dim."""
-    if not kwargs and all(isinstance(a, Tensor) for a in args):  # the common call, without pytree's walk
-        tensors = args
+    """The batch of a model call (None: no tensor argument has a batch dim ``dim``).
+
+    The model's input, its first positional argument (``forward(input, ...)``), gives the batch size
+    where it has the batch dim: the others may be shared by the samples (a mask ``[T, T]``, an
+    initial state ``[layers, B, H]``). A call without one (keywords only, whose order means
+    nothing) is decided by every tensor argument's size on the batch dim: those other than 1 (a
+    size of 1 broadcasts over the batch, like ``position_ids`` of shape ``[1, T]``) must agree, or
+    the call is refused. A ``PackedSequence``'s batch size is its ``batch_sizes[0]``.
+    """
+    if not kwargs and args and all(isinstance(a, Tensor) for a in args):  # the common call, without pytree's walk
+        if args[0].dim() > dim:
+            return BatchInfo(args[0].shape[dim], dim, frozenset(_storage(t) for t in args), buffers)
+        leaves = list(args)
     else:
-        tensors = tuple(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor))
-    first = next((t for t in tensors if t.dim() > dim), None)
-    if first is None:
+        leaves = tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, PackedSequence))[0]
+    tensors = [t.data if isinstance(t, PackedSequence) else t for t in leaves if isinstance(t, Tensor | PackedSequence)]
+    storages = frozenset(_storage(t) for t in tensors)
+    first = args[0] if args else None
+    if isinstance(first, PackedSequence):
+        return BatchInfo(int(first.batch_sizes[0]), dim, storages, buffers)
+    if isinstance(first, Tensor) and first.dim() > dim:
+        return BatchInfo(first.shape[dim], dim, storages, buffers)
+    sizes = [_batch_size(t, dim) for t in leaves if isinstance(t, Tensor | PackedSequence)]
+    found = {size for size in sizes if size is not None}
+    if not found:
         return None
-    return BatchInfo(first.shape[dim], dim, frozenset(_storage(t) for t in tensors), buffers)
+    if len(found - {1}) > 1:
+        flat = tree_flatten_with_path((args, kwargs), is_leaf=lambda x: isinstance(x, PackedSequence))[0]
+        named = [f"{_argument(path)} ({_batch_size(t, dim)})" for path, t in flat if _batch_size(t, dim) is not None]
+        raise BatchSizeError(
+            f"the model was called with tensors that disagree on the batch size (their sizes on dim {dim}: "
+            f"{', '.join(named)}), and without a positional input that says which is the batch. Pass the batched "
+            "input as the model's first positional argument (model(ids, mask=...)), or give the tensors shared by "
+            f"every sample size 1 on dim {dim}."
+        )
+    return BatchInfo(max(found), dim, storages, buffers)
+
+
+def _batch_size(t: Any, dim: int) -> int | None:
+    """The size of ``t`` on the batch dim, if it has one (a PackedSequence's ``batch_sizes[0]``)."""
+    if isinstance(t, PackedSequence):
+        return int(t.batch_sizes[0])
+    return t.shape[dim] if isinstance(t, Tensor) and t.dim() > dim else None
+
+
+def _argument(path: tuple[Any, ...]) -> str:
+    """How messages name an argument of a model call from its pytree path ``((args, kwargs), ...)``."""
+    where = path[1:]
+    if not where:
+        return "an argument"
+    head = where[0]
+    name = f"argument {head.idx}" if path[0].idx == 0 else repr(getattr(head, "key", head))
+    return name + "".join(str(k) for k in where[1:])
 
 
 def classify(a: Any, output: Tensor, dim: int, batch: BatchInfo, where: str) -> Group | None:

@@ -336,3 +336,111 @@ def test_a_gradient_through_an_output_the_rule_does_not_take_names_the_layer_and
             r"layer '0' \(Pair\) .* an output of the layer that its rule does not take",
         ):
             loss.backward()
+
+
+class Backbone(nn.Module):
+    """Token embeddings, with ``positions`` position embeddings (``pos(arange(T))``: shared by the
+    batch), then a Linear."""
+
+    def __init__(self, positions: bool) -> None:
+        super().__init__()
+        self.tok, self.mix = nn.Embedding(7, 4), nn.Linear(4, 4)
+        self.pos = nn.Embedding(8, 4) if positions else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(ids)
+        if self.pos is not None:
+            h = h + self.pos(torch.arange(ids.shape[1]))
+        return torch.tanh(self.mix(h)).mean(1)
+
+
+class TwoStage(nn.Module):
+    def __init__(self, positions: bool) -> None:
+        super().__init__()
+        self.backbone, self.head = Backbone(positions), nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(ids))
+
+
+class Stages(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh())
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["materialised", "fused"])
+def test_submodules_called_directly_after_calls_of_the_model(keep: bool) -> None:
+    """``model.backbone(x)`` then ``model.head(h)``, after calls of the model with other batch sizes
+    or after the previous step's direct calls (of the same size): each direct forward reads its
+    batch from its first layer's call, and its backward replaces ``grad_sample``. Exact at every step."""
+    torch.manual_seed(12)
+    model = Stages().double()
+    gen = torch.Generator().manual_seed(0)
+    with PerSampleModule(model, keep_grad_sample=keep, track_norms=True) as psm:
+        psm.register_transform(model, pergrad.transforms.clip_norm(0.6))
+        steps = [(5, "forward"), (3, "none"), (3, "none"), (2, "backward"), (4, "none"), (6, "forward")]
+        for step, (b, model_call) in enumerate(steps):
+            if model_call == "backward":  # a call of the model with another batch size, backpropagated
+                model.zero_grad()
+                psm(torch.randn(7, 3, generator=gen, dtype=torch.float64)).pow(2).sum().backward()
+            elif model_call == "forward":  # one that is not
+                psm(torch.randn(4, 3, generator=gen, dtype=torch.float64))
+            x, target = torch.randn(b, 3, generator=gen, dtype=torch.float64), torch.randn(b, 3, generator=gen)
+            model.zero_grad()
+            out = model.head(model.backbone(x))
+            ((out - target).pow(2).sum() / b).backward()
+            ref = reference_grad_sample(model, x, target.double())  # (after: it calls the model)
+            norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
+            factor = (0.6 / norms).clamp(max=1)
+            for name, p in model.named_parameters():
+                what = f"step {step} (B={b}) {name}"
+                if keep:
+                    assert_close(p.grad_sample, ref[name], what)
+                assert_close(psm.per_sample_norms()[name], ref[name].flatten(1).norm(dim=1), what)
+                assert_close(p.grad, (ref[name] * factor.view(-1, *([1] * p.dim()))).mean(0), what)
+            assert (model.head.weight in psm._engine.detacher.current) == (step > 0)
+
+
+def test_a_layer_called_directly_twice_in_one_backward_is_an_error() -> None:
+    """Its second direct call starts a forward of its own: the samples of the two are not known to be
+    the same, so one backward through both is refused (not summed per sample)."""
+    model = TwoStage(positions=False).double()
+    with PerSampleModule(model) as psm:
+        h = model.backbone(torch.randint(0, 7, (3, 2)))
+        loss = model.head(h).sum() + model.head(h.flip(0)).sum()
+        with pytest.raises(HookStateError, match=r"two different forward calls.*called directly.*wrap the module"):
+            loss.backward()
+        model.zero_grad()
+        ids = torch.randint(0, 7, (3, 2))
+        psm(ids).pow(2).sum().backward()  # through the model: fine again
+        assert model.head.weight.grad_sample.shape == (3, 3, 4)
+
+
+def test_a_layer_called_directly_on_an_input_shared_by_the_batch_is_refused() -> None:
+    """The position embedding's input is shared by the batch: which tensors carry the batch is
+    followed through the model's forward only. The fix the message gives works."""
+    torch.manual_seed(13)
+    model = TwoStage(positions=True).double()
+    ids = torch.randint(0, 7, (3, 4))
+    with (
+        PerSampleModule(model) as psm,
+        pytest.raises(
+            pergrad.SharedInputError,
+            match=r"layer 'backbone.pos' \(Embedding\) was called on an input shared by the batch \(shape \(4,\)\) "
+            r"outside a call of the wrapped model .* wrap the module you call \(PerSampleModule\(model.backbone\)\)",
+        ),
+    ):
+        psm(ids)  # through the model: fine
+        model.head(model.backbone(ids))
+    ref = reference_grad_sample(model.backbone, ids, torch.zeros(3, 4, dtype=torch.float64))
+    with PerSampleModule(model.backbone) as psm:
+        for step in range(3):
+            model.zero_grad()
+            model.backbone(ids).pow(2).sum().div(3).backward()
+            for name, p in model.backbone.named_parameters():
+                assert_close(p.grad_sample, ref[name], f"step {step} {name}")

@@ -5,12 +5,13 @@ per-sample autograd loop in float64 over several optimizer steps, materialised a
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.nn.utils import parametrizations, parametrize
+from torch.nn.utils import parametrizations, parametrize, prune
 
 from pergrad import HookStateError, PerSampleModule, UnsupportedLayerError, transforms
 from tests.reference import assert_close
@@ -90,7 +91,11 @@ def loop_reference(model: nn.Module, x: Tensor, target: Tensor) -> dict[str, Ten
     """``{name: [B, *shape]}``: each sample's own gradient by one autograd backward per sample, of a
     copy of the model in eval mode, which evaluates spectral norm with the u, v of the training
     forward that just ran (training mode would run its power iteration once per sample)."""
-    ref = copy.deepcopy(model).eval()
+    return per_sample_loop(copy.deepcopy(model).eval(), x, target)
+
+
+def per_sample_loop(ref: nn.Module, x: Tensor, target: Tensor) -> dict[str, Tensor]:
+    """``{name: [B, *shape]}``: one autograd backward of ``ref`` per sample."""
     grads: dict[str, list[Tensor]] = {}
     for i in range(x.shape[0]):
         ref.zero_grad()
@@ -101,8 +106,8 @@ def loop_reference(model: nn.Module, x: Tensor, target: Tensor) -> dict[str, Ten
     return {name: torch.stack(g) for name, g in grads.items()}
 
 
-def clipped_mean(ref: dict[str, Tensor], max_norm: float) -> dict[str, Tensor]:
-    norms = torch.stack([g.reshape(B, -1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
+def clipped_mean(ref: dict[str, Tensor], max_norm: float, size: int = B) -> dict[str, Tensor]:
+    norms = torch.stack([g.reshape(size, -1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
     factor = (max_norm / norms).clamp(max=1)
     return {name: (g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for name, g in ref.items()}
 
@@ -358,3 +363,143 @@ def test_parametrized_layer_on_an_input_shared_by_the_batch(keep_grad_sample: bo
                 if keep_grad_sample:
                     assert_close(p.grad_sample, ref[name], f"step {step} {name}.grad_sample")
             sgd(model)
+
+
+# -- torch's hook-based reparametrizations: prune, the legacy weight_norm and spectral_norm ---------
+
+
+def _prune_l1(m: nn.Module) -> None:
+    prune.l1_unstructured(m, "weight", amount=0.4)
+
+
+def _prune_twice_and_bias(m: nn.Module) -> None:
+    """Two prunings of the weight (a PruningContainer), one of the bias."""
+    prune.random_structured(m, "weight", amount=1, dim=0)
+    prune.l1_unstructured(m, "weight", amount=0.3)
+    prune.random_unstructured(m, "bias", amount=0.4)
+
+
+HOOKED: dict[str, Callable[[nn.Module], object]] = {
+    "prune": _prune_l1,
+    "prune_twice_and_bias": _prune_twice_and_bias,
+    "legacy_weight_norm": nn.utils.weight_norm,
+    "legacy_spectral_norm": lambda m: nn.utils.spectral_norm(m, n_power_iterations=2),
+}
+
+
+def build_hooked(kind: str, conv: bool) -> nn.Module:
+    """A model whose first layer is reparametrized by a forward pre-hook, the same for every call
+    with the same seed (so a fresh build holds the same reparametrization for ``load_state_dict``)."""
+    torch.manual_seed(7)
+    model = _conv_model() if conv else _linear_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the legacy weight_norm is deprecated
+        HOOKED[kind](model[0])
+    return model
+
+
+def hooked_reference(kind: str, conv: bool, model: nn.Module, x: Tensor, target: Tensor) -> dict[str, Tensor]:
+    """``loop_reference`` on a fresh build holding ``model``'s state (the legacy hooks keep a
+    non-leaf tensor on the module, which ``copy.deepcopy`` refuses)."""
+    ref = build_hooked(kind, conv)
+    ref.load_state_dict(model.state_dict())
+    return per_sample_loop(ref.eval(), x, target)  # spectral norm: the u, v of the forward that just ran
+
+
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv2d"])
+@pytest.mark.parametrize("kind", sorted(HOOKED))
+@pytest.mark.parametrize("keep_grad_sample", [True, False], ids=["materialised", "fused"])
+def test_hook_based_reparametrizations_are_exact(kind: str, conv: bool, keep_grad_sample: bool) -> None:
+    """Per-sample gradients of the parameters the hook computes the weight from (``weight_orig``:
+    ``mask * g_i(weight)``; ``weight_g``, ``weight_v``), over several steps and batch sizes, under
+    root clipping; the plain last layer runs detached from the second step on."""
+    model = build_hooked(kind, conv)
+    max_norm = 0.7
+    with PerSampleModule(model, keep_grad_sample=keep_grad_sample, track_norms=True) as psm:
+        psm.register_transform(model, transforms.clip_norm(max_norm))
+        for step, size in enumerate((5, 3, 6, 1)):
+            x, target = batch(conv, step)
+            x, target = torch.cat([x, x.flip(0)])[:size], torch.cat([target, -target])[:size]
+            model.zero_grad()
+            (loss_of(psm(x), target) / size).backward()
+            ref = hooked_reference(kind, conv, model, x, target)
+            assert set(ref) == set(dict(model.named_parameters()))
+            expected = clipped_mean(ref, max_norm, size)
+            for name, p in model.named_parameters():
+                assert_close(p.grad, expected[name], f"step {step} {name}.grad")
+                if keep_grad_sample:
+                    assert_close(p.grad_sample, ref[name], f"step {step} {name}.grad_sample")
+                assert_close(psm.per_sample_norms()[name], ref[name].flatten(1).norm(dim=1), f"step {step} {name}")
+            if step > 0:
+                assert model[-1].weight in psm._engine.detacher.current
+            sgd(model)
+
+
+def test_hook_based_reparametrization_inside_a_module_computed_as_one_unit() -> None:
+    """``fallback=True`` reruns the custom module with the weight its Linear's hook computed in the
+    forward (no second power iteration), and pulls back to ``weight_orig``."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(8)
+        model = nn.Sequential(Scaled(), nn.Linear(3, 2).double())
+        parametrize.remove_parametrizations(model[0].lin, "weight")
+        nn.utils.spectral_norm(model[0].lin, n_power_iterations=1)
+        return model
+
+    model = make()
+    with PerSampleModule(model, fallback=True) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.5))
+        for step, size in enumerate((4, 2, 5)):
+            g = torch.Generator().manual_seed(step)
+            x, target = torch.randn(size, 4, generator=g, dtype=torch.float64), torch.randn(size, 2, generator=g)
+            model.zero_grad()
+            (loss_of(psm(x), target.double()) / size).backward()
+            twin = make()
+            twin.load_state_dict(model.state_dict())
+            ref = per_sample_loop(twin.eval(), x, target.double())
+            assert "0.lin.weight_orig" in ref
+            expected = clipped_mean(ref, 0.5, size)
+            for name, p in model.named_parameters():
+                assert_close(p.grad_sample, ref[name], f"step {step} {name}")
+                assert_close(p.grad, expected[name], f"step {step} {name}.grad")
+            sgd(model)
+
+
+def test_reparametrization_applied_after_wrapping_and_removed_again() -> None:
+    """Pruning after wrapping is picked up at the next forward; ``prune.remove`` too."""
+    torch.manual_seed(9)
+    model = _linear_model()
+    x, target = torch.randn(B, 4, dtype=torch.float64), torch.randn(B, 2, dtype=torch.float64)
+    with PerSampleModule(model) as psm:
+        for step in range(4):
+            if step == 1:
+                prune.l1_unstructured(model[2], "weight", amount=0.5)
+            if step == 3:
+                prune.remove(model[2], "weight")
+            model.zero_grad()
+            (loss_of(psm(x), target) / B).backward()
+            twin = _linear_model()  # holding model's state (deepcopy refuses the pruned weight)
+            if step in (1, 2):
+                prune.identity(twin[2], "weight")
+            twin.load_state_dict(model.state_dict())
+            ref = per_sample_loop(twin.eval(), x, target)
+            assert ("2.weight_orig" in ref) == (step in (1, 2))
+            for name, p in model.named_parameters():
+                assert_close(p.grad_sample, ref[name], f"step {step} {name}")
+            sgd(model)
+
+
+def test_a_reparametrization_of_a_reparametrized_tensor_is_refused_at_wrap() -> None:
+    model = _linear_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        nn.utils.weight_norm(model[2])
+    prune.l1_unstructured(model[2], "weight_v", amount=0.5)  # weight from weight_v, weight_v from weight_v_orig
+    with pytest.raises(
+        UnsupportedLayerError,
+        match=r"layer '2' \(Linear\): WeightNorm computes its 'weight' from 'weight_v', which is not a parameter "
+        r"of the layer but reparametrized itself; .* torch.nn.utils.prune.remove",
+    ):
+        PerSampleModule(model)
+    prune.remove(model[2], "weight_v")
+    PerSampleModule(model).remove()

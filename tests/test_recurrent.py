@@ -384,3 +384,55 @@ def test_a_layer_called_twice_sums_every_output_of_both_calls() -> None:
         (psm(idx, lengths) - target).pow(2).sum().backward()
         for n, p in model.named_parameters():
             assert_close(p.grad_sample, expected[n], n)
+
+
+class PackedInput(nn.Module):
+    """A PackedSequence as the model's input: an LSTM on it, a Linear on its last ``h_n``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(3, 5, num_layers=2, batch_first=True), nn.Linear(5, 2)
+
+    def forward(self, packed: nn.utils.rnn.PackedSequence) -> torch.Tensor:
+        _, (h, _) = self.rnn(packed)
+        return self.head(h[-1])
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_packed_sequence_given_to_the_model(keep: bool) -> None:
+    """The batch of a PackedSequence is its ``batch_sizes[0]`` (not its number of rows); exact over
+    steps of changing batch sizes, each sample against autograd on its own sequence."""
+    torch.manual_seed(11)
+    model = PackedInput().double()
+    reference = copy.deepcopy(model)
+    with PerSampleModule(model, keep_grad_sample=keep, track_norms=True) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.5))
+        for step, size in enumerate((4, 2, 5, 1)):
+            gen = torch.Generator().manual_seed(step)
+            lengths = torch.randint(1, 7, (size,), generator=gen)
+            x = torch.randn(size, 6, 3, generator=gen, dtype=torch.float64)
+            target = torch.randn(size, 2, generator=gen, dtype=torch.float64)
+            expected: dict[str, list[torch.Tensor]] = {n: [] for n, _ in reference.named_parameters()}
+            for i in range(size):
+                reference.zero_grad()
+                alone = nn.utils.rnn.pack_padded_sequence(x[i : i + 1], lengths[i : i + 1], batch_first=True)
+                (reference(alone) - target[i : i + 1]).pow(2).sum().backward()
+                for name, p in reference.named_parameters():
+                    expected[name].append(p.grad.clone())
+            stacked = {name: torch.stack(g) for name, g in expected.items()}
+            model.zero_grad()
+            packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            ((psm(packed) - target).pow(2).sum() / size).backward()
+            norms = torch.stack([g.flatten(1).square().sum(1) for g in stacked.values()]).sum(0).sqrt()
+            factor = (0.5 / norms).clamp(max=1)
+            for name, p in model.named_parameters():
+                what = f"step {step} (B={size}) {name}"
+                if keep:
+                    assert_close(p.grad_sample, stacked[name], what)
+                assert_close(psm.per_sample_norms()[name], stacked[name].flatten(1).norm(dim=1), what)
+                assert_close(p.grad, (stacked[name] * factor.view(-1, *([1] * p.dim()))).mean(0), what)
+            assert (model.head.weight in psm._engine.detacher.current) == (step > 0)
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                    p -= 0.1 * p.grad
+                    q.copy_(p)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad import PerSampleModule, SharedInputError, UnsupportedLayerError, transforms
+from pergrad import BatchSizeError, PerSampleModule, SharedInputError, UnsupportedLayerError, transforms
 from tests.reference import assert_close, reference_grad_sample
 from tests.test_fused import check_statistics
 
@@ -161,6 +161,73 @@ class BufferPositions(nn.Module):
 def test_positions_with_a_batch_dim_of_one(keep: bool, clip: float | None, stats: bool) -> None:
     torch.manual_seed(2)
     run(BufferPositions().double(), ids(9), token_loss, keep, clip, stats)
+
+
+class KeywordPositions(nn.Module):
+    """Token and position ids as keywords; the position ids ``[1, T]`` (one row for every sample)."""
+
+    def __init__(self, vocab: int = 9, dim: int = 6) -> None:
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(vocab, dim), nn.Embedding(24, dim), nn.Linear(dim, vocab)
+
+    def forward(
+        self, ids: torch.Tensor, pos_ids: torch.Tensor | None = None, mix: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        pos_ids = torch.arange(ids.shape[1]).unsqueeze(0) if pos_ids is None else pos_ids
+        h = self.tok(ids) + self.pos(pos_ids)
+        return self.head(torch.tanh(h if mix is None else mix @ h))  # mix: [T, T], the same for every sample
+
+
+@pytest.mark.parametrize(("keep", "clip", "stats"), MODES)
+def test_a_call_with_keywords_only_takes_the_batch_from_every_argument(
+    keep: bool, clip: float | None, stats: bool
+) -> None:
+    """``model(pos_ids=..., ids=...)``: the position ids come first but broadcast (size 1); the batch
+    is the size of ``ids``. Exact over steps of changing sizes (T == B on some)."""
+    torch.manual_seed(3)
+    model = KeywordPositions().double()
+    gen = torch.Generator().manual_seed(0)
+    with PerSampleModule(model, keep_grad_sample=keep, track_norms=True, track_statistics=stats) as psm:
+        if clip is not None:
+            psm.register_transform(model, transforms.clip_norm(clip))
+        for step, (b, t) in enumerate(STEPS):
+            x, y = ids(9)(b, t, gen)
+            ref = reference_grad_sample(model, x, y, loss=token_loss)  # called positionally, one sample at a time
+            want = expected(ref, clip)
+            psm.zero_grad()
+            (token_loss(psm(pos_ids=torch.arange(t).unsqueeze(0), ids=x), y) / b).backward()
+            for name, p in model.named_parameters():
+                what = f"step {step} (B={b}, T={t}): {name}"
+                if keep:
+                    assert_close(p.grad_sample, ref[name], f"grad_sample of {what}")
+                assert_close(p.grad, want[name], f".grad of {what}")
+                assert_close(psm.per_sample_norms()[name], ref[name].flatten(1).norm(dim=1), f"norms of {what}")
+            if stats and b > 1:
+                check_statistics(psm.statistics(), ref)
+
+
+def test_keywords_that_disagree_on_the_batch_are_refused() -> None:
+    model = KeywordPositions().double()
+    x, mix = torch.randint(0, 9, (3, 5)), torch.rand(5, 5, dtype=torch.float64)
+    with (
+        PerSampleModule(model) as psm,
+        pytest.raises(
+            BatchSizeError,
+            match=r"tensors that disagree on the batch size \(their sizes on dim 0: 'mix' \(5\), 'ids' \(3\)\).*"
+            r"Pass the batched input as the model's first positional argument",
+        ),
+    ):
+        psm(mix=mix, ids=x)
+    params = dict(model.named_parameters())
+    want = [
+        torch.autograd.grad(token_loss(model(x[i : i + 1], mix=mix), x[i : i + 1]), list(params.values()))
+        for i in range(3)
+    ]
+    with PerSampleModule(model, loss_reduction="sum") as psm:  # the fix: the input positionally
+        token_loss(psm(x, mix=mix), x).backward()
+        for i in range(3):
+            for (name, p), g in zip(params.items(), want[i], strict=True):
+                assert_close(p.grad_sample[i], g, f"sample {i} {name}")
 
 
 class Buckets(nn.Module):
