@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass, replace
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from pergrad import PerSampleModule, transforms
+from pergrad import HookStateError, PerSampleModule, TransformError, transforms
 from tests.reference import assert_close, reference_grad_sample
 
 FUZZ_EXAMPLES = {"ci": 300, "dev": 60, "long": 2000}[os.environ.get("HYPOTHESIS_PROFILE", "dev")]
@@ -38,10 +40,13 @@ MAX_LENGTH = 24
 class Block:
     """One step of a random model.
 
-    kind: linear | norm | residual | reuse | pool | positions | conv | conv_residual. ``pool`` calls
-    its Linear on ``h`` and on ``h`` averaged over positions (two lengths in one forward);
-    ``positions`` adds an Embedding of the position ids shared by the batch (``arange(T)`` without
-    a batch dim when ``bias``, else a ``[1, T]`` buffer)."""
+    kind: linear | norm | residual | reuse | pool | positions | shifted | fourier | offset | conv |
+    conv_residual. ``pool`` calls its Linear on ``h`` and on ``h`` averaged over positions (two lengths
+    in one forward); ``positions`` adds an Embedding of the position ids shared by the batch
+    (``arange(T)`` without a batch dim when ``bias``, else a ``[1, T]`` buffer). Tensors the forward
+    builds itself: ``shifted`` adds an Embedding of the input ids shifted right inside the forward (a
+    decoder's inputs from its labels); ``fourier`` a Linear on ``sin(arange(T)[:, None] * freqs)``;
+    ``offset`` a raw ``[1, D]`` parameter plus rows ``[:T]`` of a buffer table, broadcast over the batch."""
 
     kind: str
     width: int = 0
@@ -62,6 +67,21 @@ class Spec:
     vocab: int = 0  # seq: an Embedding of this vocabulary first (0: float input)
     tied: bool = False  # seq: the head reuses the embedding's weight
     out: int = 2
+    aux: bool = False  # a second head, used on odd steps only
+
+
+class Offset(nn.Module):
+    """A raw ``[1, D]`` parameter plus the first T rows of a ``[MAX_LENGTH, D]`` buffer (a module of the
+    user's own: its parameter is tracked to where it meets the batch)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(1, width))
+        self.register_buffer("table", torch.randn(MAX_LENGTH, width))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        t, extra = h.shape[1], h.dim() - 3
+        return h + (self.weight + self.table[:t]).view(t, *[1] * extra, -1)
 
 
 class Net(nn.Module):
@@ -75,6 +95,7 @@ class Net(nn.Module):
         nd = len(spec.steps[0][1])
         conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[nd - 1] if spec.family == "image" else None
         self.register_buffer("position_ids", torch.arange(MAX_LENGTH).expand(1, -1))
+        self.register_buffer("freqs", torch.tensor([0.5, 1.0, 2.0, 4.0]))
         for b in spec.blocks:
             if b.kind == "linear":
                 layer: nn.Module = nn.Linear(width, b.width, bias=b.bias)
@@ -85,6 +106,12 @@ class Net(nn.Module):
                 layer = nn.LayerNorm(width, bias=b.bias)
             elif b.kind == "positions":
                 layer = nn.Embedding(MAX_LENGTH, width)
+            elif b.kind == "shifted":
+                layer = nn.Embedding(spec.vocab, width)
+            elif b.kind == "fourier":
+                layer = nn.Linear(4, width, bias=b.bias)
+            elif b.kind == "offset":
+                layer = Offset(width)
             else:
                 assert conv is not None
                 out = width if b.kind == "conv_residual" else b.width * b.groups
@@ -99,10 +126,14 @@ class Net(nn.Module):
         self.head = nn.Linear(width, spec.vocab if spec.tied else spec.out, bias=not spec.tied)
         if spec.tied:
             self.head.weight = self.emb.weight
+        # a second head, used on some steps only (its parameters are not reached on the others)
+        self.aux = nn.Linear(width, self.head.out_features) if spec.aux else None
+        self.use_aux = False
 
     checkpoint: str = "none"  # "reentrant" / "non-reentrant": every block under activation checkpointing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ids = x  # what ``shifted`` shifts (also when a checkpointed block runs again)
         h = self.emb(x) if self.spec.vocab else x
         for b, layer in zip(self.spec.blocks, self.blocks, strict=True):
             if self.checkpoint == "none" or not h.requires_grad:  # (reentrant needs an input that requires grad)
@@ -112,6 +143,8 @@ class Net(nn.Module):
                 h = torch.utils.checkpoint.checkpoint(run, h, use_reentrant=self.checkpoint == "reentrant")
         if self.spec.family == "image":  # average over positions: any spatial size
             h = h.flatten(2).mean(2)
+        if self.aux is not None and self.use_aux:
+            return self.head(h) + self.aux(h)
         return self.head(h)
 
     def block(self, b: Block, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -128,6 +161,14 @@ class Net(nn.Module):
             summary = layer(h.flatten(1, -2).mean(1))
             long = layer(h) if long is None else long
             h = torch.tanh(long) + summary.view(summary.shape[0], *[1] * (h.dim() - 2), -1)
+        elif b.kind == "shifted":  # ids shifted right by one inside the forward
+            ids = self.ids
+            shifted = torch.cat([ids.new_zeros(ids[:, :1].shape), ids[:, :-1]], 1)
+            h = h + layer(shifted)
+        elif b.kind == "fourier":  # features computed from positions, no batch
+            t, extra = h.shape[1], h.dim() - 3
+            features = torch.sin(torch.arange(t, dtype=self.freqs.dtype)[:, None] * self.freqs)
+            h = h + layer(features).view(t, *[1] * extra, -1)
         elif b.kind == "positions":  # shared by the batch: no batch dim, or a batch dim of 1
             t, extra = h.shape[1], h.dim() - 3
             if b.bias:
@@ -148,7 +189,9 @@ def seq_specs(draw: st.DrawFn) -> Spec:
     width = draw(widths)
     vocab = draw(st.sampled_from([0, 0, 6]))
     nd = draw(st.sampled_from([0, 1, 1, 2]))
-    kinds = ["linear", "norm", "residual", "reuse"] + (["pool", "pool", "positions", "positions"] if nd else [])
+    kinds = ["linear", "norm", "residual", "reuse"]
+    if nd:
+        kinds += ["pool", "pool", "positions", "positions", "fourier", "offset"] + (["shifted"] * 2 if vocab else [])
     blocks = []
     for kind in draw(st.lists(st.sampled_from(kinds), max_size=4)):
         block = Block(kind, draw(widths), draw(st.booleans()), draw(st.booleans()))
@@ -157,10 +200,12 @@ def seq_specs(draw: st.DrawFn) -> Spec:
     tied = bool(vocab) and final == width and draw(st.booleans())
     extra = tuple(draw(st.lists(st.integers(1, 2), min_size=max(nd - 1, 0), max_size=max(nd - 1, 0))))
     steps = []
+    square = nd and draw(st.booleans())  # the length equals the batch size on every step
     for _ in range(3):
         length = (draw(st.sampled_from(LENGTHS)),) if nd else ()
-        steps.append((draw(st.integers(1, 4)), length + extra))
-    return Spec("seq", width, tuple(steps), tuple(blocks), vocab, tied)
+        batch = length[0] if square else draw(st.integers(1, 4))
+        steps.append((batch, length + extra))
+    return Spec("seq", width, tuple(steps), tuple(blocks), vocab, tied, aux=draw(st.booleans()))
 
 
 @st.composite
@@ -232,7 +277,8 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
     choice = data.draw(st.sampled_from(["none", "root", "module", "param"]), label="target kind")
     keep = data.draw(st.booleans(), label="keep_grad_sample")
     hook = HookLog(data.draw(st.sampled_from(["none", "none", "tensor", "post"]), label="user hook"))
-    hook_name = data.draw(st.sampled_from(trainable), label="hooked parameter") if trainable else ""
+    always = [n for n in trainable if not n.startswith("aux.")]  # reached on every step
+    hook_name = data.draw(st.sampled_from(always), label="hooked parameter") if always else ""
     replace_at = data.draw(st.sampled_from([None, None, 1, 2]), label="load_state_dict(assign=True) before step")
     set_to_none = data.draw(st.booleans(), label="zero_grad(set_to_none)")
     model.checkpoint = data.draw(st.sampled_from(["none", "none", "reentrant", "non-reentrant"]), label="checkpoint")
@@ -261,8 +307,15 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
             psm.register_transform(target_name, transforms.clip_norm(0.5))
         elif choice == "param" and trainable:
             target_name, kind = data.draw(st.sampled_from(trainable), label="param"), "double"
-            psm.register_transform(target_name, lambda g: g * 2)
+            in_place = data.draw(st.booleans(), label="an in-place transform")
+            psm.register_transform(target_name, (lambda g: g.mul_(2)) if in_place else (lambda g: g * 2))
+            kind = "in place" if in_place else kind
+        # a term of the loss on one parameter from step 2 on (a warm-up regulariser): refused where a
+        # transform covers the parameter (pergrad could not split it into samples), autograd's elsewhere
+        candidates = [n for n in always if n != hook_name] if accumulation == "none" else []
+        late = data.draw(st.sampled_from([None, *candidates]), label="term from step 2 on") if candidates else None
         for step in range(len(spec.steps)):
+            model.use_aux = step % 2 == 1
             what = f"step {step} {spec.steps[step]}"
             if step == replace_at:  # a checkpoint loader: new Parameter objects, same names
                 model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
@@ -286,6 +339,22 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
             for m in micro:
                 rows = x[m].shape[0]
                 loss = (psm(x[m]) - target[m]).pow(2).sum() / rows
+                if late is not None and step >= 2:
+                    loss = loss + 0.1 * params[late].square().sum()
+                    covered = kind != "none" and (
+                        choice == "root"
+                        or (choice == "module" and late.startswith(target_name + "."))
+                        or (choice == "param" and late == target_name)
+                    )
+                    if covered or step == replace_at:  # (a rebound wrapper checks its next backward)
+                        with pytest.raises(HookStateError, match=re.escape(f"parameter '{late}'")):
+                            (loss * loss_scale).backward()
+                        return
+                    expected[late] = expected[late] + 0.2 * params[late].detach()
+                if kind == "in place":
+                    with pytest.raises(TransformError, match=r"modified its input .* in place"):
+                        (loss * loss_scale).backward()
+                    return
                 (loss * loss_scale * (0.5 if accumulation == "divided" else 1.0)).backward()
             last = micro[-1]
             norms = psm.per_sample_norms()
@@ -293,6 +362,9 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
                 assert type(p) is nn.Parameter
                 if not p.requires_grad:
                     assert p.grad is None and not hasattr(p, "grad_sample")
+                    continue
+                if name.startswith("aux.") and not model.use_aux:  # not reached: left as zero_grad left it
+                    assert (p.grad is None or not p.grad.any()) and not hasattr(p, "grad_sample"), name
                     continue
                 if keep:
                     assert_close(p.grad_sample, ref[name][last], f"{what}: grad_sample of {name} in {spec}")
