@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from .detach import Detached, Detacher, has_tensor_hooks
-from .errors import BatchSizeError, HookStateError, TransformError, module_label
+from .errors import RECOMPUTED, BatchSizeError, HookStateError, TransformError, module_label
 from .hooks import HookedLayer, Kept
 from .layout import allocating_from, may_hold_true
 from .loss_scale import LossScale, on_device
@@ -110,6 +110,11 @@ class _Backward:
     loss_scale: Tensor | None = None  # the factor the loss was multiplied by (grad_scaler=, loss_scale=); None: 1
     amp: bool = False  # a GradScaler's scale is part of it: a NaN or Inf is an overflow that must reach .grad
     tapped: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # what each tap passed on (``pergrad.reach``)
+    # what else reached a transformed parameter's AccumulateGrad: checked against its tap at the end
+    # (reentrant checkpointing runs it twice: the recomputed layers' part in a nested backward)
+    untapped: dict[nn.Parameter, list[Tensor]] = field(default_factory=dict)
+    matched: set[nn.Parameter] = field(default_factory=set)  # the tap's very tensor arrived
+    nested: bool = False  # a nested backward of a recomputed segment joined it (reentrant checkpointing)
 
 
 class Engine:
@@ -163,6 +168,7 @@ class Engine:
         self.detacher = Detacher(self)
         self._deferred: dict[nn.Parameter, dict[Any, Any]] = {}  # post-accumulate-grad hooks held back
         self._nested: dict[int, _Backward] = {}  # graph tasks of nested backward passes -> the outer one's state
+        self._recomputing: int | None = None  # the backward that last recomputed a segment (on_recompute)
         # what reaches a parameter pergrad writes besides its layers' outputs (pergrad.reach): checked
         # on every backward unless verify=False
         self.checks_reach = verify_backwards > 0
@@ -197,9 +203,14 @@ class Engine:
 
     def on_recompute(self) -> None:
         """A hooked layer is called inside a backward pass (activation checkpointing computes a segment
-        again): that backward's state exists from now on, its end-of-backward work queued in it."""
+        again): that backward's state exists from now on, its end-of-backward work queued in it, and a
+        backward that starts while it runs is the recomputed segment's (reentrant checkpointing)."""
         if not self.closed:
-            self._backward_state()
+            self._recomputing = self._backward_state().task_id
+
+    def on_forward(self) -> None:
+        """A forward of the model starts: no backward is recomputing a segment any more."""
+        self._recomputing = None
 
     def _backward_state(self, recomputed_in: int | None = None) -> _Backward:
         """The state of the running backward pass. A nested one -- reentrant activation checkpointing
@@ -209,8 +220,9 @@ class Engine:
         task = torch._C._current_graph_task_id()
         current = self._current
         if current is not None and current.task_id != task:
-            if recomputed_in is not None and recomputed_in == current.task_id:
+            if current.task_id in (recomputed_in, self._recomputing):
                 self._nested[task] = current
+                current.nested = True
             nested = self._nested.get(task)
             if nested is not None:
                 return nested
@@ -429,7 +441,9 @@ class Engine:
                 self._defer_post_accumulate_hooks(param)
             return None
         if self.track_statistics or self.verify_backwards > 0:
-            state.batch_grads[param] = self._unscaled(grad, state)  # the units of the per-sample gradients
+            unscaled = self._unscaled(grad, state)  # the units of the per-sample gradients
+            before = state.batch_grads.get(param)  # (reentrant checkpointing: a nested backward's part too)
+            state.batch_grads[param] = unscaled if before is None else before + unscaled
         if self.running_mean:
             state.prior[param] = self._samples_in_grad(param)
         transformed = param in self.transformed
@@ -444,16 +458,10 @@ class Engine:
                         "it arrived although every call of its layer ran with the weight detached",
                     )
                 )
-            tapped = state.tapped.pop(param, None)
-            # the tap's very tensor unless another term reached the parameter: then (only) a host sync
-            if tapped is not None and grad is not tapped and bool((grad != tapped).any()):
-                raise HookStateError(
-                    unattributable(
-                        self.param_names[param],
-                        "it arrived beside what the parameter's layers sent it, in a backward after the first",
-                    )
-                    + " Or pass verify=False to PerSampleModule if dropping that part is intended."
-                )
+            if grad is state.tapped.get(param):  # the tap's very tensor, unless another term reached it
+                state.matched.add(param)
+            else:
+                state.untapped.setdefault(param, []).append(grad)
             if param.grad is None:
                 state.overwrite[param] = None  # let autograd store its sum; replaced at the end
                 return None
@@ -487,6 +495,7 @@ class Engine:
         if self._current is state:
             self._current = None
         self._nested.clear()
+        self._recomputing = None
         try:
             self._compute(state)  # unless it ran before DDP's communication
             if state.error is not None:
@@ -559,8 +568,10 @@ class Engine:
         known = state.grads if isinstance(source, Materialized) else source.uses
         missing = [p for p in state.reached if p not in known and p not in state.passed]
         if missing:
-            raise HookStateError(unreached(missing[0], self.param_names[missing[0]], self.layers, self.canonical))
+            message = unreached(missing[0], self.param_names[missing[0]], self.layers, self.canonical)
+            raise HookStateError(message + (RECOMPUTED if state.nested else ""))
         self._check_partial(state, known)
+        self._check_taps(state)
         assert state.batch_size is not None
         reached = list(state.reached)
         self.last_dropped = {}
@@ -607,6 +618,26 @@ class Engine:
                 totals = source.summed(owned, weights)
             for param, reduced in totals.items():
                 self._add_grad(param, reduced, state)
+
+    def _check_taps(self, state: _Backward) -> None:
+        """Whatever reached a tapped parameter's ``AccumulateGrad`` beside its tap's very tensor must add
+        up to what the tap passed on (``pergrad.reach``): values read (a host sync) only where such an
+        arrival happened. A term that is exactly zero (``loss + 0 * p.sum()``) is let through."""
+        for param, grads in state.untapped.items():
+            tapped = state.tapped.get(param)
+            if tapped is None:  # no layer sent it anything in this backward: nothing to compare with
+                continue
+            extra = torch.stack(grads).sum(0)
+            if param not in state.matched:  # summed with the tap's part into one gradient
+                extra = extra - tapped
+            if bool(extra.any()):
+                raise HookStateError(
+                    unattributable(
+                        self.param_names[param],
+                        "it arrived beside what the parameter's layers sent it, in a backward after the first",
+                    )
+                    + " Or pass verify=False to PerSampleModule if dropping that part is intended."
+                )
 
     def _check_partial(self, state: _Backward, known: dict[nn.Parameter, Any]) -> None:
         """A backward that accumulates into part of a transform's target only -- ``backward(inputs=...)``

@@ -13,6 +13,14 @@ def module_label(name: str) -> str:
     return "the root module" if name == "" else f"layer {name!r}"
 
 
+# appended to a message about a call computed again inside a backward (``Kept.task``)
+RECOMPUTED = (
+    " This call was computed again inside the backward (reentrant activation checkpointing), where pergrad "
+    "cannot follow which tensors carry the batch (it follows the model's own forward): checkpoint this segment "
+    "with use_reentrant=False, or keep tensors shared by the batch (positions, raw parameters) outside it."
+)
+
+
 class PergradError(Exception):
     """Base class of every error pergrad raises on purpose."""
 

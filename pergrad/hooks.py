@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from . import lm_loss
 from .coupling import refuse_batch_statistics
 from .detach import Detached
-from .errors import BatchMixingError, BatchSizeError, SharedInputError, module_label
+from .errors import RECOMPUTED, BatchMixingError, BatchSizeError, SharedInputError, module_label
 from .layout import batch_to_front
 from .parametrized import Capture, Computed, parametrization_parameters, parametrizations_of, sites
 from .registry import LayerCall, RuleSpec, output_tensors
@@ -754,6 +754,7 @@ class LayerHooks:
                         f"{tuple(a.shape)}), but its gradient reached the loss without meeting the batch in an op that "
                         "broadcasts it over the samples, so it cannot be split per sample. If the layer's input folds "
                         "the batch into another dim, keep the batch on its own dim."
+                        + (RECOMPUTED if task is not None else "")
                     )
                 origin.delivered = 0
                 return
@@ -764,6 +765,7 @@ class LayerHooks:
                     "without meeting a tensor computed from the model's inputs in an op that shows whether that dim "
                     "is the batch. If that input is the same for every sample, give it a batch dim of size 1 "
                     "(ids[None]); if it is one row per sample, pass it to the model as an argument."
+                    + (RECOMPUTED if task is not None else "")
                 )
             assert batched is not None, "only a group that may be batched turns out batched"
             on_output_grad(batched, batch_to_front(d.reshape(shape), dim == 0))

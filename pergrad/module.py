@@ -465,6 +465,7 @@ class PerSampleModule:
                 world = DataParallel(ddp, self._engine, late=True)
                 world.install()
                 self._engine.world = world
+        self._engine.on_forward()
         if self._engine.closed or _layout(self._modules, self._canonical) == self._layout:
             return
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pergrad import PerSampleModule, transforms
+from pergrad import HookStateError, PerSampleModule, transforms
 from tests.reference import assert_close, reference_grad_sample
 
 CLIP = 0.5
@@ -129,3 +129,47 @@ def test_hf_gradient_checkpointing_is_exact(reentrant: bool) -> None:
             assert_close(p.grad, expected[name], f".grad of {name} at B={b} T={t}")
         opt.step()
     psm.remove()
+
+
+class Offset(nn.Module):
+    """A raw parameter broadcast over the batch (a module of the user's own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(1, 6))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.weight
+
+
+class WithOffset(nn.Module):
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.inp, self.offset, self.out, self.reentrant = nn.Linear(5, 6), Offset(), nn.Linear(6, 3), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h = self.offset(h) if self.reentrant is None else checkpoint(self.offset, h, use_reentrant=self.reentrant)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_raw_parameter_in_a_checkpointed_segment(reentrant: bool) -> None:
+    """Exact without reentrancy; refused with the fix under it (the recomputation runs outside the
+    model's forward, where pergrad cannot follow which tensors carry the batch)."""
+    torch.manual_seed(0)
+    model, plain = WithOffset(reentrant).double(), WithOffset(None).double()
+    psm = PerSampleModule(model)
+    for b in (3, 4, 2):
+        plain.load_state_dict(model.state_dict())
+        x, y = torch.randn(b, 5, dtype=torch.float64), torch.randn(b, 3, dtype=torch.float64)
+        loss = ((psm(x) - y) ** 2).sum(1).mean()
+        if reentrant:
+            with pytest.raises(HookStateError, match="checkpoint this segment with use_reentrant=False"):
+                loss.backward()
+            return
+        model.zero_grad()
+        loss.backward()
+        ref = reference_grad_sample(plain, x, y)
+        for name, p in model.named_parameters():
+            assert_close(p.grad_sample, ref[name], f"grad_sample of {name} at B={b}")

@@ -281,7 +281,11 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
     hook_name = data.draw(st.sampled_from(always), label="hooked parameter") if always else ""
     replace_at = data.draw(st.sampled_from([None, None, 1, 2]), label="load_state_dict(assign=True) before step")
     set_to_none = data.draw(st.booleans(), label="zero_grad(set_to_none)")
-    model.checkpoint = data.draw(st.sampled_from(["none", "none", "reentrant", "non-reentrant"]), label="checkpoint")
+    # reentrant checkpointing recomputes a block outside the model's forward, where tensors shared by the
+    # batch cannot be followed: refused (tests/test_checkpointing.py), so not drawn with them
+    shared = any(b.kind in ("positions", "fourier", "offset", "shifted") for b in spec.blocks)
+    modes = ["none", "none", "non-reentrant"] + ([] if shared else ["reentrant"])
+    model.checkpoint = data.draw(st.sampled_from(modes), label="checkpoint")
     # micro-batches: "samples" (accumulate="samples"), "divided" (each loss / k, loss_scale=1/k)
     accumulation = data.draw(st.sampled_from(["none", "none", "samples", "divided"]), label="accumulation")
     if accumulation != "none":
@@ -307,13 +311,15 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
             psm.register_transform(target_name, transforms.clip_norm(0.5))
         elif choice == "param" and trainable:
             target_name, kind = data.draw(st.sampled_from(trainable), label="param"), "double"
-            in_place = data.draw(st.booleans(), label="an in-place transform")
+            in_place = data.draw(st.sampled_from([False, False, False, True]), label="an in-place transform")
             psm.register_transform(target_name, (lambda g: g.mul_(2)) if in_place else (lambda g: g * 2))
             kind = "in place" if in_place else kind
         # a term of the loss on one parameter from step 2 on (a warm-up regulariser): refused where a
         # transform covers the parameter (pergrad could not split it into samples), autograd's elsewhere
         candidates = [n for n in always if n != hook_name] if accumulation == "none" else []
-        late = data.draw(st.sampled_from([None, *candidates]), label="term from step 2 on") if candidates else None
+        late = None
+        if candidates and data.draw(st.booleans(), label="a term from step 2 on"):
+            late = data.draw(st.sampled_from(candidates), label="its parameter")
         for step in range(len(spec.steps)):
             model.use_aux = step % 2 == 1
             what = f"step {step} {spec.steps[step]}"
@@ -351,7 +357,7 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
                             (loss * loss_scale).backward()
                         return
                     expected[late] = expected[late] + 0.2 * params[late].detach()
-                if kind == "in place":
+                if kind == "in place" and not (target_name.startswith("aux.") and not model.use_aux):
                     with pytest.raises(TransformError, match=r"modified its input .* in place"):
                         (loss * loss_scale).backward()
                     return
