@@ -625,10 +625,11 @@ class Engine:
         arrival happened. A term that is exactly zero (``loss + 0 * p.sum()``) is let through."""
         for param, grads in state.untapped.items():
             tapped = state.tapped.get(param)
-            if tapped is None:  # no layer sent it anything in this backward: nothing to compare with
+            detached = param in self.detacher.current  # (recomputed detached after this arrived)
+            if tapped is None and not detached:  # no layer sent it anything in this backward
                 continue
             extra = torch.stack(grads).sum(0)
-            if param not in state.matched:  # summed with the tap's part into one gradient
+            if tapped is not None and param not in state.matched:  # summed with the tap's part
                 extra = extra - tapped
             if bool(extra.any()):
                 raise HookStateError(

@@ -346,7 +346,7 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
                 rows = x[m].shape[0]
                 loss = (psm(x[m]) - target[m]).pow(2).sum() / rows
                 if late is not None and step >= 2:
-                    loss = loss + 0.1 * params[late].square().sum()
+                    loss = loss + 0.1 * params[late].sum()  # a gradient of 0.1 everywhere, never 0
                     covered = kind != "none" and (
                         choice == "root"
                         or (choice == "module" and late.startswith(target_name + "."))
@@ -356,7 +356,7 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
                         with pytest.raises(HookStateError, match=re.escape(f"parameter '{late}'")):
                             (loss * loss_scale).backward()
                         return
-                    expected[late] = expected[late] + 0.2 * params[late].detach()
+                    expected[late] = expected[late] + 0.1
                 if kind == "in place" and not (target_name.startswith("aux.") and not model.use_aux):
                     with pytest.raises(TransformError, match=r"modified its input .* in place"):
                         (loss * loss_scale).backward()
