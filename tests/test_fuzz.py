@@ -8,7 +8,10 @@ target (none, the whole model, one module, one parameter), a random ``keep_grad_
 hook on a parameter (a tensor hook or a post-accumulate-grad hook) and a ``load_state_dict(...,
 assign=True)`` that replaces the parameters mid-run, activation checkpointing of every block (reentrant
 or not), micro-batches (``accumulate="samples"``, or each loss divided by 2 with ``loss_scale=0.5``)
-and a loss scale (``grad_scaler=256``). Each example runs three steps with their own
+and a loss scale (``grad_scaler=256``); tensors the forward builds itself (``shifted``, ``fourier``,
+``offset`` blocks, square steps where T == B), a head used on odd steps only, a loss term from step 2
+on, in-place transforms, and ``torch.autograd.grad`` of a parameter after a step. Each example runs
+three steps with their own
 batch size and sequence length or spatial size, on both sides of the 16 positions per sample from
 which weights run detached; ``.grad``, ``grad_sample``, the norms and the hooks are checked on
 every step. The ``ci`` profile runs 300 derandomized examples (``HYPOTHESIS_PROFILE=long`` for
@@ -28,7 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from pergrad import HookStateError, PerSampleModule, TransformError, transforms
+from pergrad import DetachedWeightError, HookStateError, PerSampleModule, TransformError, transforms
 from tests.reference import assert_close, reference_grad_sample
 
 FUZZ_EXAMPLES = {"ci": 300, "dev": 60, "long": 2000}[os.environ.get("HYPOTHESIS_PROFILE", "dev")]
@@ -317,6 +320,7 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
         # a term of the loss on one parameter from step 2 on (a warm-up regulariser): refused where a
         # transform covers the parameter (pergrad could not split it into samples), autograd's elsewhere
         candidates = [n for n in always if n != hook_name] if accumulation == "none" else []
+        probe = data.draw(st.sampled_from([False, False, True]), label="a partial backward after each step")
         late = None
         if candidates and data.draw(st.booleans(), label="a term from step 2 on"):
             late = data.draw(st.sampled_from(candidates), label="its parameter")
@@ -364,6 +368,9 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
                 (loss * loss_scale * (0.5 if accumulation == "divided" else 1.0)).backward()
             last = micro[-1]
             norms = psm.per_sample_norms()
+            reached = [n for n in always if n != late] + [
+                n for n in trainable if n.startswith("aux.") and model.use_aux
+            ]
             for name, p in model.named_parameters():
                 assert type(p) is nn.Parameter
                 if not p.requires_grad:
@@ -381,3 +388,19 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
                 want = ref[hook_name].mean(0) if hook.kind == "tensor" else expected[hook_name]
                 got = hook.seen[0] / loss_scale
                 assert_close(got, want, f"{what}: what the {hook.kind} hook on {hook_name} saw")
+            # a partial backward after the step: torch.autograd.grad of one parameter (captum's way) gives
+            # autograd's gradient, or refuses a weight pergrad runs detached; .grad is left alone
+            if probe and reached:
+                asked = data.draw(st.sampled_from(reached), label=f"autograd.grad of, after step {step}")
+                before = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+                again = (psm(x[last]) - target[last]).pow(2).sum() / x[last].shape[0]
+                try:
+                    (got,) = torch.autograd.grad(again, [params[asked]])
+                except DetachedWeightError:
+                    pass
+                else:
+                    assert_close(got, ref[asked][last].mean(0), f"{what}: autograd.grad of {asked}")
+                for name, p in model.named_parameters():
+                    assert (p.grad is None) == (before[name] is None), name
+                    if p.grad is not None:
+                        assert torch.equal(p.grad, before[name]), f"{what}: autograd.grad changed .grad of {name}"
