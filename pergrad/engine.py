@@ -424,14 +424,6 @@ class Engine:
         """Pre-hook of ``param``'s AccumulateGrad node: what autograd adds to ``param.grad`` (None: a
         detached weight's, touched with no gradient: see ``detach.touch``)."""
         if self.closed:
-            # after remove(): a detached weight's .grad is written at the end of the backward, and
-            # its post-accumulate-grad hooks run then (``_write_after_removal``)
-            if (
-                grad is None
-                and param._post_accumulate_grad_hooks
-                and torch._C._current_graph_task_id() in self._removed
-            ):
-                self._defer_post_accumulate_hooks(param)
             return None
         state = self._backward_state()
         state.reached[param] = None
