@@ -44,6 +44,19 @@ def reference_grad_sample(
     return {k: torch.stack([g[k] for g in grads]) for k in params}
 
 
+def clipped(ref: dict[str, Tensor], bound: float) -> dict[str, Tensor]:
+    """Each sample's ``min(1, C / ||g_i||) g_i``, ``[B, *p.shape]``, the norm over every parameter of
+    ``ref`` together (flat clipping, what ``transforms.clip_norm`` on the whole model computes)."""
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
+    factor = (bound / norms).clamp(max=1)
+    return {n: g * factor.view(-1, *([1] * (g.dim() - 1))) for n, g in ref.items()}
+
+
+def clipped_mean(ref: dict[str, Tensor], bound: float) -> dict[str, Tensor]:
+    """``(1/B) sum_i min(1, C / ||g_i||) g_i`` for every parameter of ``ref`` (see ``clipped``)."""
+    return {n: g.mean(0) for n, g in clipped(ref, bound).items()}
+
+
 def _without_buffer_updates(model: nn.Module) -> nn.Module:
     """A copy whose training-mode instance norms do not update running statistics (vmap cannot
     write into unbatched buffers); their outputs use each sample's own statistics either way."""

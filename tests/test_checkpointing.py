@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pergrad import HookStateError, PerSampleModule, transforms
-from tests.reference import assert_close, reference_grad_sample
+from tests.reference import assert_close, clipped_mean, reference_grad_sample
 
 CLIP = 0.5
 
@@ -47,12 +47,6 @@ class Net(nn.Module):
             assert self.reentrant is not None
             return checkpoint(self.body, x, use_reentrant=self.reentrant)
         return self.body(x)
-
-
-def clipped_mean(ref: dict[str, torch.Tensor], clip: float) -> dict[str, torch.Tensor]:
-    norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
-    factor = (clip / norms).clamp(max=1)
-    return {n: (g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for n, g in ref.items()}
 
 
 # (batch, positions): on [B, D] and on [B, T, D] on both sides of the 16 positions from which

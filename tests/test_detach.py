@@ -12,7 +12,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from pergrad import DetachedWeightError, PerSampleModule, transforms
 from pergrad.detach import Detacher, touch
-from tests.reference import assert_close, reference_grad_sample
+from tests.reference import assert_close, clipped_mean, reference_grad_sample
 from tests.test_fused import check_statistics
 from tests.test_host_syncs import counting_syncs
 
@@ -24,12 +24,6 @@ def conv_net(bias: bool) -> nn.Module:
         nn.Conv2d(4, 4, 3, padding=1, bias=bias), nn.Flatten(2), nn.Linear(36, 5, bias=bias), nn.Flatten(),
         nn.Linear(20, 3, bias=bias),
     ).double()  # fmt: skip
-
-
-def clipped_mean(ref: dict[str, torch.Tensor], max_norm: float) -> dict[str, torch.Tensor]:
-    norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
-    factor = (max_norm / norms).clamp(max=1)
-    return {k: (g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for k, g in ref.items()}
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pergrad import PerSampleModule, TokenLossWarning, transforms
-from tests.reference import assert_close
+from tests.reference import assert_close, clipped_mean
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,12 +51,6 @@ def per_sample(
         grads = torch.autograd.grad(f_i, list(params.values()), retain_graph=True, allow_unused=True)
         rows.append([torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads, strict=True)])
     return {n: torch.stack([r[k] for r in rows]) for k, n in enumerate(params)}
-
-
-def clipped_mean(ref: dict[str, torch.Tensor], clip: float) -> dict[str, torch.Tensor]:
-    norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
-    factor = (clip / norms).clamp(max=1)
-    return {n: (g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for n, g in ref.items()}
 
 
 def check(

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pergrad import PerSampleModule, UnsupportedLayerError, transforms
-from tests.reference import assert_close
+from tests.reference import assert_close, clipped_mean
 from tests.test_fused import check_statistics
 
 
@@ -207,13 +207,6 @@ def each_sample_alone(
             grads[n].append(p.grad.clone())
     model.zero_grad()
     return {n: torch.stack(g) for n, g in grads.items()}
-
-
-def clipped_mean(grads: dict[str, torch.Tensor], bound: float) -> dict[str, torch.Tensor]:
-    """``(1/B) sum_i g_i min(1, C / ||g_i||)``, the norm over every parameter (flat clipping)."""
-    norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
-    factor = (bound / norms).clamp(max=1)
-    return {n: (g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for n, g in grads.items()}
 
 
 # every pair of (cell, layers, bidirectional, batch_first, packing) values, every read per cell
