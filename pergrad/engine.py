@@ -74,6 +74,16 @@ def _all_finite(grads: Iterable[Tensor]) -> Tensor:
     return torch.stack(found).all() if found else torch.tensor(True)
 
 
+def _in_parameter_dtype(kept: Kept, d: Tensor) -> tuple[Kept, Tensor]:
+    """``kept`` and ``d`` in the dtype of the layer's parameters (they differ under autocast)."""
+    dtype = kept.layer.dtype
+    if dtype is None or d.dtype == dtype:
+        return kept, d
+    if isinstance(kept.a, Tensor) and kept.a.is_floating_point() and kept.a.dtype != dtype:
+        kept = replace(kept, a=kept.a.to(dtype))
+    return kept, d.to(dtype)
+
+
 @dataclass
 class Target:
     """A transform and the parameters it sees, keyed as the transform sees them."""
@@ -212,15 +222,15 @@ class Engine:
         """A forward of the model starts: no backward is recomputing a segment any more."""
         self._recomputing = None
 
-    def _backward_state(self, recomputed_in: int | None = None) -> _Backward:
+    def _backward_state(self) -> _Backward:
         """The state of the running backward pass. A nested one -- reentrant activation checkpointing
         backwards a recomputed segment in a graph task of its own, inside the outer backward -- is part
-        of the backward that recomputed it (``recomputed_in``, see ``Kept.task``): one set of
-        per-sample gradients, one end-of-backward work, when the outer backward ends."""
+        of the backward that recomputed it (``on_recompute``): one set of per-sample gradients, one
+        end-of-backward work, when the outer backward ends."""
         task = torch._C._current_graph_task_id()
         current = self._current
         if current is not None and current.task_id != task:
-            if current.task_id in (recomputed_in, self._recomputing):
+            if current.task_id == self._recomputing:
                 self._nested[task] = current
                 current.nested = True
             nested = self._nested.get(task)
@@ -268,7 +278,7 @@ class Engine:
             self._on_output_grad(kept, d, part)
 
     def _on_output_grad(self, kept: Kept, d: Tensor, part: int | None = None) -> None:
-        state = self._backward_state(kept.task)
+        state = self._backward_state()
         layer = kept.layer
         if state.generation is None:
             state.generation, state.batch_size, state.first_layer = kept.generation, kept.batch_size, layer.name
@@ -296,11 +306,9 @@ class Engine:
             )
         # each sample's own output gradient is scale * d: the loss averaged over the batch
         scale = float(kept.batch_size) if self.loss_reduction == "mean" else 1.0
-        dtype = layer.dtype
-        if dtype is not None and d.dtype != dtype:  # autocast: compute in the parameters' dtype
-            d = d.to(dtype)
-            if isinstance(kept.a, Tensor) and kept.a.is_floating_point() and kept.a.dtype != dtype:
-                kept = replace(kept, a=kept.a.to(dtype))
+        cast = layer.dtype is not None and d.dtype != layer.dtype
+        if cast:  # autocast: compute in the parameters' dtype
+            kept, d = _in_parameter_dtype(kept, d)
             if state.loss_scale is not None:  # unscale after the cast: no underflow in float16
                 d.div_(on_device(state.loss_scale, d))  # our own copy
         elif state.loss_scale is not None:
@@ -335,11 +343,7 @@ class Engine:
         if task not in self._removed:
             self._removed[task] = []
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._write_after_removal(task))
-        dtype = kept.layer.dtype
-        if dtype is not None and d.dtype != dtype:  # autocast: in the parameters' dtype, as autograd accumulates
-            d = d.to(dtype)
-            if isinstance(kept.a, Tensor) and kept.a.is_floating_point() and kept.a.dtype != dtype:
-                kept = replace(kept, a=kept.a.to(dtype))
+        kept, d = _in_parameter_dtype(kept, d)  # (autocast) as autograd accumulates
         self._removed[task].append((Call(kept.layer, kept.a, d), detached.params))
 
     def _write_after_removal(self, task: int) -> None:

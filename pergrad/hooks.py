@@ -101,8 +101,8 @@ class Kept:
     key: str = ""  # the layer's name, with ":k" for its k-th call (k >= 1) in that forward
     packed: bool = False  # the output is a PackedSequence: d is its data, rows of every sample mixed
     detached: Detached | None = None  # parameters this call ran with detached (see ``Detached``)
-    # the backward pass (autograd graph task) that ran this call again: reentrant activation
-    # checkpointing recomputes a segment inside a backward and backwards it in a nested graph task
+    # the backward pass (autograd graph task) that ran this call again (activation checkpointing
+    # recomputes a segment inside a backward; see ``Engine.on_recompute``); None in a forward
     task: int | None = None
 
 
