@@ -29,39 +29,18 @@ and the anchor's own ``AccumulateGrad`` tells.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
+from .calls import Detached, HookedLayer
 from .errors import DetachedWeightError
-
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .hooks import HookedLayer
+from .reach import Taps
+from .world import World
 
 MANY = 16  # positions per sample from which summing built g_i beats autograd's weight gradient
-
-
-@dataclass(frozen=True, eq=False)
-class Detached:
-    """A layer call that runs with its weight detached.
-
-    ``anchor`` tells which backward passes reach the detached parameters: its ``AccumulateGrad``
-    node runs exactly when the call's output gradient flows in a backward that accumulates into
-    ``.grad`` (``.backward()``, not ``torch.autograd.grad``). It is the layer's trainable bias, or,
-    for a layer without one, a zero tensor of pergrad's (a leaf that requires grad) put in the
-    bias's place for the call, or added to the call's output (a convolution: its backward computes
-    the bias gradient only together with the weight gradient). Adding 0 changes no output value.
-    ``swaps`` are the ``(name, original, replacement)`` entries of ``module._parameters`` for the call.
-    """
-
-    anchor: Tensor
-    params: tuple[nn.Parameter, ...]
-    swaps: tuple[tuple[str, Tensor | None, Tensor], ...]
-    probe: bool = False  # the anchor is pergrad's zero, not the layer's bias
-    on_output: bool = False  # the zero is added to the call's output (else it stands in as the bias)
 
 
 class _Touch(torch.autograd.Function):
@@ -133,10 +112,30 @@ def has_tensor_hooks(p: Tensor) -> bool:
     return bool(p._backward_hooks)
 
 
+class Wrapper(Protocol):
+    """What the detacher reads of the wrapper it decides for (``pergrad.engine.Engine`` is one)."""
+
+    detach_transformed: bool  # may weights run detached at all
+    world: World | None
+    closed: bool
+    verify_backwards: int  # > 0: the first backward's check still needs autograd's weight gradients
+    keep_grad_sample: bool
+    track_norms: bool
+    second_moments: bool  # elementwise second moments are tracked
+    taps: Taps
+
+    @property
+    def transformed(self) -> set[nn.Parameter]: ...
+
+    def canonical(self, p: nn.Parameter) -> nn.Parameter: ...
+
+    def on_probe(self, grad: Tensor | None) -> Tensor | None: ...
+
+
 class Detacher:
     """Decides, for each call of a hooked layer, whether its weight runs detached."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Wrapper) -> None:
         self.engine = engine
         self.single: set[nn.Parameter] = set()  # appear once in the model, in one hooked layer
         self._probes: dict[tuple[torch.dtype, torch.device], Tensor] = {}

@@ -68,7 +68,7 @@ import functools
 import math
 import sys
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -77,53 +77,14 @@ from torch.autograd.graph import get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
+from .backward import Backward
 from .errors import PergradError
-
-if TYPE_CHECKING:
-    from .engine import Engine, _Backward
+from .world import Host, World
 
 REDUCE_SCATTER_BYTES = 25 * 2**20  # the most of pergrad's gradients one FSDP2 reduce-scatter carries
 
 
-class World:
-    """What the engine asks of a multi-process setting; the defaults are those of one process."""
-
-    size = 1
-    finish_early = False  # compute pergrad's part before the callbacks queued during the backward
-    detaches = False  # weights may run detached (see detach.py)
-    touches = False  # a detached weight's AccumulateGrad must still run (with a zero)
-
-    def canonical(self, param: nn.Parameter) -> nn.Parameter:
-        """The parameter the engine keys ``param``'s gradients by."""
-        return param
-
-    def contribution(self, reduced: Tensor) -> Tensor:
-        """What this rank contributes of pergrad's reduction ``reduced`` of its own samples."""
-        return reduced
-
-    def take(self, param: nn.Parameter, reduced: Tensor, state: _Backward) -> bool:
-        """Whether the world delivers ``reduced`` into ``param.grad`` itself (at ``flush``)."""
-        return False
-
-    def slot(self, param: nn.Parameter, state: _Backward) -> Tensor | None:
-        """Where ``param``'s gradient is to be written instead of ``.grad`` (a DDP bucket), or None."""
-        return None
-
-    def flush(self, state: _Backward, failed: bool) -> None:
-        """pergrad's part of this backward is written: communicate it."""
-
-    def samples(self, param: nn.Parameter, local: float, state: _Backward) -> float:
-        """``accumulate="samples"``: how many samples ``param.grad`` holds, ``local`` of them this rank's."""
-        return local
-
-    def install(self) -> None:
-        """Start; the wrapper is complete."""
-
-    def close(self) -> None:
-        """The wrapper is removed."""
-
-
-def world_for(model: nn.Module, engine: Engine, accumulate: str) -> World | None:
+def world_for(model: nn.Module, engine: Host, accumulate: str) -> World | None:
     """The world ``model`` runs in: DDP, FSDP2 or one process (None)."""
     if isinstance(model, DistributedDataParallel):
         return DataParallel(model, engine)
@@ -254,7 +215,7 @@ class DataParallel(World):
     detaches = True
     touches = True
 
-    def __init__(self, ddp: DistributedDataParallel, engine: Engine, late: bool = False) -> None:
+    def __init__(self, ddp: DistributedDataParallel, engine: Host, late: bool = False) -> None:
         if getattr(ddp, "static_graph", False):
             raise PergradError(
                 "DistributedDataParallel(static_graph=True) is not supported: its first backward all-reduces "
@@ -265,7 +226,7 @@ class DataParallel(World):
         self.ddp, self.engine, self.late = ddp, engine, late
         self.group = ddp.process_group
         self.size = dist.get_world_size(self.group)
-        self._state: _Backward | None = None  # the backward the buckets below belong to
+        self._state: Backward | None = None  # the backward the buckets below belong to
         self._held: list[_Held] = []
         self._slots: dict[nn.Parameter, Tensor] = {}
         self._local: dict[nn.Parameter, float] = {}  # accumulate="samples": this rank's samples per .grad
@@ -311,10 +272,10 @@ class DataParallel(World):
         # DDP averages over ranks; a sum over every rank's samples is the average of size x each sum
         return reduced * self.size if self.engine.reduction == "sum" else reduced
 
-    def slot(self, param: nn.Parameter, state: _Backward) -> Tensor | None:
+    def slot(self, param: nn.Parameter, state: Backward) -> Tensor | None:
         return self._slots.get(param) if state is self._state else None
 
-    def samples(self, param: nn.Parameter, local: float, state: _Backward) -> float:
+    def samples(self, param: nn.Parameter, local: float, state: Backward) -> float:
         if state is self._state and param in self._total:  # this backward all-reduced: every rank's share
             return self._total[param] / self.size
         return local
@@ -334,7 +295,7 @@ class DataParallel(World):
             return held.future
         return self._reduce(bucket, _parameters(bucket), bucket.gradients())
 
-    def flush(self, state: _Backward, failed: bool) -> None:
+    def flush(self, state: Backward, failed: bool) -> None:
         """pergrad wrote its part into the held-back buckets: reduce them, in DDP's order."""
         held, self._held, self._slots = self._held, [], {}
         for h in held:
@@ -359,12 +320,14 @@ class DataParallel(World):
                     view.mul_(self.size * self._local[p] / total) if total else view.zero_()
         return self.hook.reduce(bucket)
 
-    def _count(self, state: _Backward) -> None:
+    def _count(self, state: Backward) -> None:
         """How many samples each parameter's ``.grad`` will average on this rank and on all (one
         all-reduce of one number per parameter), before the first bucket is sent."""
         engine, batch = self.engine, float(state.batch_size or 0)
         params = list(engine.param_names)  # the same order on every rank
-        local = [(state.prior[p] if p in state.prior else engine._samples_in_grad(p)) + batch for p in params]
+        local = [
+            (state.written.prior[p] if p in state.written.prior else engine.samples_in_grad(p)) + batch for p in params
+        ]
         total = torch.tensor(local, dtype=torch.float64)
         dist.all_reduce(total, group=self.group)
         self._local = dict(zip(params, local))
@@ -386,7 +349,7 @@ class Sharded(World):
 
     detaches = True  # a detached weight gets no unsharded gradient: FSDP2 sends nothing for it
 
-    def __init__(self, model: nn.Module, engine: Engine) -> None:
+    def __init__(self, model: nn.Module, engine: Host) -> None:
         from torch.distributed.tensor import DTensor, Shard
 
         self.model, self.engine = model, engine
@@ -479,7 +442,7 @@ class Sharded(World):
             node,
         ]
 
-    def take(self, param: nn.Parameter, reduced: Tensor, state: _Backward) -> bool:
+    def take(self, param: nn.Parameter, reduced: Tensor, state: Backward) -> bool:
         # a backward under set_requires_gradient_sync(False) left its part here: add, as FSDP2 does
         previous = self._pending.get(param)
         self._pending[param] = reduced if previous is None else previous + reduced
@@ -496,7 +459,7 @@ class Sharded(World):
             )
         return flags != {False}
 
-    def flush(self, state: _Backward, failed: bool) -> None:
+    def flush(self, state: Backward, failed: bool) -> None:
         """Reduce-scatter pergrad's part of ``.grad`` into the shards. Every rank sends the same
         collectives, also when its own end-of-backward work failed (then with zeros for what is
         missing), so that no rank waits for another; the error is raised afterwards."""
@@ -506,7 +469,9 @@ class Sharded(World):
         # the transformed parameters this backward reached (on every rank alike: FSDP2 needs that too),
         # in the wrapper's order, at most REDUCE_SCATTER_BYTES per collective
         params = [
-            p for p in self.engine.param_names if p in self.engine.transformed and (p in state.reached or p in pending)
+            p
+            for p in self.engine.param_names
+            if p in self.engine.transformed and (p in state.autograd.reached or p in pending)
         ]
         chunk: list[nn.Parameter] = []
         size = 0
@@ -519,7 +484,7 @@ class Sharded(World):
         if chunk:
             self._reduce_scatter(chunk, pending, state)
 
-    def _reduce_scatter(self, params: list[nn.Parameter], grads: dict[nn.Parameter, Tensor], state: _Backward) -> None:
+    def _reduce_scatter(self, params: list[nn.Parameter], grads: dict[nn.Parameter, Tensor], state: Backward) -> None:
         """One reduce-scatter of the full gradients of ``params`` into this rank's shards, laid out as
         FSDP2 lays out its own: rank r's part holds rows [r*c, (r+1)*c) of each gradient's dim 0 (c =
         ceil(dim0 / world size)), zero-padded to c rows. ``.grad`` gets the sum over ranks
@@ -552,7 +517,7 @@ class Sharded(World):
                 shape=p.shape,
                 stride=p.stride(),
             )
-            if p.grad is None or p in state.overwrite:
+            if p.grad is None or p in state.autograd.overwrite:
                 p.grad = shard
             else:
                 p.grad.add_(shard)

@@ -14,9 +14,8 @@ output (``output.grad_fn``), not by a full module backward hook:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,12 +25,12 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from . import lm_loss
+from .calls import Detached, HookedLayer, Kept
 from .coupling import refuse_batch_statistics
-from .detach import Detached
 from .errors import RECOMPUTED, BatchMixingError, BatchSizeError, SharedInputError, module_label
 from .layout import batch_to_front
-from .parametrized import Capture, Computed, parametrization_parameters, parametrizations_of, sites
-from .registry import LayerCall, RuleSpec, output_tensors
+from .parametrized import Capture, Computed, parametrizations_of, sites
+from .registry import LayerCall, output_tensors
 from .shared import (
     BatchInfo,
     Group,
@@ -44,67 +43,6 @@ from .shared import (
     pulling,
     track,
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class HookedLayer:
-    """A layer pergrad computes per-sample gradients for."""
-
-    name: str  # qualified name in the wrapped model ("" for the root)
-    module: nn.Module
-    spec: RuleSpec
-    param: str = ""  # for a raw parameter (``spec.raw``): its name in the module
-    # for a raw parameter held in a ParameterDict or ParameterList (never called itself): the module
-    # whose forward reads it (peft's LoRA on an embedding reads lora_embedding_A/B this way)
-    host: nn.Module | None = None
-
-    def trainable(self) -> list[tuple[str, nn.Parameter]]:
-        """The parameters the rule computes per-sample gradients for, named as the rule names them."""
-        if self.param:
-            p = self.module._parameters[self.param]
-            return [(self.param, p)] if isinstance(p, nn.Parameter) and p.requires_grad else []
-        if self.spec.subtree:
-            return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        params = self.module._parameters
-        found = [(n, p) for n, p in params.items() if p is not None and p.requires_grad]
-        if len(found) > 2 or (len(found) == 2 and found[0][1] is found[1][1]):  # a parameter under two names
-            own = {id(p): (n, p) for n, p in reversed(params.items()) if p is not None}
-            found = [(n, p) for n, p in reversed(own.values()) if p.requires_grad]  # first name of each, in order
-        if self.spec.parametrized:  # the original tensors its parametrized ones are computed from
-            found += parametrization_parameters(self.module)
-        return found
-
-    @functools.cached_property
-    def label(self) -> str:
-        """How messages name it."""
-        where = module_label(self.name)
-        if self.param:
-            return f"parameter {self.param!r} of {where} ({type(self.module).__name__})"
-        return f"{where} ({type(self.module).__name__})"
-
-    @property
-    def dtype(self) -> torch.dtype | None:
-        """The dtype of the layer's parameters: per-sample gradients are computed in it."""
-        if self.param or self.spec.subtree or self.spec.parametrized:
-            return next((p.dtype for _, p in self.trainable()), None)
-        return next((p.dtype for p in self.module._parameters.values() if p is not None and p.requires_grad), None)
-
-
-@dataclass(eq=False, slots=True)
-class Kept:
-    """What one call of a hooked layer left for the backward."""
-
-    layer: HookedLayer
-    a: Any  # the layer's input, batch on dim 0 (a LayerCall for rules that take all inputs)
-    generation: int  # which forward of the wrapped model this call belongs to
-    batch_size: int
-    key: str = ""  # the layer's name, with ":k" for its k-th call (k >= 1) in that forward
-    packed: bool = False  # the output is a PackedSequence: d is its data, rows of every sample mixed
-    detached: Detached | None = None  # parameters this call ran with detached (see ``Detached``)
-    # the backward pass (autograd graph task) that ran this call again (activation checkpointing
-    # recomputes a segment inside a backward; see ``Engine.on_recompute``); None in a forward
-    task: int | None = None
-
 
 OnOutputGrad = Callable[..., None]  # (kept, d) or, for a rule with output_dims, (kept, d, k): output k's gradient
 ToDetach = Callable[[HookedLayer, Any, int, int], "Detached | None"]

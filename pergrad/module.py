@@ -13,10 +13,11 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
+from .calls import HookedLayer
 from .distributed import DataParallel, running_ddp, world_for
-from .engine import Engine, Target
+from .engine import Engine
 from .errors import NormNotComputedError, PergradError, TargetError, TransformError, UnsupportedLayerError, module_label
-from .hooks import HookedLayer, LayerHooks, owners
+from .hooks import LayerHooks, owners
 from .loss_scale import GradScalerLike, LossScaleLike, factor_reader, loss_scale_reader
 from .parametrized import base_type, check_hooked, hooked_originals, parametrizations_of, parametrized_spec, sites
 from .registry import RuleRegistry, RuleSpec, default_registry, fsdp_wrapped, registration, type_names
@@ -25,6 +26,7 @@ from .rules.fallback import output_dims as fallback_output_dims
 from .rules.raw import RAW
 from .sources import Materialized
 from .statistics import Statistics, compute_statistics, requested
+from .targets import Target
 from .transforms import Transform, UserTransform
 
 _REDUCTIONS = ("mean", "sum")
@@ -430,10 +432,10 @@ class PerSampleModule:
         engine.detach_transformed = self._detach_transformed and not self._lazy
         engine.layers = self._layers
         engine.detacher.candidates(self._layers, model)
-        engine.clear_targets()
+        engine.targets.clear()
         for target, transform in self._targets:
             label, params, _, _ = self._resolve(target)
-            engine.add_target(Target(label, params, transform))
+            engine.targets.add(Target(label, params, transform))
 
     def _install_hooks(self) -> None:
         """The layers' forward hooks, for the layers and transforms as they are now."""
@@ -477,7 +479,7 @@ class PerSampleModule:
         self._install_hooks()
         self._install_accumulate_hooks()
         for param in before - set(self._engine.param_names):
-            self._engine.recycle(param)  # no grad_sample left on parameters the model no longer holds
+            self._engine.grad_sample.drop(param)  # no grad_sample left on parameters the model no longer holds
         self._engine.verify_backwards = 1 if self._verify else 0
 
     def _after_call(self) -> None:
@@ -556,8 +558,8 @@ class PerSampleModule:
         """
         engine = self._engine
         trainable = sorted(engine.param_names.values())
-        if engine.track_norms or (not engine.keep_grad_sample and engine.last_sq_norms):
-            found = {engine.param_names[p]: sq.sqrt() for p, sq in engine.last_sq_norms.items()}
+        if engine.track_norms or (not engine.keep_grad_sample and engine.norms.last):
+            found = {engine.param_names[p]: sq.sqrt() for p, sq in engine.norms.last.items()}
         elif engine.keep_grad_sample:
             source, names, _ = self._materialized()
             found = {names[p]: sq.sqrt() for p, sq in source.sq_norms(names).items()}
@@ -579,9 +581,9 @@ class PerSampleModule:
     def statistics(self) -> Statistics:
         """Statistics of the last backward's per-sample gradients (formulas: ``pergrad.statistics``)."""
         if self._engine.track_statistics:
-            if self._engine.last_statistics is None:
+            if self._engine.statistics.last is None:
                 raise PergradError("statistics() is available after a backward pass")
-            return self._engine.last_statistics
+            return self._engine.statistics.last
         source, names, batch_size = self._materialized()
         return compute_statistics(source, names, batch_size, {})[0]  # means from grad_sample
 
@@ -610,7 +612,7 @@ class PerSampleModule:
         Such a sample contributes nothing to that target's ``.grad``; the other samples are reduced
         as usual (with ``reduction="mean"`` still divided by the full batch size B).
         """
-        return {label: bad.nonzero().flatten() for label, bad in self._engine.last_dropped.items() if bad.any()}
+        return {label: bad.nonzero().flatten() for label, bad in self._engine.reducer.last_dropped.items() if bad.any()}
 
     # -- transforms ------------------------------------------------------------------------------
 
@@ -644,7 +646,7 @@ class PerSampleModule:
         else:
             raise TransformError(f"the transform for {label} must be callable, got {type(fn).__name__}")
         self._targets.append((ref, transform))
-        self._engine.add_target(Target(label, params, transform))
+        self._engine.targets.add(Target(label, params, transform))
         self._install_hooks()  # the weights it covers may now run detached
 
     def _resolve(
@@ -689,14 +691,14 @@ class PerSampleModule:
 
     def _clear_grad_sample(self) -> None:
         for p in self.module.parameters():
-            self._engine.recycle(p)
+            self._engine.grad_sample.drop(p)
 
     def _uninstall(self) -> None:
         """Take away everything the wrapper installed on the model (also of one half built)."""
         self._engine.closed = True
         if self._engine.world is not None:
             self._engine.world.close()
-        self._engine.restore_deferred_hooks()
+        self._engine.writer.restore_hooks()
         if self._hooks is not None:
             self._hooks.remove()
         for handle in self._accumulate_handles:

@@ -336,10 +336,8 @@ def register_rule(
 def rule_path(fn: Rule) -> str:
     """How to name a rule function in code: ``pergrad.rules.group_norm`` for a built-in one,
     ``module.function`` for another importable one, else its qualified name."""
-    from . import rules  # the rules import the registry
-
     name = getattr(fn, "__name__", "")
-    if getattr(rules, name, None) is fn:
+    if getattr(sys.modules.get("pergrad.rules"), name, None) is fn:  # (the rules import this module)
         return f"pergrad.rules.{name}"
     qualname = getattr(fn, "__qualname__", name)
     module = getattr(fn, "__module__", None)

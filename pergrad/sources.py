@@ -14,18 +14,41 @@ Both answer the same questions, so the engine computes transforms and statistics
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .hooks import HookedLayer
+from .calls import Call, HookedLayer, Kept
 from .layout import new_buffer, recording_buffers
 from .registry import FusedRule, OutputGrads
 
 Params = Iterable[nn.Parameter]
+
+
+def no_autocast(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Rules compute in the parameters' dtype: autocast off where it is on."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def no_grad() -> contextlib.AbstractContextManager[Any]:
+    """``torch.no_grad()`` where grad mode is on (in a backward it is off unless ``create_graph``)."""
+    return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+
+
+def in_parameter_dtype(kept: Kept, d: Tensor) -> tuple[Kept, Tensor]:
+    """``kept`` and ``d`` in the dtype of the layer's parameters (they differ under autocast)."""
+    dtype = kept.layer.dtype
+    if dtype is None or d.dtype == dtype:
+        return kept, d
+    if isinstance(kept.a, Tensor) and kept.a.is_floating_point() and kept.a.dtype != dtype:
+        kept = replace(kept, a=kept.a.to(dtype))
+    return kept, d.to(dtype)
 
 
 def _weighted(d: Tensor, weights: Tensor, drop: Tensor | None = None) -> Tensor:
@@ -108,21 +131,6 @@ class Moments:
     sum_squares: dict[nn.Parameter, Tensor]
     dots: dict[nn.Parameter, Tensor]
     means: dict[nn.Parameter, Tensor]
-
-
-@dataclass(eq=False, slots=True)
-class Call:
-    """One call of a hooked layer in this backward: its input and output gradient. Each sample's
-    own output gradient is ``scale * d`` (``scale = B`` for a mean loss); the fused quantities put
-    the scale on their (much smaller) results instead of on ``d``. For a rule that takes every
-    output's gradient (``RuleSpec.output_dims``), ``d`` holds one per output tensor; such layers
-    have no fused rule."""
-
-    layer: HookedLayer
-    a: Any
-    d: Any  # a Tensor (every layer with a fused rule), or OutputGrads
-    scale: float = 1.0
-    built: dict[str, Tensor] | None = None  # the rule's result, where it ran during the backward
 
 
 def _numel(d: Tensor | OutputGrads) -> int:

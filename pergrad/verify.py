@@ -1,7 +1,11 @@
-"""The first backward's check, and what pergrad says when a gradient reached a parameter in a way
+"""The checks of one backward, and what pergrad says when a gradient reached a parameter in a way
 it cannot split into samples.
 
-The check: the per-sample gradients must add up to autograd's gradient of every parameter,
+Every backward: each parameter the backward reached got its gradient from its layers' outputs
+(``check_reached``), backward(inputs=...) named all of a transform's target or none of it
+(``check_partial``), and nothing but the layers' outputs reached a tapped parameter
+(``check_taps``, see ``pergrad.reach``). The first backward (``check_sums``):
+the per-sample gradients must add up to autograd's gradient of every parameter,
 ``sum_i g_i = grad`` (``(1/B) sum_i g_i`` for a mean loss). They do unless part of the loss reaches
 a parameter other than through its layer's output: a regulariser added to the loss, or a parent
 module using the parameter directly. pergrad cannot attribute that part to samples, so it refuses
@@ -10,14 +14,18 @@ rather than drop or transform it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Container
 
 import torch
 from torch import Tensor, nn
 
-from .errors import HookStateError
-from .hooks import HookedLayer
+from .backward import Backward
+from .calls import HookedLayer
+from .errors import RECOMPUTED, HookStateError, TransformError
 from .sources import Fused, Materialized
+from .targets import Targets
+
+Canonical = Callable[[nn.Parameter], nn.Parameter]
 
 
 def check_sums(
@@ -86,3 +94,68 @@ def unattributable(name: str, seen: str) -> str:
         "layer's forward (e.g. F.linear(x, self.emb.weight)) cannot be attributed to samples. Compute it "
         "through the layer."
     )
+
+
+def check_reached(
+    state: Backward, known: Container[nn.Parameter], names: dict[nn.Parameter, str], layers: list[HookedLayer],
+    canonical: Canonical,
+) -> None:  # fmt: skip
+    """Every parameter the backward reached got a gradient through a hooked layer's output (``known``:
+    those with per-sample gradients, or kept ``(a, d)``)."""
+    missing = [p for p in state.autograd.reached if p not in known and p not in state.arrived.passed]
+    if missing:
+        message = unreached(missing[0], names[missing[0]], layers, canonical)
+        raise HookStateError(message + (RECOMPUTED if state.nested else ""))
+
+
+def check_partial(
+    state: Backward, targets: Targets, known: Container[nn.Parameter], layers: list[HookedLayer], canonical: Canonical
+) -> None:
+    """A backward that accumulates into part of a transform's target only -- ``backward(inputs=...)``
+    naming some of its parameters: their per-sample gradients were computed, their ``AccumulateGrad``
+    did not run -- cannot transform: ``T`` of a sample's gradient needs every parameter it covers (a
+    clipping norm over all of them). Told from a parameter of a layer whose rule computes one op on
+    its parameters (an output gradient flowed, so they are in the graph); a rule over a subtree or
+    every input may give zeros for parameters off the loss's path."""
+    reached = state.autograd.reached
+    for target in targets:
+        if not any(p in reached for p in target.params.values()):
+            continue
+        left = {p: n for n, p in target.params.items() if p in known and p not in reached}
+        if left:
+            in_graph = {
+                canonical(p)
+                for layer in layers
+                if not (layer.spec.subtree or layer.spec.all_inputs or layer.spec.parametrized)
+                for _, p in layer.trainable()
+            }
+            named = [n for p, n in left.items() if p in in_graph]
+            if named:
+                raise TransformError(
+                    f"this backward accumulates into some of the parameters the transform registered for "
+                    f"{target.label} covers, but not into {named} (backward(inputs=...) names part of them), "
+                    "although their per-sample gradients flowed: the transform of each sample's gradient "
+                    "needs all of them. Name every parameter the target covers in inputs, or none."
+                )
+
+
+def check_taps(state: Backward, detached: Collection[nn.Parameter], names: dict[nn.Parameter, str]) -> None:
+    """Whatever reached a tapped parameter's ``AccumulateGrad`` beside its tap's very tensor must add
+    up to what the tap passed on (``pergrad.reach``): values read (a host sync) only where such an
+    arrival happened. A term that is exactly zero (``loss + 0 * p.sum()``) is let through.
+    ``detached``: the parameters that ran detached in the backward's forward."""
+    seen = state.autograd
+    for param, grads in seen.untapped.items():
+        tapped = seen.tapped.get(param)
+        if tapped is None and param not in detached:  # no layer sent it anything in this backward
+            continue
+        extra = torch.stack(grads).sum(0)
+        if tapped is not None and param not in seen.matched:  # summed with the tap's part
+            extra = extra - tapped
+        if bool(extra.any()):
+            raise HookStateError(
+                unattributable(
+                    names[param], "it arrived beside what the parameter's layers sent it, in a backward after the first"
+                )
+                + " Or pass verify=False to PerSampleModule if dropping that part is intended."
+            )

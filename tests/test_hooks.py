@@ -194,7 +194,7 @@ def test_no_grad_forward_keeps_nothing_and_next_step_is_exact() -> None:
     with PerSampleModule(model) as psm:
         with torch.no_grad():
             psm(torch.randn(8, 3))
-        assert psm._engine._current is None
+        assert psm._engine.backwards.current is None
     check_against_reference(model, torch.randn(5, 3))
 
 
@@ -209,7 +209,7 @@ def test_inputs_are_freed_after_backward() -> None:
             del x
         gc.collect()
         assert sum(r() is not None for r in refs) == 0
-        assert psm._engine._current is None
+        assert psm._engine.backwards.current is None
 
 
 def test_two_forwards_one_backward_is_an_error() -> None:

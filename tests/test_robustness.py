@@ -51,7 +51,7 @@ def test_exception_in_the_middle_of_a_forward() -> None:
     with PerSampleModule(model) as psm:
         with pytest.raises(RuntimeError, match=r"shapes cannot be multiplied"):
             psm(torch.randn(5, 7, dtype=torch.float64))
-        assert psm._engine._current is None
+        assert psm._engine.backwards.current is None
         assert_exact_step(psm, model, x, target)
 
 
@@ -70,7 +70,7 @@ def test_exception_in_the_middle_of_a_backward() -> None:
             (out - target).pow(2).sum().backward()
         del out, failed_input
         assert_exact_step(psm, model, x, target)
-        assert psm._engine._current is None
+        assert psm._engine.backwards.current is None
         gc.collect()
         assert kept() is None  # nothing of the failed step is held: memory is back to baseline
 

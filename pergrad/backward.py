@@ -1,0 +1,140 @@
+"""The state of one backward pass, split by who writes it, and which backward a hook runs in.
+
+A backward pass is one autograd graph task. Its state is written by three parties, one part each:
+
+- ``Arrivals``: what the hooked layers delivered (each call's output gradient; per-sample
+  gradients where they are built as they arrive);
+- ``Accumulated``: what autograd's ``AccumulateGrad`` nodes saw (which parameters the backward
+  reached, autograd's own batch gradient), and what the taps passed on (``pergrad.reach``);
+- ``Written``: what pergrad wrote into ``.grad`` (``pergrad.grads``).
+
+``Backward`` holds them with what identifies the pass (its forward, its batch size, its loss scale)
+and how far its end-of-backward work went. ``Backwards`` tells, from inside a hook, which backward
+is running: a nested graph task of reentrant activation checkpointing is part of the backward that
+recomputed its segment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .calls import Call, Detached, Kept
+from .loss_scale import on_device
+
+
+@dataclass
+class Arrivals:
+    """What the hooked layers delivered in this backward."""
+
+    grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # built as they arrive (keep_grad_sample)
+    calls: list[Call] = field(default_factory=list)  # each call's (a, d), read at the end (keep_grad_sample=False)
+    passed: dict[nn.Parameter, None] = field(default_factory=dict)  # of calls whose (a, d) no one reads
+    outputs: dict[int, tuple[Kept, list[Tensor | None]]] = field(default_factory=dict)  # id(kept): each output's d
+    activation_grads: dict[str, Tensor] = field(default_factory=dict)
+    detached: list[Detached] = field(default_factory=list)  # of the calls whose output gradient arrived
+
+
+@dataclass
+class Accumulated:
+    """What autograd's ``AccumulateGrad`` nodes (and the taps in front of them) saw in this backward."""
+
+    reached: dict[nn.Parameter, None] = field(default_factory=dict)  # ordered set
+    ran: dict[nn.Parameter, None] = field(default_factory=dict)  # AccumulateGrad ran (autograd's part)
+    batch_grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # autograd's, in the samples' units
+    overwrite: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad holds autograd's sum only
+    probed: bool = False  # a probe anchor's AccumulateGrad ran (``detach.Detached``)
+    tapped: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # what each tap passed on
+    # what else reached a tapped parameter's AccumulateGrad: checked against its tap at the end
+    # (reentrant checkpointing runs it twice: the recomputed layers' part in a nested backward)
+    untapped: dict[nn.Parameter, list[Tensor]] = field(default_factory=dict)
+    matched: set[nn.Parameter] = field(default_factory=set)  # the tap's very tensor arrived
+
+
+@dataclass
+class Written:
+    """What pergrad wrote into ``.grad`` in this backward."""
+
+    params: dict[nn.Parameter, None] = field(default_factory=dict)  # in order
+    prior: dict[nn.Parameter, float] = field(default_factory=dict)  # samples already averaged into .grad
+
+
+@dataclass
+class Backward:
+    """One backward pass (one autograd graph task, with the nested ones that joined it)."""
+
+    task_id: int
+    loss_scale: Tensor | None = None  # the factor the loss was multiplied by (grad_scaler=, loss_scale=); None: 1
+    amp: bool = False  # a GradScaler's scale is part of it: a NaN or Inf is an overflow that must reach .grad
+    generation: int | None = None  # the forward it runs through
+    batch_size: int | None = None
+    first_layer: str = ""
+    nested: bool = False  # a nested backward of a recomputed segment joined it (reentrant checkpointing)
+    arrived: Arrivals = field(default_factory=Arrivals)
+    autograd: Accumulated = field(default_factory=Accumulated)
+    written: Written = field(default_factory=Written)
+    computed: bool = False  # the end-of-backward work ran (see ``Engine._graph_done``)
+    verified: bool = False  # this backward ran the first backward's check
+    error: BaseException | None = None  # what it raised, re-raised once the wrapper's communication is done
+
+    def to_grad_units(self, t: Tensor) -> Tensor:
+        """``t`` (in the samples' own units) in the units of ``.grad``: times the loss scale."""
+        return t if self.loss_scale is None else t * on_device(self.loss_scale, t)
+
+    def to_sample_units(self, t: Tensor) -> Tensor:
+        """A gradient autograd delivered (times the loss scale) in the samples' own units."""
+        return t if self.loss_scale is None else t / on_device(self.loss_scale, t)
+
+
+class Backwards:
+    """Which backward pass a hook runs in; ``start(task_id)`` makes the state of a new one."""
+
+    def __init__(self, start: Callable[[int], Backward]) -> None:
+        self._start = start
+        self.current: Backward | None = None
+        self._nested: dict[int, Backward] = {}  # graph tasks of nested backward passes -> the outer one's state
+        self._recomputing: int | None = None  # the backward that last recomputed a segment
+
+    def state(self) -> Backward:
+        """The state of the running backward pass. A nested one -- reentrant activation checkpointing
+        backwards a recomputed segment in a graph task of its own, inside the outer backward -- is part
+        of the backward that recomputed it (``recomputing``): one set of per-sample gradients, one
+        end-of-backward work, when the outer backward ends."""
+        task = torch._C._current_graph_task_id()
+        current = self.current
+        if current is not None and current.task_id != task:
+            if current.task_id == self._recomputing:
+                self._nested[task] = current
+                current.nested = True
+            nested = self._nested.get(task)
+            if nested is not None:
+                return nested
+        if current is not None and current.task_id == task:
+            return current
+        self.current = self._start(task)
+        return self.current
+
+    def recomputing(self) -> None:
+        """A hooked layer is called inside the running backward (activation checkpointing computes a
+        segment again): a backward that starts while it runs is that segment's."""
+        self._recomputing = self.state().task_id
+
+    def forward(self) -> None:
+        """A forward of the model starts: no backward is recomputing a segment any more."""
+        self._recomputing = None
+
+    def ended(self, state: Backward) -> None:
+        """``state``'s backward ended (its nested ones with it)."""
+        if self.current is state:
+            self.current = None
+        self._nested.clear()
+        self._recomputing = None
+
+
+def queue_at_end(callback: Callable[[], Any]) -> None:
+    """Run ``callback`` when the running backward's graph has run (after callbacks queued before it)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
