@@ -191,7 +191,7 @@ def running_ddp(model: nn.Module) -> DistributedDataParallel | None:
     return cast(DistributedDataParallel, ddp)
 
 
-def _parameters(bucket: dist.GradBucket) -> list[nn.Parameter]:
+def _bucket_params(bucket: dist.GradBucket) -> list[nn.Parameter]:
     return cast(list[nn.Parameter], bucket.parameters())
 
 
@@ -200,7 +200,7 @@ class _Held:
 
     def __init__(self, bucket: dist.GradBucket) -> None:
         self.bucket = bucket
-        self.params = _parameters(bucket)
+        self.params = _bucket_params(bucket)
         self.views: list[Tensor] = bucket.gradients()  # each parameter's place in bucket.buffer()
         self.future: torch.futures.Future[Tensor] = torch.futures.Future()
 
@@ -288,12 +288,12 @@ class DataParallel(World):
             self._state, self._held, self._slots = state, [], {}
             if engine.running_mean:
                 self._count(state)
-        if any(engine.may_write(p) for p in _parameters(bucket)):
+        if any(engine.may_write(p) for p in _bucket_params(bucket)):
             held = _Held(bucket)
             self._held.append(held)
             self._slots.update(zip(held.params, held.views))
             return held.future
-        return self._reduce(bucket, _parameters(bucket), bucket.gradients())
+        return self._reduce(bucket, _bucket_params(bucket), bucket.gradients())
 
     def flush(self, state: Backward, failed: bool) -> None:
         """pergrad wrote its part into the held-back buckets: reduce them, in DDP's order."""

@@ -422,11 +422,11 @@ class PerSampleModule:
         """Find the layers and parameters of the model as it is now, and what the transforms cover."""
         model = self.module
         self._layers = _discover(model, self._registry, self._fallback)
-        self._modules = list(model.modules())
-        self._layout = _layout(self._modules, self._canonical)
+        self._submodules = list(model.modules())
+        self._layout = _layout(self._submodules, self._canonical)
         engine = self._engine
         engine.param_names = {self._canonical(p): name for name, p in model.named_parameters() if p.requires_grad}
-        self._lazy = any(map(_lazy, self._modules))
+        self._lazy = any(map(_lazy, self._submodules))
         # a call that materialises a lazy module is bound at its end (``_after_call``) and its backward
         # checked (``verify``), which needs every weight attached: none runs detached until then
         engine.detach_transformed = self._detach_transformed and not self._lazy
@@ -468,7 +468,7 @@ class PerSampleModule:
                 world.install()
                 self._engine.world = world
         self._engine.on_forward()
-        if self._engine.closed or _layout(self._modules, self._canonical) == self._layout:
+        if self._engine.closed or _layout(self._submodules, self._canonical) == self._layout:
             return
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
             return  # torch.func or the compiler runs the model with parameters of its own

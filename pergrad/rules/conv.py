@@ -18,7 +18,7 @@ from ..layout import new_buffer, owned
 from ..registry import FusedRule, default_registry
 from .linear import gram_is_cheaper, outer_sq_norms
 
-_ConvNd = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def conv_padding(layer: nn.Module) -> list[int]:
@@ -26,7 +26,7 @@ def conv_padding(layer: nn.Module) -> list[int]:
 
     ``padding="same"`` may pad one more on the right than on the left (even effective kernel).
     """
-    assert isinstance(layer, _ConvNd)
+    assert isinstance(layer, _CONVS)
     kernel, dilation = layer.kernel_size, layer.dilation
     if isinstance(layer.padding, str):
         if layer.padding == "valid":
@@ -41,7 +41,7 @@ def conv_padding(layer: nn.Module) -> list[int]:
 
 def padded_input(layer: nn.Module, a: Tensor) -> Tensor:
     """The input exactly as the convolution sees it after padding (any ``padding_mode``)."""
-    assert isinstance(layer, _ConvNd)
+    assert isinstance(layer, _CONVS)
     pad = conv_padding(layer)
     if not any(pad):
         return a
@@ -65,7 +65,7 @@ def patches(x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], dilatio
     return x
 
 
-@default_registry.register(*_ConvNd, batch_dim_fixed=True)
+@default_registry.register(*_CONVS, batch_dim_fixed=True)
 def conv(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``g_i(W)[g, o, c, k] = sum_l d_i[g, o, l] * patch_i[g, c, l, k]``, ``g_i(b)[o] = sum_l d_i[o, l]``.
 
@@ -73,7 +73,7 @@ def conv(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     group, l output positions (flattened), k kernel positions (flattened).
     a: [n, C, *spatial] (C = g*c), d: [n, O, *out_positions] (O = g*o).
     """
-    assert isinstance(layer, _ConvNd)
+    assert isinstance(layer, _CONVS)
     out: dict[str, Tensor] = {}
     n, groups = a.shape[0], layer.groups
     if layer.weight.requires_grad and _batch_as_groups_is_faster(layer, a, d):
@@ -91,7 +91,7 @@ def conv(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
 def _input_and_padding(layer: nn.Module, a: Tensor) -> tuple[Tensor, list[int]]:
     """The input and padding to hand ``aten.convolution`` (and its backward): zero padding that is
     the same on both sides is left to the convolution; anything else is applied to a copy."""
-    assert isinstance(layer, _ConvNd)
+    assert isinstance(layer, _CONVS)
     pad = conv_padding(layer)
     if layer.padding_mode == "zeros" and pad[0::2] == pad[1::2]:
         return a, pad[-2::-2]
@@ -105,7 +105,7 @@ def _batch_as_groups_is_faster(layer: nn.Module, a: Tensor, d: Tensor) -> bool:
     memory-bound, so it loses on 2-D/3-D inputs with many channels and many output positions;
     it wins for few input channels (an RGB stem), few positions, and 1-D inputs.
     """
-    assert isinstance(layer, _ConvNd)
+    assert isinstance(layer, _CONVS)
     channels = a.shape[1] // layer.groups
     positions = math.prod(d.shape[2:])
     return a.dim() >= 4 and channels >= 8 and positions >= 4 * channels
@@ -117,7 +117,7 @@ def _batch_as_groups(layer: nn.Module, a: Tensor, d: Tensor) -> Tensor:
     with ``n*g`` groups, so that no group mixes two samples. Computed by the convolution's own
     weight backward, with no unfolded copy of the input.
     """
-    assert isinstance(layer, _ConvNd)
+    assert isinstance(layer, _CONVS)
     n, groups = a.shape[0], layer.groups
     stride, zeros, dilation, _ = _conv_args(layer)
     x, padding = _input_and_padding(layer, a)
@@ -135,7 +135,7 @@ def _batch_as_groups(layer: nn.Module, a: Tensor, d: Tensor) -> Tensor:
 def im2col(layer: nn.Module, a: Tensor) -> Tensor:
     """``[n, C, *spatial] -> [n, C*k, l]``: every receptive field of the padded input as a column,
     channels major and kernel positions minor (the weight's layout). ``F.unfold`` for 1-D and 2-D."""
-    assert isinstance(layer, _ConvNd)
+    assert isinstance(layer, _CONVS)
     if a.dim() <= 4:
         x, padding = _input_and_padding(layer, a)  # unfold zero-pads by itself, without a copy
         kernel, dilation, stride = layer.kernel_size, layer.dilation, layer.stride
@@ -153,7 +153,7 @@ def im2col(layer: nn.Module, a: Tensor) -> Tensor:
 def _as_linear(layer: nn.Module, a: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
     """Patches ``[n*g, l, c*k]`` and output gradients ``[n*g, l, o]`` (one row per group), as
     transposed views: the Linear layout, with no copy beyond the unfold."""
-    assert isinstance(layer, _ConvNd)
+    assert isinstance(layer, _CONVS)
     n, groups = a.shape[0], layer.groups
     cols = im2col(layer, a)  # [n, C*k, l]
     p = cols.reshape(n * groups, cols.shape[1] // groups, cols.shape[2]).transpose(1, 2)
@@ -163,7 +163,7 @@ def _as_linear(layer: nn.Module, a: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
 
 def conv_sq_norms(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``||g_i(W)||^2``: the Linear norm on unfolded patches, summed over groups."""
-    assert isinstance(layer, _ConvNd)
+    assert isinstance(layer, _CONVS)
     out = {}
     if layer.weight.requires_grad and _batch_as_groups_is_faster(layer, a, d):
         out["weight"] = torch.linalg.vector_norm(_batch_as_groups(layer, a, d).flatten(1), dim=1).square()
@@ -176,14 +176,14 @@ def conv_sq_norms(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
 
 
 def _conv_args(layer: nn.Module) -> tuple[list[int], list[int], list[int], int]:
-    assert isinstance(layer, _ConvNd)
+    assert isinstance(layer, _CONVS)
     zeros = [0] * len(layer.kernel_size)
     return list(layer.stride), zeros, list(layer.dilation), layer.groups
 
 
 def conv_summed(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``sum_i g_i``: the convolution's own weight/bias backward (no unfold)."""
-    assert isinstance(layer, _ConvNd)
+    assert isinstance(layer, _CONVS)
     stride, zeros, dilation, groups = _conv_args(layer)
     x, padding = _input_and_padding(layer, a)
     out = {}
@@ -198,7 +198,7 @@ def conv_summed(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
 
 def conv_dots(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]) -> dict[str, Tensor]:
     """``<g_i(W), G> = sum_{o,l} d_i[o, l] * conv(a_i, G)[o, l]``: one convolution, no unfold."""
-    assert isinstance(layer, _ConvNd)
+    assert isinstance(layer, _CONVS)
     out = {}
     if layer.weight.requires_grad:
         stride, zeros, dilation, groups = _conv_args(layer)
@@ -212,7 +212,7 @@ def conv_dots(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]) 
 
 def conv_builds(layer: nn.Module, a: Tensor, d: Tensor) -> bool:
     """Whether ``conv_sq_norms`` builds every ``g_i`` (batch-as-groups or outer product, not Gram)."""
-    assert isinstance(layer, _ConvNd)
+    assert isinstance(layer, _CONVS)
     if _batch_as_groups_is_faster(layer, a, d):
         return True
     channels, positions = a.shape[1] // layer.groups, math.prod(d.shape[2:])
@@ -221,7 +221,7 @@ def conv_builds(layer: nn.Module, a: Tensor, d: Tensor) -> bool:
 
 
 default_registry.register_fused(
-    _ConvNd, FusedRule(conv_sq_norms, conv_summed, conv_dots, bilinear=True, builds=conv_builds)
+    _CONVS, FusedRule(conv_sq_norms, conv_summed, conv_dots, bilinear=True, builds=conv_builds)
 )
 
 
@@ -235,7 +235,7 @@ def _twin(layer: nn.Module) -> nn.Module:
     with the same kernel, stride, dilation and groups, on input padded beforehand (meta device:
     shapes only)."""
     assert isinstance(layer, _ConvTransposeNd)
-    conv_type = _ConvNd[_ConvTransposeNd.index(type(layer))]
+    conv_type = _CONVS[_ConvTransposeNd.index(type(layer))]
     # from the weight, [C_in, C_out / g, *kernel]: a lazy layer materialised by load_state_dict keeps in_channels=0
     c_in, c_out = layer.weight.shape[0], layer.weight.shape[1] * layer.groups
     geometry: dict[str, Any] = {
