@@ -417,7 +417,7 @@ class Engine:
             else Fused(state.arrived.calls, None if self.world is None else self.world.canonical)
         )
         write = functools.partial(self.writer.add, state=state)
-        return Batch(state, source, list(state.autograd.reached), self.param_names, write, owned)
+        return Batch(state, source, dict(state.autograd.reached), self.param_names, write, owned)
 
     def _flush_outputs(self, state: Backward) -> None:
         """Run the rules that take every output's gradient, once per call (see ``RuleSpec.output_dims``)."""
@@ -457,4 +457,4 @@ class Engine:
             self.verify_backwards -= 1
             state.verified = True
             grads = state.autograd.batch_grads
-            check_sums(source, batch.params, grads, batch.size, self.loss_reduction, self.param_names)
+            check_sums(source, list(batch.params), grads, batch.size, self.loss_reduction, self.param_names)

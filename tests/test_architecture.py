@@ -82,15 +82,18 @@ def test_a_cycle_is_found() -> None:
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
+def _on_self(node: ast.Attribute) -> bool:
+    return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+
+
 def _private_names(tree: ast.AST) -> set[str]:
     """Underscored names a module defines: functions, classes, methods, ``self._x`` attributes."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
-                names.add(node.attr)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _on_self(node):
+            names.add(node.attr)
     for statement in getattr(tree, "body", []):  # module-level names
         for target in getattr(statement, "targets", [getattr(statement, "target", None)]):
             if isinstance(target, ast.Name):
@@ -108,13 +111,12 @@ def _foreign_reads(name: str) -> list[str]:
     others = set().union(*(names for other, names in PRIVATE.items() if other != name)) - own
     found = []
     for node in ast.walk(TREES[name]):
-        if isinstance(node, ast.ImportFrom) and node.level or (
+        if (isinstance(node, ast.ImportFrom) and node.level) or (
             isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pergrad")
         ):
             found += [alias.name for alias in node.names if alias.name.startswith("_")]
-        elif isinstance(node, ast.Attribute) and node.attr in others:
-            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
-                found.append(f"{ast.unparse(node.value)}.{node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr in others and not _on_self(node):
+            found.append(f"{ast.unparse(node.value)}.{node.attr}")
     return found
 
 

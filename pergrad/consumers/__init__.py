@@ -35,7 +35,7 @@ class Batch:
 
     state: Backward
     source: Materialized | Fused
-    params: list[nn.Parameter]  # the parameters the backward reached, in order
+    params: dict[nn.Parameter, None]  # the parameters the backward reached, in order (an ordered set)
     names: dict[nn.Parameter, str]  # every trainable parameter's name in the wrapped model
     write: Callable[[nn.Parameter, Tensor], None]  # add a reduction (in .grad's units) to .grad
     owned: list[nn.Parameter]  # ran detached with no transform: .grad is the plain reduction
