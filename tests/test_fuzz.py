@@ -320,7 +320,9 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
         # a term of the loss on one parameter from step 2 on (a warm-up regulariser): refused where a
         # transform covers the parameter (pergrad could not split it into samples), autograd's elsewhere
         candidates = [n for n in always if n != hook_name] if accumulation == "none" else []
-        probe = data.draw(st.sampled_from([False, False, True]), label="a partial backward after each step")
+        # (torch refuses torch.autograd.grad through a reentrant checkpoint: not drawn with one)
+        probes = [False, False, True] if model.checkpoint != "reentrant" else [False]
+        probe = data.draw(st.sampled_from(probes), label="a partial backward after each step")
         late = None
         if candidates and data.draw(st.booleans(), label="a term from step 2 on"):
             late = data.draw(st.sampled_from(candidates), label="its parameter")
