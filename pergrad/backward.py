@@ -74,6 +74,7 @@ class Backward:
     batch_size: int | None = None
     first_layer: str = ""
     nested: bool = False  # a nested backward of a recomputed segment joined it (reentrant checkpointing)
+    create_graph: bool = False  # backward(create_graph=True): what pergrad computes is differentiable too
     arrived: Arrivals = field(default_factory=Arrivals)
     autograd: Accumulated = field(default_factory=Accumulated)
     written: Written = field(default_factory=Written)

@@ -122,6 +122,7 @@ class Wrapper(Protocol):
     keep_grad_sample: bool
     track_norms: bool
     second_moments: bool  # elementwise second moments are tracked
+    second_order: bool  # a backward with create_graph=True ran: its derivatives need every weight attached
     taps: Taps
 
     @property
@@ -208,7 +209,7 @@ class Detacher:
         engine = self.engine
         if generation != self._generation:
             self._generation, self._decided, self.current = generation, {}, set()
-        if not engine.detach_transformed or engine.closed or engine.verify_backwards > 0:
+        if not engine.detach_transformed or engine.closed or engine.verify_backwards > 0 or engine.second_order:
             return None
         if engine.world is not None and not engine.world.detaches:
             return None

@@ -31,6 +31,7 @@ transforms see them), and what pergrad writes into ``.grad`` is multiplied by ``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, cast
 
@@ -45,7 +46,7 @@ from .consumers.norms import Norms
 from .consumers.reduction import Reduction
 from .consumers.statistics import TrackStatistics
 from .detach import Detacher, has_tensor_hooks
-from .errors import BatchSizeError, HookStateError, module_label
+from .errors import BatchSizeError, HookStateError, SecondOrderError, module_label
 from .grads import GradWriter
 from .layout import allocating_from
 from .loss_scale import LossScale, on_device
@@ -96,6 +97,7 @@ class Engine:
         self.loss_scale = loss_scale  # the GradScaler's (grad_scaler=)
         self.loss_factor = loss_factor  # the user's own (loss_scale=: gradient accumulation dividing the loss)
         self.closed = False
+        self.second_order = False  # a backward with create_graph=True ran: no weight runs detached any more
         self.layers: list[HookedLayer] = []  # the hooked layers (for messages)
         self.targets = Targets()
         self.backwards = Backwards(self._start)
@@ -177,16 +179,19 @@ class Engine:
                 self.after_removal.on_output_grad(kept, d)
             return
         computes = self.keep_grad_sample or self.keep_activation_grads or kept.layer.spec.parametrized
-        if not (computes or torch.is_grad_enabled()):  # records (a, d) only: nothing to compute or keep off the graph
+        if not (computes or torch.is_grad_enabled()):  # records (a, d) only: nothing to compute
             self._arrived(kept, d, part)
             return
-        # rules compute in the parameters' dtype, and build no graph
-        with no_autocast(d.device.type), torch.no_grad():
+        # rules compute in the parameters' dtype; they build a graph only in a backward with
+        # create_graph=True (grad mode is on in its hooks), where per-sample gradients are differentiable
+        with no_autocast(d.device.type):
             self._arrived(kept, d, part)
 
     def _arrived(self, kept: Kept, d: Tensor, part: int | None) -> None:
         state = self.backwards.state()
         self._check_batch(state, kept, d, part)
+        if state.create_graph:
+            self._check_second_order(kept)
         layer = kept.layer
         # each sample's own output gradient is scale * d: the loss averaged over the batch
         scale = float(kept.batch_size) if self.loss_reduction == "mean" else 1.0
@@ -239,6 +244,29 @@ class Engine:
                 f"batch of {kept.batch_size} samples of its input"
             )
 
+    def _check_second_order(self, kept: Kept) -> None:
+        """A backward with ``create_graph=True`` differentiates what pergrad computes: refuse where that
+        derivative would be missing (never a silently constant tensor)."""
+        layer = kept.layer
+        if kept.detached is not None:
+            raise SecondOrderError(
+                f"backward(create_graph=True) reached {layer.label}, whose forward ran its weight detached (from "
+                "the second backward on, pergrad writes a transformed weight's .grad itself and autograd skips it), "
+                "so nothing computed from its per-sample gradients could be differentiated through that weight. "
+                "Pass detach_transformed=False to PerSampleModule (pergrad also stops detaching once it has seen "
+                "a backward with create_graph=True)."
+            )
+        if layer.spec.parametrized:
+            raise SecondOrderError(
+                f"backward(create_graph=True): the per-sample gradients of {layer.label} are pulled back through its "
+                "parametrization by a rule that is not differentiable yet. Remove the parametrization (or freeze "
+                "its parameters) for second-order use."
+            )
+
+    def _buffers(self, state: Backward) -> contextlib.AbstractContextManager[Any]:
+        """Rules write into the pool's recycled buffers, except where autograd records them (second order)."""
+        return contextlib.nullcontext() if state.create_graph else allocating_from(self.pool.take)
+
     def _use(self, state: Backward, kept: Kept, d: Any, scale: float) -> None:
         """Turn one call's output gradient into per-sample gradients (or keep it for the end)."""
         layer, arrived = kept.layer, state.arrived
@@ -248,7 +276,7 @@ class Engine:
                 return
             built = None
             if layer.spec.parametrized and kept.batch_size > 0:  # it needs the forward's graph: now, not at the end
-                with allocating_from(self.pool.take):
+                with self._buffers(state):
                     built = run_rule(layer, kept.a, d, scale)
             arrived.calls.append(Call(layer, kept.a, d, scale, built))
             return
@@ -256,7 +284,7 @@ class Engine:
             like = d if isinstance(d, Tensor) else next(g for g in d if g is not None)
             per_sample = {n: like.new_zeros((0, *p.shape)) for n, p in layer.trainable()}
         else:
-            with allocating_from(self.pool.take):
+            with self._buffers(state):
                 per_sample = run_rule(layer, kept.a, d, scale)
         for name, g in per_sample.items():
             param = self.canonical(layer.module.get_parameter(name))  # FSDP: the layer holds the unsharded one now
@@ -346,7 +374,9 @@ class Engine:
         amp = None if self.loss_scale is None else self.loss_scale()
         factor = None if self.loss_factor is None else self.loss_factor()
         scale = amp if factor is None else factor if amp is None else amp * on_device(factor, amp)
-        state = Backward(task, loss_scale=scale, amp=amp is not None)
+        # in its hooks grad mode is that of the backward: on only with create_graph=True
+        state = Backward(task, loss_scale=scale, amp=amp is not None, create_graph=torch.is_grad_enabled())
+        self.second_order = self.second_order or state.create_graph  # no weight runs detached from now on
         # Queued by the first hook of the backward, so before the callbacks DDP and FSDP queue
         # later in it (DDP's waits for its buckets' all-reduce).
         queue_at_end(lambda: self._graph_done(state))
@@ -385,8 +415,9 @@ class Engine:
         state.computed = True
         first = next(iter(state.autograd.reached), None)
         device = "cpu" if first is None else first.device.type
+        grad_mode = torch.enable_grad() if state.create_graph else no_grad()  # second order: differentiable
         try:
-            with no_autocast(device), no_grad(), allocating_from(self.pool.take):
+            with no_autocast(device), grad_mode, self._buffers(state):
                 self._end(state)
         except Exception as err:
             state.error = err

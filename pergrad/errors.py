@@ -73,3 +73,8 @@ class TokenLossWarning(UserWarning):
 
 class StatisticNotTrackedError(PergradError, RuntimeError):
     """A statistic that ``track_statistics`` did not ask for was read."""
+
+
+class SecondOrderError(PergradError, RuntimeError):
+    """A backward with ``create_graph=True`` asks for differentiable per-sample gradients where pergrad
+    cannot give them (a weight that ran detached, a layer whose rule is not differentiable)."""

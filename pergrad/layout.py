@@ -51,6 +51,13 @@ def fresh_buffer(shape: tuple[int, ...], like: Tensor) -> Tensor:
     return out
 
 
+def recorded() -> bool:
+    """Whether autograd records what the rules compute: in a backward with ``create_graph=True``
+    (second order), where per-sample gradients must be differentiable, so no ``out=`` buffers and
+    nothing scaled in place."""
+    return torch.is_grad_enabled()
+
+
 def new_buffer(shape: tuple[int, ...], like: Tensor) -> Tensor:
     """An uninitialised tensor for a rule's result (``like``'s dtype and device).
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .calls import Call, HookedLayer, Kept
-from .layout import new_buffer, recording_buffers
+from .layout import new_buffer, recorded, recording_buffers
 from .registry import FusedRule, OutputGrads
 
 Params = Iterable[nn.Parameter]
@@ -53,7 +53,8 @@ def in_parameter_dtype(kept: Kept, d: Tensor) -> tuple[Kept, Tensor]:
 
 def _weighted(d: Tensor, weights: Tensor, drop: Tensor | None = None) -> Tensor:
     """``w_i d_i`` per sample; samples in ``drop`` give exactly 0 (even where ``d_i`` is NaN)."""
-    out = torch.mul(d, weights.view(-1, *([1] * (d.dim() - 1))), out=new_buffer(tuple(d.shape), d))
+    w = weights.view(-1, *([1] * (d.dim() - 1)))
+    out = d * w if recorded() else torch.mul(d, w, out=new_buffer(tuple(d.shape), d))
     return out if drop is None else _zero_rows(out, drop)
 
 
@@ -152,6 +153,8 @@ def run_rule(layer: HookedLayer, a: Any, d: Tensor | OutputGrads, scale: float =
         return layer.spec.fn(layer.module, a, d)
     if not isinstance(d, Tensor):  # every output's gradient (RuleSpec.output_dims): small per-sample rules
         return layer.spec.fn(layer.module, a, tuple(None if g is None else g * scale for g in d))
+    if recorded():  # second order: nothing in place, nothing into out= buffers
+        return layer.spec.fn(layer.module, a, d * scale)
     built_size = d.shape[0] * sum(p.numel() for _, p in layer.trainable())
     if d.numel() * COPY_D_BELOW <= built_size:
         return layer.spec.fn(layer.module, a, torch.mul(d, scale, out=new_buffer(tuple(d.shape), d)))

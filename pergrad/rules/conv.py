@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..layout import new_buffer, owned
+from ..layout import new_buffer, owned, recorded
 from ..registry import FusedRule, default_registry
 from .linear import gram_is_cheaper, outer_sq_norms
 
@@ -80,9 +80,12 @@ def conv(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
         out["weight"] = _batch_as_groups(layer, a, d)
     elif layer.weight.requires_grad:
         p, dg = _as_linear(layer, a, d)  # [n*g, l, c*k], [n*g, l, o]
-        result = new_buffer((n, *layer.weight.shape), d)
-        torch.bmm(dg.transpose(1, 2), p, out=result.view(n * groups, -1, p.shape[2]))  # ngol,ngclk->ngock
-        out["weight"] = result
+        if recorded():  # (second order: no out= buffer)
+            out["weight"] = torch.bmm(dg.transpose(1, 2), p).view(n, *layer.weight.shape)
+        else:
+            result = new_buffer((n, *layer.weight.shape), d)
+            torch.bmm(dg.transpose(1, 2), p, out=result.view(n * groups, -1, p.shape[2]))  # ngol,ngclk->ngock
+            out["weight"] = result
     if layer.bias is not None and layer.bias.requires_grad:
         out["bias"] = owned(d.flatten(2).sum(2))
     return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..layout import new_buffer, owned, rows
+from ..layout import new_buffer, owned, recorded, rows
 from ..registry import FusedRule, Moments, default_registry
 
 
@@ -36,6 +36,8 @@ def outer_sums(left: Tensor, right: Tensor) -> Tensor:
     right: [n, *s, r] -> [n, l, r]. ``outer_sums(d, a)`` is a Linear's weight gradient,
     ``outer_sums(a, d)`` the one of a weight stored transposed.
     """
+    if recorded():
+        return torch.einsum("n...l,n...r->nlr", left, right)
     result = new_buffer((left.shape[0], left.shape[-1], right.shape[-1]), left)
     if left.dim() == 2:
         # one position per sample: an outer product, written once, nothing summed

@@ -1,0 +1,206 @@
+"""Differentiating through per-sample gradients: after ``loss.backward(create_graph=True)``, penalties
+built from ``grad_sample``, from the per-sample norms, and from the transformed ``.grad`` have the
+gradient torch.func's double differentiation gives, in float64, on every step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from pergrad import PerSampleModule, SecondOrderError, transforms
+
+Params = dict[str, Tensor]
+
+
+class Seq(nn.Module):
+    """A layer on [B, T, D] followed by a head on the flattened positions."""
+
+    def __init__(self, layer: nn.Module, positions: int, width: int) -> None:
+        super().__init__()
+        self.layer, self.head = layer, nn.Linear(positions * width, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.layer(x)
+        h = h[0] if isinstance(h, tuple) else h
+        return self.head(torch.tanh(h).flatten(1))
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+class Tokens(nn.Module):
+    def __init__(self, positions: int) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(7, 3), nn.Linear(3 * positions, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.emb(x)).flatten(1))
+
+
+def _model(family: str, t: int) -> tuple[nn.Module, Callable[[int], Tensor]]:
+    """A model of ``family`` with ``t`` positions per sample, and a maker of its input batches."""
+    if family == "mlp":
+        model: nn.Module = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+        return model, lambda b: torch.randn(b, 4)
+    if family == "linear_seq":
+        return Seq(nn.Linear(3, 3), t, 3), lambda b: torch.randn(b, t, 3)
+    if family == "conv1d":
+        model = nn.Sequential(nn.Conv1d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(3 * t, 2))
+        return model, lambda b: torch.randn(b, 2, t)
+    if family == "conv2d":
+        model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1, groups=2), nn.Tanh(), nn.Flatten(), nn.Linear(2 * t, 2))
+        return model, lambda b: torch.randn(b, 2, 1, t)
+    if family == "conv_transpose":
+        model = nn.Sequential(nn.ConvTranspose1d(2, 2, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(2 * t, 2))
+        return model, lambda b: torch.randn(b, 2, t)
+    if family == "layer_norm":
+        return Seq(nn.LayerNorm(3), t, 3), lambda b: torch.randn(b, t, 3)
+    if family == "group_norm":
+        model = nn.Sequential(nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(), nn.Linear(4 * t, 2))
+        return model, lambda b: torch.randn(b, 4, t)
+    if family == "embedding":
+        return Tokens(t), lambda b: torch.randint(0, 7, (b, t))
+    if family == "attention":
+        return Seq(Attention(4), t, 4), lambda b: torch.randn(b, t, 4)
+    if family in ("rnn", "lstm", "gru"):
+        cell = {"rnn": nn.RNN, "lstm": nn.LSTM, "gru": nn.GRU}[family]
+        return Seq(cell(3, 3, batch_first=True), t, 3), lambda b: torch.randn(b, t, 3)
+    raise AssertionError(family)
+
+
+FAMILIES = [
+    "mlp", "linear_seq", "conv1d", "conv2d", "conv_transpose", "layer_norm", "group_norm", "embedding",
+    "attention", "rnn", "lstm", "gru",
+]  # fmt: skip
+
+
+def _sample_loss(model: nn.Module) -> Callable[[Params, Tensor, Tensor], Tensor]:
+    def f(params: Params, xi: Tensor, yi: Tensor) -> Tensor:
+        return (functional_call(model, params, (xi.unsqueeze(0),)) - yi.unsqueeze(0)).pow(2).sum()
+
+    return f
+
+
+def reference(model: nn.Module, x: Tensor, y: Tensor, penalty: Callable[[Params], Tensor]) -> Params:
+    """``d penalty(g_1..g_B) / d theta`` by torch.func: ``grad`` of a function of ``vmap(grad(f_i))``."""
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    per_sample = vmap(grad(_sample_loss(model)), in_dims=(None, 0, 0))
+    return grad(lambda ps: penalty(per_sample(ps, x, y)))(params)
+
+
+def sq_norms(g: Params) -> Tensor:
+    """``||g_i||^2`` over every parameter: [B]."""
+    return torch.stack([t.flatten(1).square().sum(1) for t in g.values()]).sum(0)
+
+
+def clipped_mean(g: Params, bound: float) -> Params:
+    factor = (bound / sq_norms(g).sqrt()).clamp(max=1)
+    return {k: (t * factor.view(-1, *([1] * (t.dim() - 1)))).mean(0) for k, t in g.items()}
+
+
+def close(actual: dict[str, Tensor | None], expected: Params, what: str) -> None:
+    for name, want in expected.items():
+        got = actual[name]
+        assert got is not None, f"{what}: no gradient for {name}"
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10, msg=lambda m, n=name: f"{what} {n}: {m}")
+
+
+def _setup(family: str, t: int, seed: int = 0) -> tuple[nn.Module, Callable[[int], Tensor]]:
+    torch.manual_seed(seed)
+    model, inputs = _model(family, t)
+    return model.double(), lambda b: inputs(b).double() if family != "embedding" else inputs(b)
+
+
+STEPS = 3  # the shortcuts of later backward passes start at the second
+
+
+@pytest.mark.parametrize("t", [15, 17])  # both sides of detach.MANY
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grad_sample_is_differentiable(family: str, t: int) -> None:
+    """``mean_i ||g_i||^2`` from ``grad_sample`` (the per-sample gradient penalty)."""
+    model, inputs = _setup(family, t)
+    psm = PerSampleModule(model)
+    names = dict(model.named_parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(STEPS):
+        b = 4 + step
+        x, y = inputs(b), torch.randn(b, 2, dtype=torch.float64)
+        expected = reference(model, x, y, lambda g: sq_norms(g).mean())
+        optimizer.zero_grad()
+        loss = (psm(x) - y).pow(2).sum() / b
+        loss.backward(create_graph=True)
+        penalty = sq_norms({n: p.grad_sample for n, p in names.items()}).mean()  # type: ignore[attr-defined]
+        got = torch.autograd.grad(penalty, list(names.values()))
+        close(dict(zip(names, got)), expected, f"{family}, step {step}")
+        optimizer.step()
+
+
+@pytest.mark.parametrize("t", [15, 17])
+@pytest.mark.parametrize("family", ["mlp", "linear_seq", "conv1d", "conv_transpose", "layer_norm", "embedding"])
+def test_norms_are_differentiable_without_grad_sample(family: str, t: int) -> None:
+    """``per_sample_norms()`` with ``keep_grad_sample=False``: the fused (outer-product, Gram) forms."""
+    model, inputs = _setup(family, t)
+    psm = PerSampleModule(model, keep_grad_sample=False, track_norms=True)
+    names = dict(model.named_parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(STEPS):
+        b = 4 + step
+        x, y = inputs(b), torch.randn(b, 2, dtype=torch.float64)
+        expected = reference(model, x, y, lambda g: sq_norms(g).mean())
+        optimizer.zero_grad()
+        ((psm(x) - y).pow(2).sum() / b).backward(create_graph=True)
+        penalty = torch.stack([n.square() for n in psm.per_sample_norms().values()]).sum(0).mean()
+        got = torch.autograd.grad(penalty, list(names.values()))
+        close(dict(zip(names, got)), expected, f"{family}, step {step}")
+        optimizer.step()
+
+
+@pytest.mark.parametrize("keep_grad_sample", [True, False], ids=["materialised", "fused"])
+@pytest.mark.parametrize("t", [15, 17])
+@pytest.mark.parametrize("family", ["mlp", "linear_seq", "conv1d", "embedding"])
+def test_the_clipped_grad_is_differentiable(family: str, t: int, keep_grad_sample: bool) -> None:
+    """``||(1/B) sum_i clip(g_i)||^2``: differentiating through per-sample clipping."""
+    model, inputs = _setup(family, t)
+    psm = PerSampleModule(model, keep_grad_sample=keep_grad_sample)
+    psm.register_transform(model, transforms.clip_norm(0.3))
+    names = dict(model.named_parameters())
+    for step in range(STEPS):
+        b = 4 + step
+        x, y = inputs(b), torch.randn(b, 2, dtype=torch.float64)
+        expected = reference(model, x, y, lambda g: sq_norms({k: v[None] for k, v in clipped_mean(g, 0.3).items()}).sum())
+        for p in names.values():
+            p.grad = None
+        ((psm(x) - y).pow(2).sum() / b).backward(create_graph=True)
+        penalty = sum(p.grad.square().sum() for p in names.values())  # type: ignore[union-attr]
+        got = torch.autograd.grad(penalty, list(names.values()))
+        close(dict(zip(names, got)), expected, f"{family}, step {step}")
+        with torch.no_grad():
+            for p in names.values():
+                p -= 0.05 * p.grad  # type: ignore[operator]
+
+
+def test_a_detached_weight_is_refused_with_the_fix() -> None:
+    """A forward that ran a weight detached (after plain backward passes) cannot be differentiated
+    through it: a clear error, never a silently constant penalty."""
+    model, inputs = _setup("conv1d", 17)
+    psm = PerSampleModule(model)
+    psm.register_transform(model, transforms.clip_norm(1.0))
+    for _ in range(2):
+        x, y = inputs(4), torch.randn(4, 2, dtype=torch.float64)
+        ((psm(x) - y).pow(2).sum() / 4).backward()
+    x = inputs(4)
+    with pytest.raises(SecondOrderError, match="ran its weight detached.*detach_transformed=False"):
+        ((psm(x) - y).pow(2).sum() / 4).backward(create_graph=True)
+    # from then on nothing runs detached: the next create_graph backward works
+    ((psm(x) - y).pow(2).sum() / 4).backward(create_graph=True)
+    assert all(p.grad is not None and p.grad.requires_grad for p in model.parameters())
