@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
 from ..errors import BatchMixingError, PergradError, UnsupportedLayerError
+from ..layout import recorded
 from ..registry import LayerCall, OutputGrads, default_registry, output_tensors
 
 
@@ -79,7 +80,8 @@ def fallback(
     tensor ``d`` is the gradient of the first tensor output alone (a rule registered without
     ``output_dims``).
     """
-    own = {n: p.detach() for n, p in layer.named_parameters() if p.requires_grad}
+    # create_graph=True: g_i differentiable, so the parameters stay in the outer graph
+    own = {n: p if recorded() else p.detach() for n, p in layer.named_parameters() if p.requires_grad}
     if not own:
         return {}
     grads, out_dims = ((d,), (call.batch_dim,)) if isinstance(d, Tensor) else (d, call.output_dims)

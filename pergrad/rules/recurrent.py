@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from ..errors import UnsupportedLayerError
+from ..layout import recorded
 from ..registry import LayerCall, OutputGrads, default_registry, output_tensors
 
 _Recurrent = (nn.RNN, nn.GRU, nn.LSTM)
@@ -64,22 +65,36 @@ def recurrent(layer: nn.Module, call: LayerCall, d: OutputGrads | Tensor) -> dic
     batch_dim = 0 if layer.batch_first else 1
     inputs = _packed_samples(x) if isinstance(x, PackedSequence) else _padded_samples(x, batch_dim)
     like = next(g for g in grads if g is not None)
-    out = {n: like.new_zeros((len(inputs), *p.shape)) for n, p in params.items()}
+    second = recorded()  # create_graph=True: g_i differentiable (w.r.t. the parameters and the input)
+    found_per_sample: list[tuple[Tensor | None, ...]] = []
     with torch.enable_grad():
         for i, (xi, rows) in enumerate(inputs):
-            outputs = output_tensors(layer.forward(xi.detach().unsqueeze(batch_dim), _sample(state, i)))  # no hooks
+            xi = xi if second else xi.detach()
+            outputs = output_tensors(layer.forward(xi.unsqueeze(batch_dim), _sample(state, i)))  # no hooks
             pairs = [
                 (o, (g[i] if rows is None or k > 0 else g[rows]).reshape(o.shape))
                 for k, (o, g) in enumerate(zip(outputs, grads, strict=False))
                 if g is not None
             ]
-            found = torch.autograd.grad(
-                [o for o, _ in pairs], list(params.values()), [g for _, g in pairs], allow_unused=True
+            found_per_sample.append(
+                torch.autograd.grad(
+                    [o for o, _ in pairs],
+                    list(params.values()),
+                    [g for _, g in pairs],
+                    allow_unused=True,
+                    create_graph=second,
+                )
             )
-            for (name, _), g in zip(params.items(), found, strict=True):
-                if g is not None:
-                    out[name][i] = g
-    return out
+    return {
+        name: torch.stack([_or_zeros(f[k], p, like) for f in found_per_sample])
+        if found_per_sample
+        else like.new_zeros((0, *p.shape))
+        for k, (name, p) in enumerate(params.items())
+    }
+
+
+def _or_zeros(g: Tensor | None, p: Tensor, like: Tensor) -> Tensor:
+    return like.new_zeros(p.shape) if g is None else g
 
 
 def _padded_samples(x: Tensor, batch_dim: int) -> list[tuple[Tensor, None]]:
