@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .calls import Call, HookedLayer, Kept
+from .errors import SecondOrderError
 from .layout import new_buffer, recorded, recording_buffers
 from .registry import FusedRule, OutputGrads
 
@@ -143,6 +144,23 @@ def _numel(d: Tensor | OutputGrads) -> int:
 COPY_D_BELOW = 8
 
 
+def _differentiable(layer: HookedLayer, d: Tensor | OutputGrads, built: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``built``, checked in a backward with ``create_graph=True``: a rule's result is linear in ``d``, so
+    where ``d`` has autograd history every result must have some; one without was computed off the
+    graph, and what is built from it would be silently constant."""
+    tracked = d.requires_grad if isinstance(d, Tensor) else any(g is not None and g.requires_grad for g in d)
+    flat = [name for name, g in built.items() if tracked and not g.requires_grad]
+    if flat:
+        raise SecondOrderError(
+            f"backward(create_graph=True): the rule {layer.spec.fn.__qualname__} for {layer.label} returned "
+            f"{flat[0]!r} with no autograd history although the layer's output gradient has one, so nothing built "
+            "from it could be differentiated. The rule leaves autograd's graph (detach, no_grad, out= or in-place "
+            "writes into a buffer, numpy). Compute it with differentiable torch operations when "
+            "torch.is_grad_enabled() (pergrad.layout.recorded()), or leave the layer to the fallback (fallback=True, no rule registered for its type)."
+        )
+    return built
+
+
 def run_rule(layer: HookedLayer, a: Any, d: Tensor | OutputGrads, scale: float = 1.0) -> dict[str, Tensor]:
     """The layer's rule for output gradients ``scale * d``. Rules are linear in ``d``, so the scale
     goes on a copy of ``d`` where that is far smaller than the per-sample gradients (a Linear on
@@ -150,11 +168,13 @@ def run_rule(layer: HookedLayer, a: Any, d: Tensor | OutputGrads, scale: float =
     its own memory (a ``new_buffer``, or ``layout.owned``), so no copy of either is made (a copy of
     ``d`` as large as the gradients would double what a convolution's rule holds)."""
     if scale == 1.0:
-        return layer.spec.fn(layer.module, a, d)
+        built = layer.spec.fn(layer.module, a, d)
+        return _differentiable(layer, d, built) if recorded() else built
     if not isinstance(d, Tensor):  # every output's gradient (RuleSpec.output_dims): small per-sample rules
-        return layer.spec.fn(layer.module, a, tuple(None if g is None else g * scale for g in d))
+        built = layer.spec.fn(layer.module, a, tuple(None if g is None else g * scale for g in d))
+        return _differentiable(layer, d, built) if recorded() else built
     if recorded():  # second order: nothing in place, nothing into out= buffers
-        return layer.spec.fn(layer.module, a, d * scale)
+        return _differentiable(layer, d, layer.spec.fn(layer.module, a, d * scale))
     built_size = d.shape[0] * sum(p.numel() for _, p in layer.trainable())
     if d.numel() * COPY_D_BELOW <= built_size:
         return layer.spec.fn(layer.module, a, torch.mul(d, scale, out=new_buffer(tuple(d.shape), d)))

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad
 
-from pergrad import PerSampleModule, SecondOrderError, transforms
+from pergrad import PerSampleModule, SecondOrderError, default_registry, transforms
 
 Params = dict[str, Tensor]
 
@@ -211,3 +211,84 @@ def test_a_detached_weight_is_refused_with_the_fix() -> None:
     # from then on nothing runs detached: the next create_graph backward works
     ((psm(x) - y).pow(2).sum() / 4).backward(create_graph=True)
     assert all(p.grad is not None and p.grad.requires_grad for p in model.parameters())
+
+
+def test_statistics_are_differentiable() -> None:
+    """``statistics().trace_variance`` (``(1/B) sum_i ||g_i||^2 - ||g||^2``) without building g_i."""
+    model, inputs = _setup("linear_seq", 17)
+    psm = PerSampleModule(model, keep_grad_sample=False, track_statistics={"trace_variance"})
+    names = dict(model.named_parameters())
+
+    def trace_variance(g: Params) -> Tensor:
+        mean = {k: v.mean(0, keepdim=True) for k, v in g.items()}
+        return sq_norms(g).mean() - sq_norms(mean).sum()
+
+    for step in range(STEPS):
+        b = 4 + step
+        x, y = inputs(b), torch.randn(b, 2, dtype=torch.float64)
+        expected = reference(model, x, y, trace_variance)
+        for p in names.values():
+            p.grad = None
+        ((psm(x) - y).pow(2).sum() / b).backward(create_graph=True)
+        got = torch.autograd.grad(psm.statistics().trace_variance, list(names.values()))
+        close(dict(zip(names, got)), expected, f"step {step}")
+
+
+def test_a_user_transform_is_differentiated_through() -> None:
+    """A transform written for one sample (vectorised by pergrad) carries the graph into ``.grad``."""
+    model, inputs = _setup("mlp", 1)
+    psm = PerSampleModule(model)
+    psm.register_transform(model[0].weight, lambda g: g / (1 + g.square().sum()))
+    names = dict(model.named_parameters())
+
+    def objective(g: Params) -> Tensor:
+        w = g["0.weight"]
+        t = w / (1 + w.flatten(1).square().sum(1)).view(-1, 1, 1)
+        return t.mean(0).square().sum() + sum(v.mean(0).square().sum() for k, v in g.items() if k != "0.weight")
+
+    for step in range(STEPS):
+        b = 4 + step
+        x, y = inputs(b), torch.randn(b, 2, dtype=torch.float64)
+        expected = reference(model, x, y, objective)
+        for p in names.values():
+            p.grad = None
+        ((psm(x) - y).pow(2).sum() / b).backward(create_graph=True)
+        penalty = sum(p.grad.square().sum() for p in names.values())  # type: ignore[union-attr]
+        got = torch.autograd.grad(penalty, list(names.values()))
+        close(dict(zip(names, got)), expected, f"step {step}")
+
+
+def test_a_transform_that_leaves_the_graph_is_refused() -> None:
+    model, inputs = _setup("mlp", 1)
+    psm = PerSampleModule(model)
+    psm.register_transform(model[0].weight, lambda g: g.detach() * 2)
+    x, y = inputs(4), torch.randn(4, 2, dtype=torch.float64)
+    with pytest.raises(
+        SecondOrderError, match=r"transform registered for parameter '0.weight' returned .* no autograd"
+    ):
+        ((psm(x) - y).pow(2).sum() / 4).backward(create_graph=True)
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.w
+
+
+def test_a_rule_that_leaves_the_graph_is_refused() -> None:
+    registry = default_registry.copy()
+
+    @registry.register(Scale)
+    def scale_rule(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
+        return {"w": (a * d).detach()}  # [n, 3]: right values, off the graph
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), Scale(), nn.Tanh(), nn.Linear(3, 2)).double()
+    psm = PerSampleModule(model, rules=registry)
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    ((psm(x) - y).pow(2).sum() / 4).backward()  # first order: fine
+    with pytest.raises(SecondOrderError, match=r"rule .*scale_rule for layer '1' \(Scale\) returned 'w' with no"):
+        ((psm(x) - y).pow(2).sum() / 4).backward(create_graph=True)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..calls import Kept
-from ..errors import TransformError
+from ..errors import SecondOrderError, TransformError
 from ..layout import may_hold_true
 from ..targets import Target, Targets
 from ..transforms import Scaling, check_output, check_unmodified
@@ -26,6 +26,20 @@ def _all_finite(grads: Iterable[Tensor]) -> Tensor:
     temporary of their size: the inf-norm propagates NaN and Inf)."""
     found = [torch.isfinite(torch.linalg.vector_norm(g, float("inf"))) for g in grads if g.numel()]
     return torch.stack(found).all() if found else torch.tensor(True)
+
+
+def _check_differentiable(label: str, per_sample: dict[str, Tensor], result: dict[str, Tensor]) -> None:
+    """In a backward with ``create_graph=True``: ``T(g_i)`` must carry the graph ``g_i`` carries."""
+    if not any(g.requires_grad for g in per_sample.values()):
+        return
+    flat = [key for key, t in result.items() if not t.requires_grad]
+    if flat:
+        raise SecondOrderError(
+            f"backward(create_graph=True): the transform registered for {label} returned {flat[0]!r} with no "
+            "autograd history although the per-sample gradients it got have one, so .grad would be a constant "
+            "to differentiate. The transform leaves autograd's graph (detach, no_grad, numpy, an in-place write "
+            "into a new tensor); write it with differentiable torch operations."
+        )
 
 
 class Reduction:
@@ -112,6 +126,8 @@ class Reduction:
         versions = {key: g._version for key, g in per_sample.items()}
         result = transform.apply(per_sample)
         check_output(target.label, per_sample, result)
+        if state.create_graph:
+            _check_differentiable(target.label, per_sample, result)
         check_unmodified(target.label, per_sample, versions)
         inputs_finite = _all_finite(per_sample.values()) if state.amp else None
         for key, param in target.params.items():
