@@ -80,6 +80,7 @@ class Kept:
     # the backward pass (autograd graph task) that ran this call again (activation checkpointing
     # recomputes a segment inside a backward; see ``Engine.on_recompute``); None in a forward
     task: int | None = None
+    shared: bool = False  # the input is shared by the batch (``pergrad.shared``): a detached copy is kept
 
 
 @dataclass(frozen=True, eq=False)

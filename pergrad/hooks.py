@@ -659,7 +659,9 @@ class LayerHooks:
             return x if computed is None else Computed(x, computed)
 
         task = self._recomputed()
-        shared = Kept(layer, kept_input(a_shared), self.generation, size, key, detached=detached, task=task)
+        shared = Kept(
+            layer, kept_input(a_shared), self.generation, size, key, detached=detached, task=task, shared=True
+        )
         on_output_grad = self._on_output_grad
         origin = Origin(output, lambda g: on_output_grad(shared, per_sample(g)), group, layer.label)
         before = a.origins if isinstance(a, Shared) else ()
@@ -676,6 +678,7 @@ class LayerHooks:
                 key,
                 detached=detached,
                 task=task,
+                shared=True,
             )
         produced = _producer(output)
         node, index, shape = produced.grad_fn, produced.output_nr, output.shape

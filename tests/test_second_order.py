@@ -47,6 +47,29 @@ class Tokens(nn.Module):
         return self.head(torch.tanh(self.emb(x)).flatten(1))
 
 
+class Tied(nn.Module):
+    """An embedding whose weight is also the head's (a tied language-model head), over T positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(7, 3), nn.Linear(3, 7, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.emb(x))).mean(1)[:, :2]
+
+
+class Reused(nn.Module):
+    """One Linear called twice in a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.head = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.layer(torch.tanh(self.layer(x)))).mean(1))
+
+
 def _model(family: str, t: int) -> tuple[nn.Module, Callable[[int], Tensor]]:
     """A model of ``family`` with ``t`` positions per sample, and a maker of its input batches."""
     if family == "mlp":
@@ -72,6 +95,10 @@ def _model(family: str, t: int) -> tuple[nn.Module, Callable[[int], Tensor]]:
         return Tokens(t), lambda b: torch.randint(0, 7, (b, t))
     if family == "attention":
         return Seq(Attention(4), t, 4), lambda b: torch.randn(b, t, 4)
+    if family == "tied":
+        return Tied(), lambda b: torch.randint(0, 7, (b, t))
+    if family == "reused":
+        return Reused(), lambda b: torch.randn(b, t, 3)
     if family in ("rnn", "lstm", "gru"):
         cell = {"rnn": nn.RNN, "lstm": nn.LSTM, "gru": nn.GRU}[family]
         return Seq(cell(3, 3, batch_first=True), t, 3), lambda b: torch.randn(b, t, 3)
@@ -80,7 +107,7 @@ def _model(family: str, t: int) -> tuple[nn.Module, Callable[[int], Tensor]]:
 
 FAMILIES = [
     "mlp", "linear_seq", "conv1d", "conv2d", "conv_transpose", "layer_norm", "group_norm", "embedding",
-    "attention", "rnn", "lstm", "gru",
+    "attention", "rnn", "lstm", "gru", "tied", "reused",
 ]  # fmt: skip
 
 
@@ -123,7 +150,8 @@ def close(actual: dict[str, Tensor | None], expected: Params, what: str) -> None
 def _setup(family: str, t: int, seed: int = 0) -> tuple[nn.Module, Callable[[int], Tensor]]:
     torch.manual_seed(seed)
     model, inputs = _model(family, t)
-    return model.double(), lambda b: inputs(b).double() if family != "embedding" else inputs(b)
+    tokens = family in ("embedding", "tied")
+    return model.double(), lambda b: inputs(b) if tokens else inputs(b).double()
 
 
 STEPS = 3  # the shortcuts of later backward passes start at the second
@@ -291,4 +319,42 @@ def test_a_rule_that_leaves_the_graph_is_refused() -> None:
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
     ((psm(x) - y).pow(2).sum() / 4).backward()  # first order: fine
     with pytest.raises(SecondOrderError, match=r"rule .*scale_rule for layer '1' \(Scale\) returned 'w' with no"):
+        ((psm(x) - y).pow(2).sum() / 4).backward(create_graph=True)
+
+
+class Positions(nn.Module):
+    """Position embeddings of ``torch.arange(T)``: an input shared by the batch (``pergrad.shared``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wpe, self.head = nn.Embedding(20, 3), nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(x + self.wpe(torch.arange(x.shape[1]))).mean(1))
+
+
+class Offset(nn.Module):
+    """A module of the user's own that uses its parameter directly (a raw parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.shift
+
+
+@pytest.mark.parametrize(
+    ("model", "what"),
+    [(Positions(), "got an input shared by the batch"), (nn.Sequential(Offset(), nn.Linear(3, 2)), "raw parameter")],
+    ids=["shared input", "raw parameter"],
+)
+def test_shared_inputs_and_raw_parameters_are_refused(model: nn.Module, what: str) -> None:
+    model = model.double()
+    psm = PerSampleModule(model)
+    x, y = torch.randn(4, 5, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    if isinstance(model, nn.Sequential):
+        x = x[:, 0]
+    ((psm(x) - y).pow(2).sum() / 4).backward()  # first order: fine
+    with pytest.raises(SecondOrderError, match=f"{what}.*not differentiable yet"):
         ((psm(x) - y).pow(2).sum() / 4).backward(create_graph=True)
