@@ -95,6 +95,15 @@ def _model(family: str, t: int) -> tuple[nn.Module, Callable[[int], Tensor]]:
         return Tokens(t), lambda b: torch.randint(0, 7, (b, t))
     if family == "attention":
         return Seq(Attention(4), t, 4), lambda b: torch.randn(b, t, 4)
+    if family == "rms_norm":
+        return Seq(nn.RMSNorm(3), t, 3), lambda b: torch.randn(b, t, 3)
+    if family == "batch_norm_eval":
+        model = nn.Sequential(nn.BatchNorm1d(2).eval(), nn.Tanh(), nn.Flatten(), nn.Linear(2 * t, 2))
+        return model, lambda b: torch.randn(b, 2, t)
+    if family == "hf_conv1d":
+        from transformers.pytorch_utils import Conv1D
+
+        return Seq(Conv1D(3, 3), t, 3), lambda b: torch.randn(b, t, 3)
     if family == "tied":
         return Tied(), lambda b: torch.randint(0, 7, (b, t))
     if family == "reused":
@@ -106,9 +115,24 @@ def _model(family: str, t: int) -> tuple[nn.Module, Callable[[int], Tensor]]:
 
 
 FAMILIES = [
-    "mlp", "linear_seq", "conv1d", "conv2d", "conv_transpose", "layer_norm", "group_norm", "embedding",
-    "attention", "rnn", "lstm", "gru", "tied", "reused",
-]  # fmt: skip
+    "mlp",
+    "linear_seq",
+    "conv1d",
+    "conv2d",
+    "conv_transpose",
+    "layer_norm",
+    "group_norm",
+    "embedding",
+    "attention",
+    "rnn",
+    "lstm",
+    "gru",
+    "tied",
+    "reused",
+    "rms_norm",
+    "batch_norm_eval",
+    "hf_conv1d",
+]  # fmt: skip  (nn.EmbeddingBag: torch has no derivative of its backward, so there is no reference)
 
 
 def _sample_loss(model: nn.Module) -> Callable[[Params, Tensor, Tensor], Tensor]:
