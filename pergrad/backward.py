@@ -75,6 +75,9 @@ class Backward:
     first_layer: str = ""
     nested: bool = False  # a nested backward of a recomputed segment joined it (reentrant checkpointing)
     create_graph: bool = False  # backward(create_graph=True): what pergrad computes is differentiable too
+    # it differentiates through an earlier create_graph=True backward (a penalty built from per-sample
+    # gradients): not a backward of per-sample losses, so autograd's own numbers, pergrad stays out
+    through_second_order: bool = False
     arrived: Arrivals = field(default_factory=Arrivals)
     autograd: Accumulated = field(default_factory=Accumulated)
     written: Written = field(default_factory=Written)

@@ -98,6 +98,9 @@ class Engine:
         self.loss_factor = loss_factor  # the user's own (loss_scale=: gradient accumulation dividing the loss)
         self.closed = False
         self.second_order = False  # a backward with create_graph=True ran: no weight runs detached any more
+        # the autograd nodes of the output gradients that create_graph=True backward passes of the last
+        # forward caught: a later backward that runs one differentiates through them (``_start``)
+        self._second_order_nodes: list[Any] = []
         self.layers: list[HookedLayer] = []  # the hooked layers (for messages)
         self.targets = Targets()
         self.backwards = Backwards(self._start)
@@ -163,6 +166,7 @@ class Engine:
     def on_forward(self) -> None:
         """A forward of the model starts."""
         self.backwards.forward()
+        self._second_order_nodes.clear()
 
     def on_recompute(self) -> None:
         """A hooked layer is called inside a backward pass (activation checkpointing computes a segment
@@ -189,9 +193,13 @@ class Engine:
 
     def _arrived(self, kept: Kept, d: Tensor, part: int | None) -> None:
         state = self.backwards.state()
+        if state.through_second_order:
+            return
         self._check_batch(state, kept, d, part)
         if state.create_graph:
             self._check_second_order(kept)
+            if d.grad_fn is not None:
+                self._second_order_nodes.append(d.grad_fn)
         layer = kept.layer
         # each sample's own output gradient is scale * d: the loss averaged over the batch
         scale = float(kept.batch_size) if self.loss_reduction == "mean" else 1.0
@@ -327,6 +335,8 @@ class Engine:
         if self.closed:
             return None
         state = self.backwards.state()
+        if state.through_second_order:
+            return None  # autograd's own sum
         seen = state.autograd
         seen.reached[param] = None
         seen.ran[param] = None
@@ -384,6 +394,8 @@ class Engine:
         scale = amp if factor is None else factor if amp is None else amp * on_device(factor, amp)
         # in its hooks grad mode is that of the backward: on only with create_graph=True
         state = Backward(task, loss_scale=scale, amp=amp is not None, create_graph=torch.is_grad_enabled())
+        will_run = torch._C._will_engine_execute_node
+        state.through_second_order = any(will_run(node) for node in self._second_order_nodes)
         self.second_order = self.second_order or state.create_graph  # no weight runs detached from now on
         # Queued by the first hook of the backward, so before the callbacks DDP and FSDP queue
         # later in it (DDP's waits for its buckets' all-reduce).
@@ -435,7 +447,7 @@ class Engine:
 
     def _end(self, state: Backward) -> None:
         """One backward's end: collect its per-sample gradients, check them, hand them to the consumers."""
-        if self.closed:
+        if self.closed or state.through_second_order:
             return
         if self.keep_activation_grads:
             self.last_activation_grads = state.arrived.activation_grads

@@ -43,8 +43,8 @@ def check_sums(
     weight = 1.0 / batch_size if loss_reduction == "mean" else 1.0
     totals = source.summed(params, first.new_full((batch_size,), weight))
     for p in params:
-        autograd = batch_grads[p]
-        ours = totals[p].to(autograd.dtype)
+        autograd = batch_grads[p].detach()  # (create_graph=True: compared as values)
+        ours = totals[p].detach().to(autograd.dtype)
         if not torch.isfinite(autograd).all():
             continue  # non-finite values: nothing to compare; a poisoned sample is handled elsewhere
         # round-off of two summation orders, relative to the larger side, plus a floor for sums
