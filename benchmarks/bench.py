@@ -37,12 +37,19 @@ MATERIALISE = ["torch_func", "pergrad", "opacus_hooks", "opacus_ew", "backpack"]
 NORMS = ["pergrad_norms", "opacus_ghost_norms", "backpack_l2"]
 CLIP = ["pergrad_clip", "opacus_ghost_clip"]
 STATS = ["pergrad_stats", "pergrad_stats_trace"]  # every statistic; trace_variance alone (CABS)
-METHODS = ["plain", *OVERHEAD, *MATERIALISE, *NORMS, *CLIP, *STATS]
+# one training step on mean_i f_i + PENALTY * mean_i ||g_i||^2, its full gradient w.r.t. the parameters
+PENALTY = ["torch_func_penalty", "pergrad_penalty", "pergrad_penalty_norms", "backpack_penalty", "backpack_penalty_l2"]
+METHODS = ["plain", *OVERHEAD, *MATERIALISE, *NORMS, *CLIP, *STATS, *PENALTY]
 PEERS = {
     "opacus": ("opacus_hooks", "opacus_ew", "opacus_ghost_norms", "opacus_ghost_clip"),
-    "backpack": ("backpack", "backpack_l2"),
+    "backpack": ("backpack", "backpack_l2", "backpack_penalty", "backpack_penalty_l2"),
 }
 CLIP_NORM = 1.0
+PENALTY_WEIGHT = 1.0  # lam: as large as the loss's own gradient, so the check sees a wrong penalty term
+
+
+class Unsupported(Exception):
+    """A peer cannot compute a method's quantity on a workload (the child reports it as skipped, with why)."""
 
 
 # -- workloads -------------------------------------------------------------------------------------
@@ -121,17 +128,42 @@ def pergrad_for(model: Any, kind: str) -> Any:
       and output gradients collected, the end-of-backward pass over them), but nothing asks for a
       per-sample quantity, so no rule runs and .grad stays autograd's: pergrad's fixed cost;
     - ``materialise``: ``grad_sample``; ``norms``: every per-sample norm; ``clip``: flat clipping of
-      the whole model at ``CLIP_NORM``; ``stats``: every statistic; ``stats_trace``: ``trace_variance``.
+      the whole model at ``CLIP_NORM``; ``stats``: every statistic; ``stats_trace``: ``trace_variance``;
+    - ``penalty``: ``grad_sample`` (for a penalty built from it); ``penalty_norms``: the per-sample
+      norms without materialising (a penalty built from ``per_sample_norms()``).
     """
     from pergrad import PerSampleModule, transforms
 
     stats: bool | set[str] = {"trace_variance"} if kind == "stats_trace" else kind == "stats"
     psm = PerSampleModule(
-        model, keep_grad_sample=kind == "materialise", track_norms=kind == "norms", track_statistics=stats
+        model,
+        keep_grad_sample=kind in ("materialise", "penalty"),
+        track_norms=kind in ("norms", "penalty_norms"),
+        track_statistics=stats,
     )
     if kind == "clip":
         psm.register_transform(model, transforms.clip_norm(CLIP_NORM))
     return psm
+
+
+def squared_norms_mean(per_sample: Any) -> Any:
+    """``mean_i ||g_i||^2`` over every tensor of ``per_sample`` (each ``[B, ...]``): the penalty."""
+    import torch
+
+    return torch.stack([g.flatten(1).square().sum(1) for g in per_sample]).sum(0).mean()
+
+
+def penalty_step(params: dict[str, Any], penalty: Any) -> None:
+    """The rest of a penalty step once a backward with ``create_graph=True`` has left the mean loss's
+    gradient (with its graph) in ``.grad``: ``.grad`` becomes that gradient plus ``PENALTY_WEIGHT``
+    times the penalty's gradient, detached, as an optimizer step reads it."""
+    import torch
+
+    plist = list(params.values())
+    found = torch.autograd.grad(PENALTY_WEIGHT * penalty, plist)
+    with torch.no_grad():
+        for p, g in zip(plist, found, strict=True):
+            p.grad = p.grad.detach() + g
 
 
 def setup(
@@ -146,6 +178,9 @@ def setup(
 
     def loss_of(out: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out, y)
+
+    def full_grad() -> tuple[str, dict[str, Any]]:
+        return "penalty_grad", {n: params[n].grad for n in names}
 
     if method == "plain":
 
@@ -170,6 +205,43 @@ def setup(
             box["g"] = per_sample(detached, x, y)
 
         return step, lambda: ("grad_sample", box["g"])
+
+    if method == "torch_func_penalty":
+        from torch.func import functional_call, grad, grad_and_value, vmap
+
+        detached = {k: v.detach() for k, v in params.items()}
+
+        def one(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+        per_sample = vmap(grad_and_value(one), in_dims=(None, 0, 0))
+
+        def objective(p: dict[str, torch.Tensor]) -> torch.Tensor:
+            g, losses = per_sample(p, x, y)  # the losses come with the gradients: no second forward
+            return losses.mean() + PENALTY_WEIGHT * squared_norms_mean(g.values())
+
+        full = grad(objective)
+        box = {}
+
+        def step() -> None:
+            box["g"] = full(detached)
+
+        return step, lambda: ("penalty_grad", box["g"])
+
+    if method in ("pergrad_penalty", "pergrad_penalty_norms"):
+        kind = method.removeprefix("pergrad_")
+        psm = pergrad_for(model, kind)
+
+        def step() -> None:
+            psm.zero_grad()
+            loss_of(psm(x)).backward(create_graph=True)
+            if kind == "penalty":
+                penalty = squared_norms_mean(params[n].grad_sample for n in names)
+            else:
+                penalty = torch.stack([v.square() for v in psm.per_sample_norms().values()]).sum(0).mean()
+            penalty_step(params, penalty)
+
+        return step, full_grad
 
     if method.startswith("pergrad"):
         kind = method.removeprefix("pergrad").lstrip("_") or "materialise"
@@ -262,6 +334,38 @@ def setup(
 
         return step, result
 
+    if method in ("backpack_penalty", "backpack_penalty_l2"):
+        # under backward(create_graph=True) both BatchGrad's grad_batch and BatchL2Grad's batch_l2 carry a graph
+        from backpack import backpack, extend
+        from backpack.extensions import BatchGrad, BatchL2Grad
+
+        extended = extend(model)
+        lossfn = extend(torch.nn.CrossEntropyLoss())
+        l2 = method.endswith("l2")
+        extension, attr = (BatchL2Grad(), "batch_l2") if l2 else (BatchGrad(), "grad_batch")
+
+        def step() -> None:
+            extended.zero_grad(set_to_none=True)
+            for p in params.values():
+                if hasattr(p, attr):
+                    delattr(p, attr)
+            with backpack(extension):
+                lossfn(extended(x), y).backward(create_graph=True)
+            found = [getattr(params[n], attr, None) for n in names]
+            if any(f is None for f in found):
+                missing = [n for n, f in zip(names, found, strict=True) if f is None]
+                kinds = sorted({type(model.get_submodule(n.rpartition(".")[0])).__name__ for n in missing})
+                raise Unsupported(
+                    f"BackPACK's {type(extension).__name__} leaves out {', '.join(missing)} "
+                    f"(it has no rule for {', '.join(kinds)}): the penalty would miss them"
+                )
+            # with reduction="mean" BackPACK's g_i is the sample's gradient / B: mean_i ||g_i||^2 is
+            # B^2 times the mean of its squared norms (batch_l2 holds those squared norms, [B] each)
+            sq = torch.stack(found).sum(0) if l2 else torch.stack([f.flatten(1).square().sum(1) for f in found]).sum(0)
+            penalty_step(params, b * b * sq.mean())
+
+        return step, full_grad
+
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -274,6 +378,8 @@ def check(kind: str, got: dict[str, Any], model: Any, x: Any, y: Any) -> tuple[b
     import torch.nn.functional as F
     from torch.func import functional_call, grad, vmap
 
+    if kind == "penalty_grad":
+        return _compare(got, penalty_reference(model, x, y), 1)
     params = {k: v.detach() for k, v in model.named_parameters()}
 
     def one(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
@@ -301,6 +407,36 @@ def check(kind: str, got: dict[str, Any], model: Any, x: Any, y: Any) -> tuple[b
         expected = {n: g.square().mean(0) for n, g in ref.items()}
     else:
         raise ValueError(kind)
+    return _compare(got, expected, scale)
+
+
+def penalty_reference(model: Any, x: Any, y: Any) -> dict[str, Any]:
+    """torch.func's gradient of ``mean_i f_i + PENALTY_WEIGHT * mean_i ||g_i||^2`` w.r.t. the
+    parameters, in float64, returned in float32: ``grad`` of the batch loss plus the penalty of
+    ``grad(f_i)`` taken one sample at a time. A loop, not ``vmap``: in torch 2.13 the batching rule of
+    LayerNorm's backward is wrong under a second differentiation (pytorch/functorch#534), which
+    ``torch_func_penalty`` on ``seq`` shows."""
+    import torch
+    import torch.nn.functional as F
+    from torch.func import functional_call, grad
+
+    model64 = copy.deepcopy(model).double()
+    x64 = x.double() if x.is_floating_point() else x
+    params = {k: v.detach() for k, v in model64.named_parameters()}
+
+    def one(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(functional_call(model64, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    def objective(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        found = [grad(one)(p, x64[i], y[i]) for i in range(x64.shape[0])]
+        per_sample = [torch.stack([g[k] for g in found]) for k in p]
+        loss = F.cross_entropy(functional_call(model64, p, (x64,)), y)
+        return loss + PENALTY_WEIGHT * squared_norms_mean(per_sample)
+
+    return {n: g.float() for n, g in grad(objective)(params).items()}
+
+
+def _compare(got: dict[str, Any], expected: dict[str, Any], scale: float) -> tuple[bool, float, str]:
     worst, missing = 0.0, [n for n in expected if got.get(n) is None]
     # a parameter whose gradient is zero in exact arithmetic (BERT's key bias: softmax ignores a
     # shift of every key) is measured against the largest gradient, not against its own round-off
@@ -442,6 +578,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             wait()
     except ImportError as err:
         return {"skipped": f"not installed ({err.name})"}
+    except Unsupported as err:
+        return {"skipped": str(err)}
     except Exception as err:  # a peer that crashes on this workload is a result, not a harness failure
         return {"error": f"{type(err).__name__}: {str(err)[:160]}"}
     if cuda:
@@ -516,7 +654,7 @@ def merge_rounds(runs: list[dict[str, Any]], plain: list[dict[str, Any]]) -> dic
 
 
 def _is_peer(method: str) -> bool:
-    return method == "torch_func" or method.split("_")[0] in PEERS
+    return method.startswith("torch_func") or method.split("_")[0] in PEERS
 
 
 def cell(r: dict[str, Any], plain: dict[str, Any], fastest_peer: tuple[float, str] | None) -> str:
@@ -569,7 +707,7 @@ def table(results: dict[str, dict[str, dict[str, Any]]], methods: list[str]) -> 
 
 
 def _group(method: str) -> str:
-    for group in (OVERHEAD, MATERIALISE, NORMS, CLIP, STATS):
+    for group in (OVERHEAD, MATERIALISE, NORMS, CLIP, STATS, PENALTY):
         if method in group:
             return str(group)
     return ""
