@@ -161,20 +161,25 @@ def _differentiable(layer: HookedLayer, d: Tensor | OutputGrads, built: dict[str
     return built
 
 
+def _times(d: Tensor | OutputGrads, scale: float) -> Tensor | OutputGrads:
+    """``scale * d``, a new tensor (or tuple of them) unless ``scale`` is 1."""
+    if scale == 1.0:
+        return d
+    return d * scale if isinstance(d, Tensor) else tuple(None if g is None else g * scale for g in d)
+
+
 def run_rule(layer: HookedLayer, a: Any, d: Tensor | OutputGrads, scale: float = 1.0) -> dict[str, Tensor]:
     """The layer's rule for output gradients ``scale * d``. Rules are linear in ``d``, so the scale
     goes on a copy of ``d`` where that is far smaller than the per-sample gradients (a Linear on
     ``[B, D]``), and otherwise on the per-sample gradients the rule returns: in place where they are
     its own memory (a ``new_buffer``, or ``layout.owned``), so no copy of either is made (a copy of
     ``d`` as large as the gradients would double what a convolution's rule holds)."""
+    if recorded():  # second order: checked to carry the graph; nothing in place, nothing into out= buffers
+        return _differentiable(layer, d, layer.spec.fn(layer.module, a, _times(d, scale)))
     if scale == 1.0:
-        built = layer.spec.fn(layer.module, a, d)
-        return _differentiable(layer, d, built) if recorded() else built
+        return layer.spec.fn(layer.module, a, d)
     if not isinstance(d, Tensor):  # every output's gradient (RuleSpec.output_dims): small per-sample rules
-        built = layer.spec.fn(layer.module, a, tuple(None if g is None else g * scale for g in d))
-        return _differentiable(layer, d, built) if recorded() else built
-    if recorded():  # second order: nothing in place, nothing into out= buffers
-        return _differentiable(layer, d, layer.spec.fn(layer.module, a, d * scale))
+        return layer.spec.fn(layer.module, a, _times(d, scale))
     built_size = d.shape[0] * sum(p.numel() for _, p in layer.trainable())
     if d.numel() * COPY_D_BELOW <= built_size:
         return layer.spec.fn(layer.module, a, torch.mul(d, scale, out=new_buffer(tuple(d.shape), d)))
