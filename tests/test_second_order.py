@@ -181,25 +181,51 @@ def _setup(family: str, t: int, seed: int = 0) -> tuple[nn.Module, Callable[[int
 STEPS = 3  # the shortcuts of later backward passes start at the second
 
 
+def check_steps(
+    what: str,
+    model: nn.Module,
+    inputs: Callable[[int], Tensor],
+    psm: PerSampleModule,
+    expected_of: Callable[[Params], Tensor],
+    got_of: Callable[[], Tensor],
+    lr: float = 0.0,
+) -> None:
+    """On ``STEPS`` steps with growing batches: after ``loss.backward(create_graph=True)`` through
+    ``psm``, the parameters' gradient of ``got_of()`` is torch.func's gradient of ``expected_of`` of
+    the per-sample gradients; then an SGD step of ``lr`` on ``.grad`` (none for 0)."""
+    params = dict(model.named_parameters())
+    for step in range(STEPS):
+        b = 4 + step
+        x, y = inputs(b), torch.randn(b, 2, dtype=torch.float64)
+        expected = reference(model, x, y, expected_of)
+        for p in params.values():
+            p.grad = None
+        ((psm(x) - y).pow(2).sum() / b).backward(create_graph=True)
+        got = torch.autograd.grad(got_of(), list(params.values()))
+        close(dict(zip(params, got)), expected, f"{what}, step {step}")
+        if lr:
+            with torch.no_grad():
+                for p in params.values():
+                    p -= lr * p.grad  # type: ignore[operator]
+
+
+def grad_penalty(model: nn.Module) -> Tensor:
+    """``sum_p ||p.grad||^2``."""
+    return sum(p.grad.square().sum() for p in model.parameters())  # type: ignore[union-attr,return-value]
+
+
 @pytest.mark.parametrize("t", [15, 17])  # both sides of detach.MANY
 @pytest.mark.parametrize("family", FAMILIES)
 def test_grad_sample_is_differentiable(family: str, t: int) -> None:
     """``mean_i ||g_i||^2`` from ``grad_sample`` (the per-sample gradient penalty)."""
     model, inputs = _setup(family, t)
     psm = PerSampleModule(model)
-    names = dict(model.named_parameters())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(STEPS):
-        b = 4 + step
-        x, y = inputs(b), torch.randn(b, 2, dtype=torch.float64)
-        expected = reference(model, x, y, lambda g: sq_norms(g).mean())
-        optimizer.zero_grad()
-        loss = (psm(x) - y).pow(2).sum() / b
-        loss.backward(create_graph=True)
-        penalty = sq_norms({n: p.grad_sample for n, p in names.items()}).mean()  # type: ignore[attr-defined]
-        got = torch.autograd.grad(penalty, list(names.values()))
-        close(dict(zip(names, got)), expected, f"{family}, step {step}")
-        optimizer.step()
+    params = dict(model.named_parameters())
+
+    def penalty() -> Tensor:
+        return sq_norms({n: p.grad_sample for n, p in params.items()}).mean()  # type: ignore[attr-defined]
+
+    check_steps(family, model, inputs, psm, lambda g: sq_norms(g).mean(), penalty, lr=0.05)
 
 
 @pytest.mark.parametrize("t", [15, 17])
@@ -208,18 +234,11 @@ def test_norms_are_differentiable_without_grad_sample(family: str, t: int) -> No
     """``per_sample_norms()`` with ``keep_grad_sample=False``: the fused (outer-product, Gram) forms."""
     model, inputs = _setup(family, t)
     psm = PerSampleModule(model, keep_grad_sample=False, track_norms=True)
-    names = dict(model.named_parameters())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(STEPS):
-        b = 4 + step
-        x, y = inputs(b), torch.randn(b, 2, dtype=torch.float64)
-        expected = reference(model, x, y, lambda g: sq_norms(g).mean())
-        optimizer.zero_grad()
-        ((psm(x) - y).pow(2).sum() / b).backward(create_graph=True)
-        penalty = torch.stack([n.square() for n in psm.per_sample_norms().values()]).sum(0).mean()
-        got = torch.autograd.grad(penalty, list(names.values()))
-        close(dict(zip(names, got)), expected, f"{family}, step {step}")
-        optimizer.step()
+
+    def penalty() -> Tensor:
+        return torch.stack([n.square() for n in psm.per_sample_norms().values()]).sum(0).mean()
+
+    check_steps(family, model, inputs, psm, lambda g: sq_norms(g).mean(), penalty, lr=0.05)
 
 
 @pytest.mark.parametrize("keep_grad_sample", [True, False], ids=["materialised", "fused"])
@@ -230,22 +249,11 @@ def test_the_clipped_grad_is_differentiable(family: str, t: int, keep_grad_sampl
     model, inputs = _setup(family, t)
     psm = PerSampleModule(model, keep_grad_sample=keep_grad_sample)
     psm.register_transform(model, transforms.clip_norm(0.3))
-    names = dict(model.named_parameters())
-    for step in range(STEPS):
-        b = 4 + step
-        x, y = inputs(b), torch.randn(b, 2, dtype=torch.float64)
-        expected = reference(
-            model, x, y, lambda g: sq_norms({k: v[None] for k, v in clipped_mean(g, 0.3).items()}).sum()
-        )
-        for p in names.values():
-            p.grad = None
-        ((psm(x) - y).pow(2).sum() / b).backward(create_graph=True)
-        penalty = sum(p.grad.square().sum() for p in names.values())  # type: ignore[union-attr]
-        got = torch.autograd.grad(penalty, list(names.values()))
-        close(dict(zip(names, got)), expected, f"{family}, step {step}")
-        with torch.no_grad():
-            for p in names.values():
-                p -= 0.01 * p.grad  # type: ignore[operator]
+
+    def expected(g: Params) -> Tensor:
+        return sq_norms({k: v[None] for k, v in clipped_mean(g, 0.3).items()}).sum()
+
+    check_steps(family, model, inputs, psm, expected, lambda: grad_penalty(model), lr=0.01)
 
 
 def test_a_detached_weight_is_refused_with_the_fix() -> None:
@@ -269,21 +277,12 @@ def test_statistics_are_differentiable() -> None:
     """``statistics().trace_variance`` (``(1/B) sum_i ||g_i||^2 - ||g||^2``) without building g_i."""
     model, inputs = _setup("linear_seq", 17)
     psm = PerSampleModule(model, keep_grad_sample=False, track_statistics={"trace_variance"})
-    names = dict(model.named_parameters())
 
     def trace_variance(g: Params) -> Tensor:
         mean = {k: v.mean(0, keepdim=True) for k, v in g.items()}
         return sq_norms(g).mean() - sq_norms(mean).sum()
 
-    for step in range(STEPS):
-        b = 4 + step
-        x, y = inputs(b), torch.randn(b, 2, dtype=torch.float64)
-        expected = reference(model, x, y, trace_variance)
-        for p in names.values():
-            p.grad = None
-        ((psm(x) - y).pow(2).sum() / b).backward(create_graph=True)
-        got = torch.autograd.grad(psm.statistics().trace_variance, list(names.values()))
-        close(dict(zip(names, got)), expected, f"step {step}")
+    check_steps("trace_variance", model, inputs, psm, trace_variance, lambda: psm.statistics().trace_variance)
 
 
 def test_a_user_transform_is_differentiated_through() -> None:
@@ -291,23 +290,13 @@ def test_a_user_transform_is_differentiated_through() -> None:
     model, inputs = _setup("mlp", 1)
     psm = PerSampleModule(model)
     psm.register_transform(model[0].weight, lambda g: g / (1 + g.square().sum()))
-    names = dict(model.named_parameters())
 
     def objective(g: Params) -> Tensor:
         w = g["0.weight"]
         t = w / (1 + w.flatten(1).square().sum(1)).view(-1, 1, 1)
         return t.mean(0).square().sum() + sum(v.mean(0).square().sum() for k, v in g.items() if k != "0.weight")
 
-    for step in range(STEPS):
-        b = 4 + step
-        x, y = inputs(b), torch.randn(b, 2, dtype=torch.float64)
-        expected = reference(model, x, y, objective)
-        for p in names.values():
-            p.grad = None
-        ((psm(x) - y).pow(2).sum() / b).backward(create_graph=True)
-        penalty = sum(p.grad.square().sum() for p in names.values())  # type: ignore[union-attr]
-        got = torch.autograd.grad(penalty, list(names.values()))
-        close(dict(zip(names, got)), expected, f"step {step}")
+    check_steps("a user transform", model, inputs, psm, objective, lambda: grad_penalty(model))
 
 
 def test_a_transform_that_leaves_the_graph_is_refused() -> None:
