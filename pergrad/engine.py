@@ -264,14 +264,6 @@ class Engine:
                 "Pass detach_transformed=False to PerSampleModule (pergrad also stops detaching once it has seen "
                 "a backward with create_graph=True)."
             )
-        if kept.shared or layer.spec.raw:
-            where = "uses its raw parameter" if layer.spec.raw else "got an input shared by the batch"
-            raise SecondOrderError(
-                f"backward(create_graph=True): {layer.label} {where} (pergrad.shared splits its gradient per "
-                "sample by pulling it back off the graph), so its per-sample gradients are not differentiable yet. "
-                "Give the input a batch dim computed from the model's inputs, or freeze the parameters, for "
-                "second-order use."
-            )
         if layer.spec.parametrized:
             raise SecondOrderError(
                 f"backward(create_graph=True): the per-sample gradients of {layer.label} are pulled back through its "

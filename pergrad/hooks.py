@@ -650,7 +650,7 @@ class LayerHooks:
         goes on with a tracked alias of the output, whose meetings with the batch deliver each
         sample's output gradient; the gradient autograd sums over the batch is then not used."""
         with torch._C.DisableTorchFunctionSubclass():
-            plain = a.detach()
+            plain = a.view_as(a)  # a plain tensor, with a's graph (second order differentiates through it)
         size = group.batch
         key = self._key(layer.name)
         a_shared, per_sample = per_sample_input(plain, output, dim, size)

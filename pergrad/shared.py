@@ -508,18 +508,26 @@ def _expanded(
 
 
 def _pull_back(x: Tensor, origins: list[Origin], grads: Tensor) -> None:
-    """Hand every origin of ``x`` its per-sample gradient, from ``grads`` = d f_i / d x."""
+    """Hand every origin of ``x`` its per-sample gradient, from ``grads`` = d f_i / d x (differentiable
+    in a backward with ``create_graph=True``, where grad mode is on)."""
+    second = torch.is_grad_enabled()
     if len(origins) == 1 and origins[0].tensor is x:
         found: tuple[Tensor | None, ...] = (grads,)
     else:
         with pulling_back(), DisableTorchFunctionSubclass():
             found = torch.autograd.grad(
-                [x], [o.tensor for o in origins], [grads], retain_graph=True, allow_unused=True, is_grads_batched=True
+                [x],
+                [o.tensor for o in origins],
+                [grads],
+                retain_graph=True,
+                create_graph=second,
+                allow_unused=True,
+                is_grads_batched=True,
             )
     for origin, g in zip(origins, found, strict=True):
         if g is not None:
             origin.delivered += 1
-            origin.deliver(g.detach())
+            origin.deliver(g if second else g.detach())
 
 
 def _expand(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], origins: list[Origin]) -> Any:

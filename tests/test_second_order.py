@@ -335,44 +335,6 @@ def test_a_rule_that_leaves_the_graph_is_refused() -> None:
         ((psm(x) - y).pow(2).sum() / 4).backward(create_graph=True)
 
 
-class Positions(nn.Module):
-    """Position embeddings of ``torch.arange(T)``: an input shared by the batch (``pergrad.shared``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.wpe, self.head = nn.Embedding(20, 3), nn.Linear(3, 2)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(torch.tanh(x + self.wpe(torch.arange(x.shape[1]))).mean(1))
-
-
-class Offset(nn.Module):
-    """A module of the user's own that uses its parameter directly (a raw parameter)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.shift = nn.Parameter(torch.zeros(3))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.shift
-
-
-@pytest.mark.parametrize(
-    ("model", "what"),
-    [(Positions(), "got an input shared by the batch"), (nn.Sequential(Offset(), nn.Linear(3, 2)), "raw parameter")],
-    ids=["shared input", "raw parameter"],
-)
-def test_shared_inputs_and_raw_parameters_are_refused(model: nn.Module, what: str) -> None:
-    model = model.double()
-    psm = PerSampleModule(model)
-    x, y = torch.randn(4, 5, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
-    if isinstance(model, nn.Sequential):
-        x = x[:, 0]
-    ((psm(x) - y).pow(2).sum() / 4).backward()  # first order: fine
-    with pytest.raises(SecondOrderError, match=f"{what}.*not differentiable yet"):
-        ((psm(x) - y).pow(2).sum() / 4).backward(create_graph=True)
-
-
 @pytest.mark.parametrize("keep_grad_sample", [True, False], ids=["materialised", "fused"])
 @pytest.mark.parametrize("family", ["mlp", "linear_seq", "conv1d"])
 def test_the_penalty_backward_is_autograds(family: str, keep_grad_sample: bool) -> None:
