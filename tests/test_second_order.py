@@ -243,6 +243,40 @@ def test_norms_are_differentiable_without_grad_sample(family: str, t: int) -> No
 
 @pytest.mark.parametrize("keep_grad_sample", [True, False], ids=["materialised", "fused"])
 @pytest.mark.parametrize("t", [15, 17])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("embedding", "tied")])  # float inputs
+def test_the_penalty_is_differentiable_in_the_inputs(family: str, t: int, keep_grad_sample: bool) -> None:
+    """``d/dx mean_i ||g_i||^2``: the per-sample gradients carry the graph back to the model's input too."""
+    model, inputs = _setup(family, t)
+    psm = PerSampleModule(model, keep_grad_sample=keep_grad_sample, track_norms=not keep_grad_sample)
+    params = dict(model.named_parameters())
+    f = _sample_loss(model)
+    for step in range(STEPS):
+        b = 4 + step
+        x, y = inputs(b), torch.randn(b, 2, dtype=torch.float64)
+        frozen = {k: p.detach() for k, p in params.items()}
+
+        def penalty_of(xs: Tensor, y: Tensor = y, frozen: Params = frozen, b: int = b) -> Tensor:
+            found = [grad(f)(frozen, xs[i], y[i]) for i in range(b)]
+            return sq_norms({k: torch.stack([g[k] for g in found]) for k in frozen}).mean()
+
+        expected = grad(penalty_of)(x)
+        x.requires_grad_(True)
+        for p in params.values():
+            p.grad = None
+        ((psm(x) - y).pow(2).sum() / b).backward(create_graph=True)
+        if keep_grad_sample:
+            penalty = sq_norms({n: p.grad_sample for n, p in params.items()}).mean()  # type: ignore[attr-defined]
+        else:
+            penalty = torch.stack([n.square() for n in psm.per_sample_norms().values()]).sum(0).mean()
+        (got,) = torch.autograd.grad(penalty, x)
+        torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-10, msg=lambda m, s=step: f"step {s}: {m}")
+        with torch.no_grad():
+            for p in params.values():
+                p -= 0.05 * p.grad  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("keep_grad_sample", [True, False], ids=["materialised", "fused"])
+@pytest.mark.parametrize("t", [15, 17])
 @pytest.mark.parametrize("family", ["mlp", "linear_seq", "conv1d", "embedding"])
 def test_the_clipped_grad_is_differentiable(family: str, t: int, keep_grad_sample: bool) -> None:
     """``||(1/B) sum_i clip(g_i)||^2``: differentiating through per-sample clipping."""
