@@ -264,12 +264,6 @@ class Engine:
                 "Pass detach_transformed=False to PerSampleModule (pergrad also stops detaching once it has seen "
                 "a backward with create_graph=True)."
             )
-        if layer.spec.parametrized:
-            raise SecondOrderError(
-                f"backward(create_graph=True): the per-sample gradients of {layer.label} are pulled back through its "
-                "parametrization by a rule that is not differentiable yet. Remove the parametrization (or freeze "
-                "its parameters) for second-order use."
-            )
 
     def _buffers(self, state: Backward) -> contextlib.AbstractContextManager[Any]:
         """Rules write into the pool's recycled buffers, except where autograd records them (second order)."""

@@ -45,6 +45,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from .errors import HookStateError, UnsupportedLayerError
+from .layout import recorded
 from .registry import RuleSpec
 from .shared import pulling_back
 
@@ -158,7 +159,9 @@ def parametrized_spec(base: RuleSpec) -> RuleSpec:
         x = a.input
         if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != d.dtype:
             x = x.to(d.dtype)  # autocast: the rule computes in the parameters' dtype
-        computed = {key: w.detach().to(d.dtype) for key, w in a.tensors.items()}
+        # second order: W with its graph, so what a rule reads of it (the fallback) is differentiable
+        graph = recorded()
+        computed = {key: (w if graph else w.detach()).to(d.dtype) for key, w in a.tensors.items()}
         grads = base_fn(stand_in(layer, computed), x, d)
         return pull_back(layer, a.tensors, grads)
 
@@ -173,7 +176,11 @@ def stand_in(module: nn.Module, tensors: dict[str, Tensor]) -> nn.Module:
     to ``module``: ``"weight"``, ``"attn.out_proj.weight"``) is a plain parameter holding its computed
     value, in a copy of its module of the class before parametrization: what a rule reads, and what
     torch.func can run without running a parametrization. Everything else (hyperparameters, other
-    parameters and submodules) is shared; the copies have no hooks."""
+    parameters and submodules) is shared; the copies have no hooks.
+
+    Under second order (``layout.recorded()``) a computed tensor goes in as it is, with the graph
+    of its parametrization, not as a (detached) ``nn.Parameter``: rules that read it then
+    differentiate through it to the original tensors."""
     own = {key: t for key, t in tensors.items() if "." not in key}
     inner: dict[str, dict[str, Tensor]] = {}
     for key, t in tensors.items():
@@ -185,7 +192,11 @@ def stand_in(module: nn.Module, tensors: dict[str, Tensor]) -> nn.Module:
     state = {k: v for k, v in module.__dict__.items() if k not in own}  # a hooked tensor is an attribute
     if own:
         hooked = hooked_originals(module)
-        computed = {name: nn.Parameter(t, requires_grad=bool(originals(module, name))) for name, t in own.items()}
+        computed: dict[str, Tensor] = (
+            dict(own)
+            if recorded()
+            else {name: nn.Parameter(t, requires_grad=bool(originals(module, name))) for name, t in own.items()}
+        )
         inputs = {p for name in own for p in hooked.get(name, [])}  # not the layer's own parameters any more
         state["_parameters"] = {**{k: p for k, p in module._parameters.items() if k not in inputs}, **computed}
     dropped = "parametrizations" if own and parametrize.is_parametrized(module) else None
@@ -232,16 +243,23 @@ def pull_back(module: nn.Module, tensors: dict[str, Tensor], grads: dict[str, Te
 
 def _vjp(w: Tensor, params: list[nn.Parameter], g: Tensor) -> list[Tensor | None]:
     """``J^T g_i`` for each sample i of ``g`` ([B, *w.shape]): one batched autograd call, or one call
-    per sample where an op of the parametrization has no batching rule."""
+    per sample where an op of the parametrization has no batching rule. Under second order
+    (``layout.recorded()``) the result keeps its graph: differentiable in ``g`` and, through ``J``,
+    in the original tensors."""
+    graph = recorded()
     with pulling_back(), torch.enable_grad():
         try:
             return list(
-                torch.autograd.grad([w], params, [g], retain_graph=True, allow_unused=True, is_grads_batched=True)
+                torch.autograd.grad(
+                    [w], params, [g], retain_graph=True, create_graph=graph, allow_unused=True, is_grads_batched=True
+                )
             )
         except RuntimeError as err:
             if "second time" in str(err) or "freed" in str(err):
                 raise _freed(err) from err
-        rows = [torch.autograd.grad([w], params, [gi], retain_graph=True, allow_unused=True) for gi in g]
+        rows = [
+            torch.autograd.grad([w], params, [gi], retain_graph=True, create_graph=graph, allow_unused=True) for gi in g
+        ]
     return [None if rows[0][k] is None else torch.stack([r[k] for r in rows]) for k in range(len(params))]
 
 
