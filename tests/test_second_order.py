@@ -136,7 +136,7 @@ FAMILIES = [
     "rms_norm",
     "batch_norm_eval",
     "hf_conv1d",
-]  # fmt: skip  (nn.EmbeddingBag: torch has no derivative of its backward, so there is no reference)
+]  # fmt: skip  (parametrized layers: PARAMETRIZED; nn.EmbeddingBag: BAGS, against an equivalent model)
 
 
 def _sample_loss(model: nn.Module) -> Callable[[Params, Tensor, Tensor], Tensor]:
@@ -574,7 +574,7 @@ class Cube(torch.autograd.Function):
 
 class Cubed(nn.Module):
     def forward(self, base: Tensor) -> Tensor:
-        return Cube.apply(base)  # type: ignore[no-any-return]
+        return Cube.apply(base)
 
 
 @pytest.mark.parametrize("keep_grad_sample", [True, False], ids=["materialised", "fused"])
@@ -591,3 +591,93 @@ def test_a_parametrization_pulled_back_one_sample_at_a_time_is_differentiable(ke
 
     inputs = lambda b: torch.randn(b, 17, 3, dtype=torch.float64)  # noqa: E731
     check_steps("a per-sample pull-back", model, inputs, psm, expected, lambda: grad_penalty(model), lr=0.01)
+
+
+# -- nn.EmbeddingBag: torch has no derivative of _embedding_bag_backward, so torch.func differentiates an
+# -- equivalent model: the same weight read by F.embedding, then each bag's sum, mean or max
+
+
+class Bags(nn.Module):
+    """An nn.EmbeddingBag over ``[B, L]`` tokens (one bag per sample) and a head. ``form``: the 2-D
+    input, or the flattened 1-D input with ``offsets`` and ``per_sample_weights`` (mode sum)."""
+
+    def __init__(self, mode: str, form: str, padding_idx: int | None) -> None:
+        super().__init__()
+        self.bag, self.head = nn.EmbeddingBag(7, 3, mode=mode, padding_idx=padding_idx), nn.Linear(3, 2)
+        self.form = form
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.form == "2d":
+            h = self.bag(x)
+        else:
+            offsets = torch.arange(0, x.numel(), x.shape[1])
+            h = self.bag(x.flatten(), offsets, per_sample_weights=entry_weights(x).flatten())
+        return self.head(torch.tanh(h))
+
+
+def entry_weights(x: Tensor) -> Tensor:
+    """The per-sample weights of the weighted bags: a function of the tokens."""
+    return 1 / (1 + x.to(torch.float64))
+
+
+class Unbagged(nn.Module):
+    """``Bags`` as F.embedding and a reduction over each bag: the same function of the same parameters
+    (by the same names), which torch.func can differentiate twice."""
+
+    def __init__(self, bags: Bags) -> None:
+        super().__init__()
+        self.bag, self.head, self.form = bags.bag, bags.head, bags.form
+
+    def forward(self, x: Tensor) -> Tensor:
+        bag = self.bag
+        assert isinstance(bag, nn.EmbeddingBag)
+        e = nn.functional.embedding(x, bag.weight)  # [B, L, e]
+        keep = torch.ones_like(x, dtype=torch.bool) if bag.padding_idx is None else x != bag.padding_idx
+        if bag.mode == "max":
+            h = e.masked_fill(~keep.unsqueeze(2), float("-inf")).max(1).values
+        else:
+            w = keep.to(e.dtype) if self.form == "2d" else entry_weights(x) * keep
+            h = (e * w.unsqueeze(2)).sum(1)
+            if bag.mode == "mean":
+                h = h / keep.sum(1, keepdim=True).clamp(min=1)
+        return self.head(torch.tanh(h))
+
+
+BAGS = {
+    "sum": ("sum", "2d", None),
+    "mean_padding": ("mean", "2d", 0),
+    "max": ("max", "2d", None),
+    "weighted_offsets": ("sum", "offsets", None),
+}
+
+
+@pytest.mark.parametrize("penalty", ["grad_sample", "norms", "clipped_materialised", "clipped_fused"])
+@pytest.mark.parametrize("bags", sorted(BAGS))
+def test_embedding_bag_is_differentiable(bags: str, penalty: str) -> None:
+    """The per-sample gradient penalty from ``grad_sample`` or from ``per_sample_norms()``
+    (``keep_grad_sample=False``), and the clipped ``.grad`` penalty, materialised and fused."""
+    torch.manual_seed(0)
+    model = Bags(*BAGS[bags]).double()
+    params = dict(model.named_parameters())
+    keep = penalty in ("grad_sample", "clipped_materialised")
+    psm = PerSampleModule(model, keep_grad_sample=keep, track_norms=not keep)
+
+    def inputs(b: int) -> Tensor:
+        return torch.randint(0, 7, (b, 5))
+
+    if penalty.startswith("clipped"):
+        psm.register_transform(model, transforms.clip_norm(0.3))
+
+    def expected(g: Params) -> Tensor:
+        if penalty.startswith("clipped"):
+            return sq_norms({k: v[None] for k, v in clipped_mean(g, 0.3).items()}).sum()
+        return sq_norms(g).mean()
+
+    def got_of() -> Tensor:
+        if penalty.startswith("clipped"):
+            return grad_penalty(model)
+        if penalty == "norms":
+            return torch.stack([n.square() for n in psm.per_sample_norms().values()]).sum(0).mean()
+        return sq_norms({n: p.grad_sample for n, p in params.items()}).mean()  # type: ignore[attr-defined]
+
+    check_steps(bags, model, inputs, psm, expected, got_of, lr=0.05, reference_model=Unbagged(model))
