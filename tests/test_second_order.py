@@ -554,6 +554,36 @@ def test_parametrized_clipped_grad_is_differentiable(family: str, t: int, keep_g
     check_steps(family, model, inputs, psm, expected, lambda: grad_penalty(model), lr=0.01)
 
 
+class Positions(nn.Module):
+    """Token embeddings plus weight-normed position embeddings of ``arange(T)`` (an input shared by the
+    batch, ``pergrad.shared``), under a spectral-normed head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos, self.out = nn.Embedding(7, 4), nn.Embedding(20, 4), nn.Linear(4, 2)
+        parametrizations.weight_norm(self.pos)
+        parametrizations.spectral_norm(self.out)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.tok(ids) + self.pos(torch.arange(ids.shape[1])))).sum(1)
+
+
+@pytest.mark.parametrize("keep_grad_sample", [True, False], ids=["materialised", "fused"])
+@pytest.mark.parametrize("t", [15, 17])
+def test_a_parametrized_layer_on_an_input_shared_by_the_batch_is_differentiable(t: int, keep_grad_sample: bool) -> None:
+    """The shared input's pull-back and the parametrization's, one after the other, both on the graph."""
+    torch.manual_seed(5)
+    model = Positions().double()
+    psm = PerSampleModule(model, keep_grad_sample=keep_grad_sample)
+    psm.register_transform(model, transforms.clip_norm(0.3))
+
+    def expected(g: Params) -> Tensor:
+        return sq_norms({k: v[None] for k, v in clipped_mean(g, 0.3).items()}).sum()
+
+    inputs = lambda b: torch.randint(0, 7, (b, t))  # noqa: E731
+    check_steps("shared and parametrized", model, inputs, psm, expected, lambda: grad_penalty(model), lr=0.01)
+
+
 class Cube(torch.autograd.Function):
     """``w^3``, with a backward that writes into a fresh tensor in place: autograd differentiates it,
     but it has no batching rule, so pergrad pulls the samples back one at a time (``parametrized._vjp``)."""
