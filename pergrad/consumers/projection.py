@@ -46,8 +46,7 @@ class Projection:
             reached = {p: proj for p, proj in target.params.items() if p in batch.params}
             found = batch.source.project(reached) if reached and batch.size else {}
             first = next(iter(target.params))
-            dtype = target.spec.dtype or first.dtype
-            total = first.new_zeros((batch.size, target.spec.dim), dtype=dtype)
+            total = first.new_zeros((batch.size, target.spec.dim))  # summed in the parameters' dtype, then cast
             for features in found.values():
-                total += features.to(dtype)
-            self.last[target.name] = total
+                total = total + features
+            self.last[target.name] = total if target.spec.dtype is None else total.to(target.spec.dtype)
