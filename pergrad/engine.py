@@ -14,7 +14,7 @@ state (``pergrad.backward``):
 
 At the end of the backward (an autograd engine callback) ``_end`` runs, top to bottom: collect the
 backward's per-sample gradients into one source, check them, and hand them to each consumer in turn
-(``pergrad.consumers``: ``grad_sample``, statistics, norms, the reduction of each target's transform
+(``pergrad.consumers``: ``grad_sample``, statistics, norms, projections, the reduction of each target's transform
 into ``.grad``: ``p.grad += (1/B) sum_i T(g_i)`` for ``"mean"``, ``sum_i T(g_i)`` for ``"sum"``).
 A parallel back-end (``pergrad.world``) then communicates pergrad's part.
 

@@ -63,6 +63,19 @@ class Twice(nn.Module):
         return self.out(self.lin(torch.tanh(self.lin(x))))
 
 
+class Raw(nn.Module):
+    """Raw parameters (no layer of their own: tracked where they meet the batch), built then projected."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+        self.mix = nn.Parameter(torch.randn(4, 4))
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(torch.tanh((x * self.scale) @ self.mix))
+
+
 def _floats(*shape: int) -> Callable[[int], Tensor]:
     return lambda b: torch.randn(b, *shape, dtype=torch.float64)
 
@@ -94,6 +107,12 @@ CASES: dict[str, Callable[[int], tuple[nn.Module, Callable[[int], Tensor], tuple
         _floats(2, t, 3),
         (4, (t + 2 - 3) // 2 + 1, 3 + 2 - 2 * (2 - 1) - 1 + 1),
     ),
+    "conv_transpose": lambda t: (
+        nn.Sequential(nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1), nn.Tanh()),
+        _floats(3, t),
+        (4, 2 * t - 1),
+    ),
+    "raw": lambda t: (Raw(), _floats(t, 4), (t, 3)),
     "embedding": lambda t: (nn.Sequential(nn.Embedding(11, 4, padding_idx=0), nn.Linear(4, 3)), _ids(t), (t, 3)),
     "hf_conv1d": lambda t: (nn.Sequential(Conv1D(5, 4), nn.Tanh(), Conv1D(3, 5)), _floats(t, 4), (t, 3)),
     "layer_norm": lambda t: (
