@@ -14,7 +14,7 @@ state (``pergrad.backward``):
 
 At the end of the backward (an autograd engine callback) ``_end`` runs, top to bottom: collect the
 backward's per-sample gradients into one source, check them, and hand them to each consumer in turn
-(``pergrad.consumers``: ``grad_sample``, statistics, norms, the reduction of each target's transform
+(``pergrad.consumers``: ``grad_sample``, statistics, norms, projections, the reduction of each target's transform
 into ``.grad``: ``p.grad += (1/B) sum_i T(g_i)`` for ``"mean"``, ``sum_i T(g_i)`` for ``"sum"``).
 A parallel back-end (``pergrad.world``) then communicates pergrad's part.
 
@@ -43,6 +43,7 @@ from .calls import Call, HookedLayer, Kept
 from .consumers import Batch, Consumer
 from .consumers.grad_sample import GradSample
 from .consumers.norms import Norms
+from .consumers.projection import Projection
 from .consumers.reduction import Reduction
 from .consumers.statistics import TrackStatistics
 from .detach import Detacher, has_tensor_hooks
@@ -117,8 +118,9 @@ class Engine:
         self.grad_sample = GradSample()
         self.statistics = TrackStatistics(track_statistics, loss_reduction)
         self.norms = Norms(self.track_norms, self.targets)
+        self.projection = Projection(self.canonical)
         self.reducer = Reduction(self.targets, reduction, self.canonical)
-        self.consumers: list[Consumer] = [self.statistics, self.norms, self.reducer]
+        self.consumers: list[Consumer] = [self.statistics, self.norms, self.projection, self.reducer]
         if keep_grad_sample:
             self.consumers.insert(0, self.grad_sample)
 

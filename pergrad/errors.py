@@ -78,3 +78,8 @@ class StatisticNotTrackedError(PergradError, RuntimeError):
 class SecondOrderError(PergradError, RuntimeError):
     """A backward with ``create_graph=True`` asks for differentiable per-sample gradients where pergrad
     cannot give them (a weight that ran detached, a layer whose rule is not differentiable)."""
+
+
+class ProjectionError(PergradError, ValueError):
+    """A projection (``register_projection``) is asked for with an unknown kind or a dimension that
+    cannot be split, or its features are read before a backward computed them."""

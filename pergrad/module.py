@@ -12,12 +12,14 @@ from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
 from .calls import HookedLayer
+from .consumers.projection import Projected
 from .discover import discover, is_lazy_module, layout_of
 from .distributed import DataParallel, running_ddp, world_for
 from .engine import Engine
-from .errors import NormNotComputedError, PergradError, TargetError, TransformError
+from .errors import NormNotComputedError, PergradError, ProjectionError, TargetError, TransformError
 from .hooks import LayerHooks, owners
 from .loss_scale import GradScalerLike, LossScaleLike, factor_reader, loss_scale_reader
+from .projectors import KINDS, Projector, Spec, splittable
 from .registry import RuleRegistry, default_registry
 from .sources import Materialized
 from .statistics import Statistics, compute_statistics, requested
@@ -160,6 +162,7 @@ class PerSampleModule:
         self._engine.world = world_for(model, self._engine, accumulate)
         self._canonical = self._engine.world.canonical if self._engine.world is not None else _same
         self._targets: list[tuple[nn.Module | str, Transform]] = []  # as registered, resolved again on rebinding
+        self._projections: list[tuple[nn.Module | str, Spec]] = []  # likewise
         self._layers: list[HookedLayer] = []
         self._accumulators: list[Any] = []
         self._accumulate_handles: list[RemovableHandle] = []
@@ -220,6 +223,7 @@ class PerSampleModule:
         for target, transform in self._targets:
             label, params, _, _ = self._resolve(target)
             engine.targets.add(Target(label, params, transform))
+        engine.projection.targets = [self._projected(target, spec) for target, spec in self._projections]
 
     def _install_hooks(self) -> None:
         """The layers' forward hooks, for the layers and transforms as they are now."""
@@ -432,6 +436,79 @@ class PerSampleModule:
         self._targets.append((ref, transform))
         self._engine.targets.add(Target(label, params, transform))
         self._install_hooks()  # the weights it covers may now run detached
+
+    # -- projections ----------------------------------------------------------------------------
+
+    def register_projection(
+        self,
+        target: nn.Module | nn.Parameter | str,
+        *,
+        dim: int,
+        kind: str = "kron",
+        seed: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Compute ``P vec(g_i)``, ``dim`` features of each sample's gradient of ``target``, in every
+        backward; read them with ``per_sample_projections()``.
+
+        ``target`` is a parameter, a module or the wrapped model, as for ``register_transform`` (the
+        object or its qualified name). ``P = [P_1 ... P_m]`` projects the target's whole gradient (its
+        parameters concatenated): each parameter's block ``P_p`` has ``dim`` rows and is regenerated
+        from ``(seed, the parameter's qualified name, its shape, kind)``, never saved, so features of
+        the same model agree across batches, processes and restarts (``pergrad.projectors``).
+
+        - ``kind="kron"``: a parameter of two or more dims gets ``P_row ⊗ P_col`` with
+          ``r_row * r_col = dim`` (``dim = r^2``: ``r x r``; ``dim = 2 r^2``: ``r x 2r``; every power of
+          two is one of these), computed without building ``g_i`` for Linear (any leading dims),
+          Conv1d/2d/3d (any stride, padding, dilation, groups), Embedding and HF ``Conv1D``, and from
+          the built ``g_i`` of one layer at a time for every other layer; one-dim parameters (biases,
+          norm weights) get a dense Gaussian block.
+        - ``kind="dense"``: a dense Gaussian ``[dim, numel]`` block per parameter, applied to the built
+          ``g_i`` of one layer at a time (drawn in chunks of 32 MiB: never held whole when large).
+
+        Features are of the raw ``g_i`` (before any transform) of each sample's own loss, in ``dtype``
+        (default: the parameters'); computed in the parameters' dtype.
+        """
+        if kind not in KINDS:
+            raise ProjectionError(f"register_projection: unknown kind {kind!r}; pass kind='kron' or kind='dense'")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+            raise ProjectionError(f"register_projection: dim must be a positive int, got {dim!r}")
+        if kind == "kron" and not splittable(dim):
+            raise ProjectionError(
+                f"register_projection(kind='kron'): dim={dim} cannot be split into r_row * r_col as r x r or "
+                "r x 2r; pass a square or twice a square (64, 128, 256, 512, 1024, ...), or kind='dense'"
+            )
+        if dtype is not None and not dtype.is_floating_point:
+            raise ProjectionError(f"register_projection: dtype must be a floating point dtype, got {dtype}")
+        spec = Spec(dim, kind, seed, dtype)
+        label, _, _, ref = self._resolve(target)
+        projected = self._projected(ref, spec)
+        if any(other.name == projected.name for other in self._engine.projection.targets):
+            raise TargetError(
+                f"{label} already has a projection (per_sample_projections() holds one per target name); "
+                "register it once, or project its parameters or submodules separately"
+            )
+        self._projections.append((ref, spec))
+        self._engine.projection.targets.append(projected)
+
+    def _projected(self, target: nn.Module | nn.Parameter | str, spec: Spec) -> Projected:
+        label, params, _, ref = self._resolve(target)
+        if not params:
+            raise TargetError(f"{label} has no trainable parameters; nothing to project")
+        name = ref if isinstance(ref, str) else next(n for n, m in self.module.named_modules() if m is ref)
+        names = self._engine.param_names
+        return Projected(name, spec, {p: Projector(spec, names[p], tuple(p.shape)) for p in params.values()})
+
+    def per_sample_projections(self) -> dict[str, Tensor]:
+        """``{target name: Tensor[B, dim]}``: the projected per-sample gradients ``P vec(g_i)`` of the last
+        backward, one entry per ``register_projection`` target, keyed by its qualified name (``""``
+        for the whole model). See ``register_projection``."""
+        projection = self._engine.projection
+        if not projection.targets:
+            raise ProjectionError("per_sample_projections(): no projection registered; call register_projection first")
+        if not projection.last:
+            raise ProjectionError("per_sample_projections() is available after a backward pass")
+        return dict(projection.last)
 
     def _resolve(
         self, target: nn.Module | nn.Parameter | str

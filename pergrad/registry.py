@@ -28,6 +28,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from .projectors import Projector
+
 Rule = Callable[[nn.Module, Any, Any], dict[str, Tensor]]  # d: a Tensor, or OutputGrads with output_dims
 OutputGrads = tuple[Tensor | None, ...]  # one per tensor of a call's output (output_tensors); None: no gradient
 OutputDims = Callable[[nn.Module, Any, int], tuple[int | None, ...]]
@@ -100,6 +102,9 @@ class FusedRule:
     - ``builds(layer, a, d) -> bool``: ``sq_norms`` would build every ``g_i`` for these shapes anyway
       (an outer product, not a Gram form): the caller then builds them once with the rule and reads
       norms, and weighted sums, off them.
+    - ``project(layer, a, d, projectors) -> {name: [B, k]} | None``: ``P_p vec(g_i)`` for each parameter
+      name in ``projectors`` (``pergrad.projectors``), Kronecker blocks without building ``g_i``; None
+      where the layer has no such form for these projectors (a dense one: the caller builds ``g_i``).
     Every function returns entries only for parameters that require grad, as fresh tensors (the
     caller may scale them in place). ``bilinear``: the weight's
     ``g_i`` is linear in ``a_i`` as well, so for a layer without a trainable bias per-sample weights
@@ -113,6 +118,7 @@ class FusedRule:
     bilinear: bool = False  # g_i(weight) is linear in a_i too (Linear, Conv): weights may go on a
     moments: Callable[[nn.Module, Any, Tensor, dict[str, Tensor] | None], Moments | None] | None = None
     builds: Callable[[nn.Module, Any, Tensor], bool] | None = None
+    project: Callable[[nn.Module, Any, Tensor, dict[str, Projector]], dict[str, Tensor] | None] | None = None
 
 
 @dataclass(frozen=True)

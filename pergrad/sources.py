@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from .calls import Call, HookedLayer, Kept
 from .errors import SecondOrderError
 from .layout import new_buffer, recorded, recording_buffers
+from .projectors import Projector
 from .registry import FusedRule, OutputGrads
 
 Params = Iterable[nn.Parameter]
@@ -107,6 +108,10 @@ class Materialized:
 
     def sum_squares(self, params: Params) -> dict[nn.Parameter, Tensor]:
         return {p: _sum_of_squares(self.grads[p]) for p in params}
+
+    def project(self, projectors: dict[nn.Parameter, Projector]) -> dict[nn.Parameter, Tensor]:
+        """``P_p vec(g_i)`` ``[B, k]`` of each parameter (of those with built ``g_i``)."""
+        return {p: proj.apply(self.grads[p]) for p, proj in projectors.items() if p in self.grads}
 
     def moments(
         self, params: Params, means: dict[nn.Parameter, Tensor], squares: bool = True, dots: bool = True
@@ -329,6 +334,28 @@ class Fused:
             by_name = {name: others[p] for p, name in pairs}
             result = call.layer.spec.fused.dots(call.layer.module, call.a, call.d, by_name)
             out.update({p: result[name] * call.scale for p, name in pairs})
+        return out
+
+    def project(self, projectors: dict[nn.Parameter, Projector]) -> dict[nn.Parameter, Tensor]:
+        """``P_p vec(g_i)`` ``[B, k]`` of each parameter, call by call: a call's fused projection
+        (``FusedRule.project``: Kronecker blocks from ``(a, d)``, no ``g_i``) where its rule has one for
+        these projectors, else its built ``g_i`` projected (shared with the other quantities as
+        ``_run`` keeps them). Projections are linear, so a parameter fed by several calls (a layer
+        called twice, tied weights) gets the sum of its calls' projections."""
+        out: dict[nn.Parameter, Tensor] = {}
+        for call in self._calls_of(projectors):
+            named = {name: p for name, p in self._params[call].items() if p in projectors}
+            fused = call.layer.spec.fused
+            found = None
+            if call.built is None and fused is not None and fused.project is not None:
+                by_name = fused.project(call.layer.module, call.a, call.d, {n: projectors[p] for n, p in named.items()})
+                if by_name is not None:
+                    found = {named[n]: f * call.scale for n, f in by_name.items()}
+            if found is None:
+                built = {self._param(call, n): g for n, g in self._run(call).items()}
+                found = {p: projectors[p].apply(g) for p, g in built.items() if p in projectors}
+            for p, f in found.items():
+                out[p] = f if p not in out else out[p] + f
         return out
 
     def moments(

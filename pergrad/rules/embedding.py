@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 from ..errors import UnsupportedLayerError
 from ..layout import new_buffer
+from ..projectors import Projector
 from ..registry import FusedRule, LayerCall, default_registry
 
 
@@ -100,8 +101,29 @@ def embedding_sum_squares(layer: nn.Module, idx: Tensor, d: Tensor) -> dict[str,
     return {"weight": out}
 
 
+def embedding_project(
+    layer: nn.Module, idx: Tensor, d: Tensor, projectors: dict[str, Projector]
+) -> dict[str, Tensor] | None:
+    """``P vec(g_i) = sum_t P_row[:, idx_it] (P_col d_it)^T``: ``P_row`` of a one-hot row is a column
+    lookup (``P_row [p, vocab]``, ``P_col [q, e]``); padding tokens contribute nothing. None if the
+    block is dense (``g_i`` must be built).
+
+    Index conventions: n sample, t token positions, e embedding features, p and q projected features.
+    """
+    assert isinstance(layer, nn.Embedding)
+    weight = projectors.get("weight")
+    if weight is None:
+        return {}
+    if not weight.kron:
+        return None
+    idx, d = _tokens(layer, idx, d)
+    row, col = weight.factors(d)
+    return {"weight": torch.bmm(row.T[idx].transpose(1, 2), d @ col.T).flatten(1)}  # ntp,ntq->npq
+
+
 default_registry.register_fused(
-    (nn.Embedding,), FusedRule(embedding_sq_norms, embedding_summed, embedding_dots, embedding_sum_squares)
+    (nn.Embedding,),
+    FusedRule(embedding_sq_norms, embedding_summed, embedding_dots, embedding_sum_squares, project=embedding_project),
 )
 
 

@@ -29,7 +29,16 @@ import torch
 from torch import Tensor, nn
 
 from ..registry import FusedRule, default_registry
-from .linear import linear_dots, linear_moments, linear_sq_norms, linear_summed, outer_sums, position_sums, trainable
+from .linear import (
+    linear_dots,
+    linear_moments,
+    linear_project,
+    linear_sq_norms,
+    linear_summed,
+    outer_sums,
+    position_sums,
+    trainable,
+)
 from .norm import affine_grads
 
 
@@ -150,6 +159,7 @@ default_registry.register_fused(
         partial(linear_dots, transposed=True),
         bilinear=True,
         moments=partial(linear_moments, transposed=True),
+        project=partial(linear_project, transposed=True),
     ),
 )
 

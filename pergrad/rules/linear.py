@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layout import new_buffer, owned, recorded, rows
+from ..projectors import Projector
 from ..registry import FusedRule, Moments, default_registry
 
 
@@ -140,7 +141,38 @@ def linear_moments(
     return norms, squares, dots
 
 
+def kron_sums(left: Tensor, right: Tensor, p_left: Tensor, p_right: Tensor) -> Tensor:
+    """``vec(P_l g_i P_r^T)`` for ``g_i = sum_s left_is right_is^T``, as ``sum_s (P_l left_is)(P_r right_is)^T``:
+    no ``[l, r]`` per-sample tensor.
+
+    Index conventions: n sample, s shared positions, l and r features, p and q projected features.
+    left: [n, *s, l], right: [n, *s, r], p_left: [p, l], p_right: [q, r] -> [n, p * q].
+    """
+    lp, rq = rows(left) @ p_left.T, rows(right) @ p_right.T  # [n, s, p], [n, s, q]
+    return torch.bmm(lp.transpose(1, 2), rq).flatten(1)  # nsp,nsq->npq
+
+
+def linear_project(
+    layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector], *, transposed: bool = False
+) -> dict[str, Tensor] | None:
+    """``P vec(g_i)``: the weight's Kronecker block as ``sum_s (P_row d_is)(P_col a_is)^T`` (with
+    ``transposed=True``, a weight stored ``[in, out]``: ``sum_s (P_row a_is)(P_col d_is)^T``); the bias's
+    block applied to ``sum_s d_is``. None if the weight's block is dense (``g_i`` must be built)."""
+    weight = projectors.get("weight")
+    if weight is not None and not weight.kron:
+        return None
+    out = {}
+    if weight is not None:
+        row, col = weight.factors(d)
+        out["weight"] = kron_sums(a, d, row, col) if transposed else kron_sums(d, a, row, col)
+    if "bias" in projectors:
+        out["bias"] = projectors["bias"].apply(d if d.dim() == 2 else rows(d).sum(1))
+    return out
+
+
 default_registry.register_fused(
     (nn.Linear,),
-    FusedRule(linear_sq_norms, linear_summed, linear_dots, bilinear=True, moments=linear_moments),
+    FusedRule(
+        linear_sq_norms, linear_summed, linear_dots, bilinear=True, moments=linear_moments, project=linear_project
+    ),
 )

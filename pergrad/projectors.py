@@ -1,0 +1,159 @@
+"""Random projections ``P vec(g_i)`` of per-sample gradients, regenerated (never saved) from
+``(seed, parameter name, shape, kind)``.
+
+Every parameter of a projection target has its own block ``P_p`` with ``k`` rows, and the target's
+features are ``sum_p P_p vec(g_i(p))``: the projection ``[P_1 ... P_m]`` of the target's whole
+gradient (its parameters concatenated), ``k`` features whatever the number of parameters.
+
+- ``"kron"``: a parameter of two or more dims, stored ``[R, C, *rest]`` (a Linear ``[out, in]``, a
+  convolution ``[out, in/groups, *kernel]``, an embedding ``[vocab, dim]``, HF ``Conv1D`` ``[in, out]``)
+  gets ``P_p = P_row ⊗ P_col`` with ``P_row`` ``[r_row, R]`` and ``P_col`` ``[r_col, C * prod(rest)]``:
+  ``P_p vec(g) = vec(P_row g P_col^T)``, flattened row-major (``[r_row, r_col]``), with
+  ``r_row * r_col = k`` (``split``). A layer with a Kronecker rule (``FusedRule.project``) computes it
+  from its input and output gradient without building ``g_i``. A one-dim parameter (bias, norm
+  weight) gets a dense block.
+- ``"dense"``: one Gaussian ``[k, numel]`` block per parameter, applied to the built ``g_i``.
+
+Entries are Gaussian with variance ``1/k`` (``1/r_row`` and ``1/r_col`` for the two factors), so
+``E[P^T P] = I`` and inner products are preserved in expectation (Johnson-Lindenstrauss). They are
+drawn on the CPU in float64 by a ``torch.Generator`` seeded from a SHA-256 of the key, then cast:
+the same on every device, thread count, process and restart. Kronecker factors and dense blocks of
+at most ``CACHED`` elements are kept by the ``Projector`` once drawn; larger dense blocks are drawn
+again at each backward, ``CHUNK`` elements (32 MiB of float64) at a time, so the whole block is never
+held: a dense projection holds one chunk and one parameter's ``g_i`` at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+KINDS = ("kron", "dense")
+CHUNK = 1 << 22  # float64 elements of a dense block drawn at once
+CACHED = 1 << 20  # blocks up to this many elements are drawn once per Projector, then kept
+
+
+def split(k: int) -> tuple[int, int]:
+    """``(r_row, r_col)`` with ``r_row * r_col = k``: ``(r, r)`` for ``k = r^2``, ``(r, 2r)`` for
+    ``k = 2 r^2`` (every power of two); ``ValueError`` for any other ``k``."""
+    for factor in (1, 2):
+        r = math.isqrt(k // factor)
+        if factor * r * r == k and r > 0:
+            return r, factor * r
+    raise ValueError(k)
+
+
+def splittable(k: int) -> bool:
+    try:
+        split(k)
+    except ValueError:
+        return False
+    return True
+
+
+def _generator(seed: int, *key: object) -> torch.Generator:
+    """A CPU generator seeded from ``(seed, *key)`` (stable across processes: no ``hash()``)."""
+    digest = hashlib.sha256(repr((seed, *key)).encode()).digest()
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return generator
+
+
+def gaussian(rows: int, cols: int, seed: int, *key: object) -> Tensor:
+    """``[rows, cols]`` standard Gaussian float64 entries on the CPU, a function of ``(seed, *key)``."""
+    return torch.randn(rows, cols, generator=_generator(seed, *key), dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One ``register_projection``: ``k`` features of each sample, of this kind, seed and dtype."""
+
+    dim: int
+    kind: str = "kron"
+    seed: int = 0
+    dtype: torch.dtype | None = None  # of the features (None: the parameters')
+
+
+@dataclass
+class Projector:
+    """The block ``P_p`` of one parameter, by its qualified name and shape."""
+
+    spec: Spec
+    name: str
+    shape: tuple[int, ...]
+    _kept: dict[tuple[str, int], Tensor] = field(default_factory=dict, repr=False)  # float64 CPU blocks
+    _cast: dict[tuple[str, int, torch.dtype, torch.device], Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def kron(self) -> bool:
+        """Whether ``P_p = P_row ⊗ P_col`` (else dense)."""
+        return self.spec.kind == "kron" and len(self.shape) >= 2
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def _key(self, part: str) -> tuple[object, ...]:
+        return (self.name, self.shape, self.spec.kind, part)
+
+    def _block(self, part: str, index: int, rows: int, cols: int, scale: float) -> Tensor:
+        """A float64 CPU block of the projection, kept when small."""
+        found = self._kept.get((part, index))
+        if found is None:
+            found = gaussian(rows, cols, self.spec.seed, *self._key(part), index).mul_(scale)
+            if rows * cols <= CACHED:
+                self._kept[(part, index)] = found
+        return found
+
+    def _like(self, part: str, index: int, block: Tensor, like: Tensor) -> Tensor:
+        if block.numel() > CACHED:
+            return block.to(like.device, like.dtype)
+        key = (part, index, like.dtype, like.device)
+        found = self._cast.get(key)
+        if found is None:
+            found = self._cast[key] = block.to(like.device, like.dtype)
+        return found
+
+    def factors(self, like: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``P_row [r_row, R]`` and ``P_col [r_col, C * prod(rest)]`` of a Kronecker block, in the
+        dtype and on the device of ``like`` (float64 CPU without it)."""
+        assert self.kron
+        r_row, r_col = split(self.spec.dim)
+        rows, cols = self.shape[0], self.numel // self.shape[0]
+        row = self._block("row", 0, r_row, rows, 1 / math.sqrt(r_row))
+        col = self._block("col", 0, r_col, cols, 1 / math.sqrt(r_col))
+        if like is None:
+            return row, col
+        return self._like("row", 0, row, like), self._like("col", 0, col, like)
+
+    def dense_blocks(self, like: Tensor | None = None) -> Iterator[tuple[slice, Tensor]]:
+        """The rows of a dense block ``[k, numel]``, ``CHUNK`` elements at a time: (rows, block)."""
+        k, numel = self.spec.dim, self.numel
+        step = max(1, CHUNK // numel)
+        for index, start in enumerate(range(0, k, step)):
+            stop = min(k, start + step)
+            block = self._block("dense", index, stop - start, numel, 1 / math.sqrt(k))
+            yield slice(start, stop), block if like is None else self._like("dense", index, block, like)
+
+    def apply(self, g: Tensor) -> Tensor:
+        """``P_p vec(g_i)`` for built per-sample gradients ``g`` ``[B, *shape]`` -> ``[B, k]``."""
+        n = g.shape[0]
+        if self.kron:
+            row, col = self.factors(g)
+            return (row @ g.reshape(n, self.shape[0], -1) @ col.T).reshape(n, -1)
+        flat = g.reshape(n, -1)
+        out = flat.new_empty((n, self.spec.dim))
+        for rows, block in self.dense_blocks(flat):
+            out[:, rows] = flat @ block.T
+        return out
+
+    def matrix(self) -> Tensor:
+        """The whole block ``P_p`` ``[k, numel]`` in float64 (for tests and small parameters)."""
+        if self.kron:
+            return torch.kron(*self.factors())
+        return torch.cat([block for _, block in self.dense_blocks()])

@@ -1,0 +1,269 @@
+"""Projected per-sample gradients (``register_projection``): ``P vec(g_i)`` of each target, checked
+every step against the same ``P`` (regenerated) applied to torch.func's per-sample gradients."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from unittest import mock
+
+import pytest
+import torch
+from reference import assert_close, clipped_mean, reference_grad_sample, run_pergrad
+from torch import Tensor, nn
+
+import pergrad.sources
+from pergrad import PerSampleModule, TargetError, transforms
+from pergrad.errors import ProjectionError
+from pergrad.projectors import Projector, Spec
+
+transformers = pytest.importorskip("transformers")
+Conv1D = transformers.pytorch_utils.Conv1D
+
+DIM = 8  # kron: 2 x 4
+
+
+class Attention(nn.Module):
+    """A Linear, then nn.MultiheadAttention (its in_proj_weight has no Kronecker rule: built, projected)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        return self.attn(h, h, h, need_weights=False)[0]
+
+
+class Tied(nn.Module):
+    """An embedding and a head sharing one weight: two calls feed it, their projections add up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 4, padding_idx=0)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
+class Twice(nn.Module):
+    """One Linear called twice in a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.lin(torch.tanh(self.lin(x))))
+
+
+class Raw(nn.Module):
+    """Raw parameters (no layer of their own: tracked where they meet the batch), built then projected."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+        self.mix = nn.Parameter(torch.randn(4, 4))
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(torch.tanh((x * self.scale) @ self.mix))
+
+
+def _floats(*shape: int) -> Callable[[int], Tensor]:
+    return lambda b: torch.randn(b, *shape, dtype=torch.float64)
+
+
+def _ids(t: int) -> Callable[[int], Tensor]:
+    return lambda b: torch.randint(0, 11, (b, t))
+
+
+# family -> (model for t positions, input of a batch, output shape)
+CASES: dict[str, Callable[[int], tuple[nn.Module, Callable[[int], Tensor], tuple[int, ...]]]] = {
+    "linear": lambda t: (
+        nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3), nn.Flatten(), nn.Linear(3 * t, 2)),
+        _floats(t, 4),
+        (2,),
+    ),
+    "conv1d": lambda t: (
+        nn.Sequential(
+            nn.Conv1d(3, 4, 3, padding=2, dilation=2),
+            nn.Tanh(),
+            nn.Conv1d(4, 4, 3, stride=2, groups=2),
+            nn.Flatten(),
+            nn.Linear(4 * ((t - 3) // 2 + 1), 2),
+        ),
+        _floats(3, t),
+        (2,),
+    ),
+    "conv2d": lambda t: (
+        nn.Sequential(nn.Conv2d(2, 4, (3, 2), stride=(2, 1), padding=1, dilation=(1, 2)), nn.Tanh()),
+        _floats(2, t, 3),
+        (4, (t + 2 - 3) // 2 + 1, 3 + 2 - 2 * (2 - 1) - 1 + 1),
+    ),
+    "conv_transpose": lambda t: (
+        nn.Sequential(nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1), nn.Tanh()),
+        _floats(3, t),
+        (4, 2 * t - 1),
+    ),
+    "raw": lambda t: (Raw(), _floats(t, 4), (t, 3)),
+    "embedding": lambda t: (nn.Sequential(nn.Embedding(11, 4, padding_idx=0), nn.Linear(4, 3)), _ids(t), (t, 3)),
+    "hf_conv1d": lambda t: (nn.Sequential(Conv1D(5, 4), nn.Tanh(), Conv1D(3, 5)), _floats(t, 4), (t, 3)),
+    "layer_norm": lambda t: (
+        nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 3)),
+        _floats(t, 4),
+        (t, 3),
+    ),
+    "attention": lambda t: (Attention(), _floats(t, 4), (t, 4)),
+    "tied": lambda t: (Tied(), _ids(t), (t, 11)),
+    "twice": lambda t: (Twice(), _floats(t, 4), (t, 3)),
+}
+
+
+def expected(ref: dict[str, Tensor], net: nn.Module, spec: Spec, prefix: str = "") -> Tensor:
+    """``sum_p P_p vec(g_i(p))`` over the target's parameters, ``P_p`` regenerated from its name."""
+    total = 0
+    for name, p in net.named_parameters():
+        if name.startswith(prefix):
+            total = total + ref[name].flatten(1) @ Projector(spec, name, tuple(p.shape)).matrix().T
+    assert isinstance(total, Tensor)
+    return total
+
+
+def check_steps(
+    family: str,
+    positions: int,
+    keep_grad_sample: bool,
+    kind: str,
+    loss_reduction: str = "mean",
+    clip: float | None = None,
+) -> None:
+    torch.manual_seed(0)
+    net, batch_of, out_shape = CASES[family](positions)
+    net = net.double()
+    psm = PerSampleModule(net, keep_grad_sample=keep_grad_sample, loss_reduction=loss_reduction)
+    if clip is not None:
+        psm.register_transform(net, transforms.clip_norm(clip))
+    spec = Spec(DIM, kind, seed=3)
+    psm.register_projection(net, dim=DIM, kind=kind, seed=3)
+    first = next(iter(net.named_children()))[0]  # a second target: one layer, the other kind, float32
+    other = Spec(16, "dense" if kind == "kron" else "kron", seed=5, dtype=torch.float32)
+    psm.register_projection(first, dim=16, kind=other.kind, seed=5, dtype=torch.float32)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    names = dict(net.named_parameters())
+    for step, batch in enumerate([3, 5, 4, 6]):  # the detaching shortcut starts after the first backward
+        x, y = batch_of(batch), torch.randn(batch, *out_shape, dtype=torch.float64)
+        ref = reference_grad_sample(net, x, y)
+        optimizer.zero_grad()
+        run_pergrad(psm, x, y, loss_reduction)
+        found = psm.per_sample_projections()
+        assert set(found) == {"", first}
+        assert_close(found[""], expected(ref, net, spec), f"step {step}: {kind} features of the model")
+        part = expected(ref, net, other, prefix=first + ".").float()
+        torch.testing.assert_close(found[first], part, rtol=1e-5, atol=1e-6)
+        assert found[first].dtype == torch.float32
+        reduce = (lambda g: g.mean(0)) if loss_reduction == "mean" else (lambda g: g.sum(0))
+        grads = clipped_mean(ref, clip) if clip is not None else {n: reduce(g) for n, g in ref.items()}
+        if clip is not None and loss_reduction == "sum":
+            grads = {n: g * batch for n, g in grads.items()}
+        for name, g in grads.items():  # .grad is unchanged by the projection
+            grad = names[name].grad
+            assert grad is not None
+            assert_close(grad, g, f"step {step}: {name}.grad")
+        optimizer.step()
+    psm.remove()
+
+
+@pytest.mark.parametrize("kind", ["kron", "dense"])
+@pytest.mark.parametrize("keep_grad_sample", [True, False], ids=["materialised", "fused"])
+@pytest.mark.parametrize("positions", [15, 17])  # both sides of detach.MANY
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_features_match_torch_func_every_step(family: str, positions: int, keep_grad_sample: bool, kind: str) -> None:
+    check_steps(family, positions, keep_grad_sample, kind)
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+@pytest.mark.parametrize("keep_grad_sample", [True, False], ids=["materialised", "fused"])
+@pytest.mark.parametrize("family", ["conv1d", "tied"])
+def test_features_are_of_the_raw_gradients_beside_a_transform(
+    family: str, keep_grad_sample: bool, loss_reduction: str
+) -> None:
+    """Clipping changes .grad, not the features: they are the samples' own g_i, under either reduction."""
+    check_steps(family, 17, keep_grad_sample, "kron", loss_reduction, clip=0.3)
+
+
+@pytest.mark.parametrize("family", ["linear", "conv1d", "conv2d", "embedding", "hf_conv1d"])
+def test_kronecker_families_build_no_per_sample_gradient(family: str) -> None:
+    torch.manual_seed(0)
+    net, batch_of, out_shape = CASES[family](17)
+    net = net.double()
+    psm = PerSampleModule(net, keep_grad_sample=False, verify=False)
+    psm.register_projection(net, dim=DIM)
+    x, y = batch_of(4), torch.randn(4, *out_shape, dtype=torch.float64)
+    ref = reference_grad_sample(net, x, y)
+    with mock.patch.object(pergrad.sources, "run_rule", side_effect=AssertionError("a rule built g_i")):
+        run_pergrad(psm, x, y)
+    assert_close(psm.per_sample_projections()[""], expected(ref, net, Spec(DIM)), "features")
+
+
+PRINT_P = """
+import torch
+torch.set_num_threads(1)
+from pergrad.projectors import Projector, Spec
+for kind in ("kron", "dense"):
+    p = Projector(Spec(32, kind, seed=7), "0.weight", (6, 5)).matrix()
+    print(kind, p.flatten().tolist())
+"""
+
+
+def test_the_same_seed_gives_the_same_projection_in_a_fresh_process() -> None:
+    done = subprocess.run([sys.executable, "-c", PRINT_P], capture_output=True, text=True, check=True, timeout=120)
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    for kind in ("kron", "dense"):
+        here = Projector(Spec(32, kind, seed=7), "0.weight", (6, 5)).matrix()
+        there = torch.tensor(eval(lines[kind]), dtype=torch.float64).view(32, 30)
+        assert torch.equal(here, there), kind
+        renamed = Projector(Spec(32, kind, seed=7), "1.weight", (6, 5)).matrix()
+        reseeded = Projector(Spec(32, kind, seed=8), "0.weight", (6, 5)).matrix()
+        assert not torch.allclose(here, renamed) and not torch.allclose(here, reseeded), kind
+
+
+def test_a_dense_block_is_drawn_in_chunks_that_make_the_same_matrix() -> None:
+    """A large dense block is drawn ``CHUNK`` elements at a time (never whole); it projects exactly as
+    the matrix its chunks make."""
+    with mock.patch("pergrad.projectors.CHUNK", 64), mock.patch("pergrad.projectors.CACHED", 0):
+        proj = Projector(Spec(16, "dense", seed=1), "w", (3, 10))
+        assert sum(1 for _ in proj.dense_blocks()) == 8  # 2 rows of 30 at a time
+        g = torch.randn(5, 3, 10, dtype=torch.float64)
+        assert_close(proj.apply(g), g.flatten(1) @ proj.matrix().T, "chunked dense projection")
+
+
+def test_errors_name_the_target_and_the_fix() -> None:
+    net = nn.Sequential(nn.Linear(3, 2))
+    psm = PerSampleModule(net)
+    with pytest.raises(ProjectionError, match=r"unknown kind 'sjlt'; pass kind='kron' or kind='dense'"):
+        psm.register_projection(net, dim=16, kind="sjlt")
+    with pytest.raises(ProjectionError, match=r"dim=12 cannot be split .* a square or twice a square .*kind='dense'"):
+        psm.register_projection(net, dim=12)
+    with pytest.raises(ProjectionError, match=r"dim must be a positive int, got 0"):
+        psm.register_projection(net, dim=0, kind="dense")
+    with pytest.raises(TargetError, match=r"the module Linear is not part of the wrapped model"):
+        psm.register_projection(nn.Linear(3, 2), dim=16)
+    with pytest.raises(TargetError, match=r"no module or parameter named 'head'"):
+        psm.register_projection("head", dim=16)
+    with pytest.raises(ProjectionError, match=r"no projection registered; call register_projection first"):
+        psm.per_sample_projections()
+    psm.register_projection("0.weight", dim=12, kind="dense")
+    with pytest.raises(ProjectionError, match=r"available after a backward pass"):
+        psm.per_sample_projections()
+    with pytest.raises(TargetError, match=r"parameter '0.weight' already has a projection"):
+        psm.register_projection(net[0].weight, dim=16)
+    psm(torch.randn(3, 3)).sum().backward()
+    assert psm.per_sample_projections()["0.weight"].shape == (3, 12)
+    psm.remove()
