@@ -157,6 +157,8 @@ def test_opening_errors(tmp_path: Path) -> None:
             store.write([1, 23], torch.zeros(2, K), checkpoint=0)
         with pytest.raises(StoreIndexError, match=r"repeated indices"):
             store.write([1, 1], torch.zeros(2, K), checkpoint=0)
+    with pytest.raises(StoreSpecError, match=r"is closed: open it again with FeatureStore.open to write"):
+        store.write([0], torch.zeros(1, K), checkpoint=0)
     with pytest.raises(StoreSpecError, match=r"opened readonly=True: open it with readonly=False to write"):
         FeatureStore.open(tmp_path / "s", readonly=True).write([0], torch.zeros(1, K), checkpoint=0)
     assert issubclass(StoreSpecError, PergradError)

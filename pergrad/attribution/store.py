@@ -271,7 +271,7 @@ class FeatureStore:
         Features are cast to the store's dtype; rewriting a row replaces it. The rows count as written on
         disk after the next :meth:`flush` or :meth:`close`.
         """
-        self._check_open(write=True)
+        self._check_writable()
         c = self.checkpoint_index(checkpoint)
         idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
         where = f"feature store {str(self.path)!r}"
@@ -298,7 +298,7 @@ class FeatureStore:
 
     def flush(self) -> None:
         """Flush the features written so far to disk, then record their rows as written."""
-        self._check_open(write=True)
+        self._check_writable()
         np = numpy()
         for c, mapped in self._own.items():
             mapped.flush()
@@ -311,12 +311,14 @@ class FeatureStore:
             os.replace(tmp, written)
 
     def close(self) -> None:
-        """Flush (when writable) and release the files. Closing twice does nothing."""
+        """Flush (when writable) and release this rank's files: the store stays readable (from disk), no
+        longer writable. Closing twice does nothing."""
         if self._closed:
             return
         if not self.readonly:
             self.flush()
         self._own.clear()
+        self._written.clear()
         self._closed = True
 
     def __enter__(self) -> FeatureStore:
@@ -332,7 +334,6 @@ class FeatureStore:
     def written(self, checkpoint: str | int | None = None) -> Tensor:
         """Bool ``[n]`` by global sample index: rows written (this rank's rows as written so far, other
         ranks' as last flushed). ``checkpoint=None`` with several checkpoints: written in all of them."""
-        self._check_open()
         numbers = range(len(self.spec.checkpoints)) if checkpoint is None else [self.checkpoint_index(checkpoint)]
         out = torch.ones(self.spec.n, dtype=torch.bool)
         for c in numbers:
@@ -349,7 +350,6 @@ class FeatureStore:
 
     def read(self, indices: Tensor | Sequence[int], checkpoint: str | int | None = None) -> Tensor:
         """Features ``[len(indices), k]`` of the given global sample indices (every one written)."""
-        self._check_open()
         c = self.checkpoint_index(checkpoint)
         idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
         self._check_range(idx, "read")
@@ -360,7 +360,6 @@ class FeatureStore:
     ) -> Iterator[tuple[Tensor, Tensor]]:
         """Yield ``(indices [c], features [c, k])`` for ``size`` samples at a time (``c <= size``), in order
         of global index (or of ``indices``, a subset), reading only those rows from disk."""
-        self._check_open()
         if size < 1:
             raise StoreIndexError(f"feature store {str(self.path)!r}: chunk size {size} must be at least 1.")
         c = self.checkpoint_index(checkpoint)
@@ -385,10 +384,12 @@ class FeatureStore:
     def _files(self, c: int, rank: int) -> tuple[Path, Path]:
         return self.path / f"features.c{c}.r{rank}.npy", self.path / f"written.c{c}.r{rank}.npy"
 
-    def _check_open(self, write: bool = False) -> None:
+    def _check_writable(self) -> None:
         if self._closed:
-            raise StoreSpecError(f"feature store {str(self.path)!r} is closed: open it again with FeatureStore.open.")
-        if write and self.readonly:
+            raise StoreSpecError(
+                f"feature store {str(self.path)!r} is closed: open it again with FeatureStore.open to write."
+            )
+        if self.readonly:
             raise StoreSpecError(
                 f"feature store {str(self.path)!r} was opened readonly=True: open it with readonly=False to write."
             )
