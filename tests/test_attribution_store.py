@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -239,3 +241,24 @@ def test_two_processes_write_shards_of_one_store(tmp_path: Path) -> None:
     reader = FeatureStore.open(tmp_path / "store", readonly=True)
     assert reader.world_size == 2 and reader.missing().numel() == 0
     assert torch.equal(reader.read(torch.arange(13)), features(13))
+
+
+def test_the_core_never_imports_attribution() -> None:
+    package = Path(__file__).resolve().parents[1] / "pergrad"
+    for path in package.rglob("*.py"):
+        if "attribution" in path.relative_to(package).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += (
+                [alias.name for alias in getattr(node, "names", [])]
+                if isinstance(node, ast.Import | ast.ImportFrom)
+                else []
+            )
+            assert not any("attribution" in name for name in names), f"{path} imports pergrad.attribution"
+
+
+def test_without_numpy_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "numpy", None)
+    with pytest.raises(ImportError, match=r"pip install pergrad\[attribution\]"):
+        FeatureStore.open(tmp_path, n=3, k=2)

@@ -47,7 +47,7 @@ def numpy() -> Any:
     """The numpy module, or an ImportError naming the extra that installs it."""
     try:
         import numpy as np
-    except ImportError as err:  # pragma: no cover - numpy is installed wherever the tests run
+    except ImportError as err:
         raise ImportError(
             "pergrad.attribution stores features with numpy: install it with `pip install pergrad[attribution]`"
         ) from err
