@@ -1,0 +1,353 @@
+"""Influence scores between test and train features, read from a store in chunks.
+
+With ``phi_c(z)`` the features of sample ``z`` at checkpoint ``c``, ``w_c`` a weight per checkpoint
+(TracIn: the learning rate of that checkpoint; default 1) and ``M_c`` a preconditioner::
+
+    score(test_j, train_i) = sum_c w_c * phi_c(test_j)^T M_c phi_c(train_i)
+    self_influence(train_i) = sum_c w_c * phi_c(train_i)^T M_c phi_c(train_i)
+
+Preconditioners:
+
+- ``"identity"``: ``M_c = I``: TracIn (over checkpoints), gradient similarity (one checkpoint).
+- ``"gram"``: TRAK-style, ``M_c = (Phi_c^T Phi_c + lambda_c I)^{-1}`` with ``Phi_c`` the ``[n, k]`` train
+  features of checkpoint ``c``; ``Phi_c^T Phi_c`` is ``[k, k]``, accumulated chunk by chunk in float64;
+  ``lambda_c = damping * trace(Phi_c^T Phi_c) / k`` (the damping is relative to the mean eigenvalue, so it
+  does not depend on the features' scale; default ``damping=1e-3``). Build it once with :func:`gram` and
+  pass it to several calls, or pass ``"gram"`` to build it from the store on each call.
+
+A layer-wise Kronecker-factored curvature (LoGra, EK-FAC) needs per-layer factors from the backward, not
+flat features: it is not here.
+
+Test features are applied the preconditioner once (``q_j = M_c phi_c(test_j)``, ``[m, k]``), then each
+chunk of train features gives a ``[m, chunk]`` block of scores: the full ``[m, n]`` matrix is built only by
+:func:`scores`; :func:`top_k` and :func:`self_influence` keep ``O(m * (k + chunk))``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch import Tensor
+
+from .errors import ScoreArgumentError
+
+T = TypeVar("T")
+
+DEFAULT_CHUNK = 4096
+
+
+class FeatureSource(Protocol):
+    """What scoring reads from a store (a :class:`~pergrad.attribution.FeatureStore` is one)."""
+
+    @property
+    def n(self) -> int: ...
+
+    @property
+    def k(self) -> int: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def checkpoints(self) -> tuple[str, ...]: ...
+
+    def chunks(
+        self, size: int, checkpoint: str | int | None = None, indices: Tensor | Sequence[int] | None = None
+    ) -> Iterator[tuple[Tensor, Tensor]]: ...
+
+
+class Preconditioner:
+    """``M_c``, one symmetric positive (semi)definite ``[k, k]`` matrix per checkpoint, applied to rows."""
+
+    def apply(self, checkpoint: int, features: Tensor) -> Tensor:
+        """``features @ M_c`` for ``features`` ``[m, k]`` (``M_c`` is symmetric)."""
+        raise NotImplementedError
+
+    def check(self, source: FeatureSource) -> None:
+        """Raise :class:`ScoreArgumentError` when this preconditioner does not fit ``source``."""
+
+
+class Identity(Preconditioner):
+    """``M_c = I``: TracIn / gradient similarity."""
+
+    def apply(self, checkpoint: int, features: Tensor) -> Tensor:
+        return features
+
+
+class Gram(Preconditioner):
+    """``M_c = (Phi_c^T Phi_c + lambda_c I)^{-1}``, kept as the Cholesky factor of ``Phi_c^T Phi_c +
+    lambda_c I`` (float64) for each checkpoint. Build it with :func:`gram`."""
+
+    def __init__(self, factors: Sequence[Tensor], damping: Sequence[float]) -> None:
+        self.factors = list(factors)
+        self.damping = list(damping)  # the absolute lambda_c of each checkpoint
+
+    def apply(self, checkpoint: int, features: Tensor) -> Tensor:
+        factor = self.factors[checkpoint]
+        solved = torch.cholesky_solve(features.to(torch.float64).T, factor).T
+        return solved.to(features.dtype)
+
+    def matrix(self, checkpoint: int = 0) -> Tensor:
+        """``M_c`` as a dense ``[k, k]`` float64 matrix."""
+        return torch.cholesky_inverse(self.factors[checkpoint])
+
+    def check(self, source: FeatureSource) -> None:
+        if len(self.factors) != len(source.checkpoints) or self.factors[0].shape[0] != source.k:
+            raise ScoreArgumentError(
+                f"the Gram preconditioner was built for {len(self.factors)} checkpoint(s) of k="
+                f"{self.factors[0].shape[0]} features, the store has {len(source.checkpoints)} of k={source.k}: "
+                "build it from this store with gram(store)."
+            )
+
+
+def gram(
+    store: FeatureSource,
+    damping: float = 1e-3,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    indices: Tensor | Sequence[int] | None = None,
+    progress: bool = False,
+) -> Gram:
+    """The TRAK-style preconditioner of ``store`` (of its rows ``indices`` if given), one pass per
+    checkpoint: ``M_c = (Phi_c^T Phi_c + lambda_c I)^{-1}``, ``lambda_c = damping * trace(Phi_c^T Phi_c) / k``."""
+    if damping < 0:
+        raise ScoreArgumentError(f"gram: damping={damping} must be >= 0 (relative to the mean eigenvalue).")
+    factors, lambdas = [], []
+    for c, name in enumerate(store.checkpoints):
+        total = torch.zeros(store.k, store.k, dtype=torch.float64)
+        for _, features in _progress(store.chunks(chunk, c, indices), _count(store, chunk, indices), progress, "gram"):
+            x = features.to(torch.float64)
+            total += x.T @ x
+        lam = damping * float(total.diagonal().sum()) / store.k
+        total.diagonal().add_(lam)
+        factor, info = torch.linalg.cholesky_ex(total)
+        if int(info) != 0:
+            raise ScoreArgumentError(
+                f"gram: Phi^T Phi + lambda I of checkpoint {name!r} is singular (lambda={lam:g}; the features "
+                "span fewer than k directions): pass a positive damping, e.g. gram(store, damping=1e-3)."
+            )
+        factors.append(factor)
+        lambdas.append(lam)
+    return Gram(factors, lambdas)
+
+
+def iter_scores(
+    test_features: Tensor | Sequence[Tensor] | Mapping[str, Tensor],
+    store: FeatureSource,
+    *,
+    preconditioner: str | Preconditioner = "identity",
+    weights: Sequence[float] | Mapping[str, float] | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    indices: Tensor | Sequence[int] | None = None,
+    progress: bool = False,
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """Yield ``(train indices [c], scores [m, c])`` chunk by chunk, ``c <= chunk``, summed over checkpoints.
+
+    ``test_features``: ``[m, k]`` (a store with one checkpoint), ``[C, m, k]``, or one ``[m, k]`` per
+    checkpoint (a sequence in the store's order, or a mapping by checkpoint name). ``weights``: one per
+    checkpoint (default 1). ``indices``: score against these train samples only.
+    """
+    queries = _queries(test_features, store)
+    w = _weights(weights, store)
+    m = _resolve(preconditioner, store, chunk, indices, progress)
+    dtype = torch.promote_types(queries[0].dtype, store.dtype)
+    # w_c M_c phi_c(test): applied once, on the test side
+    q = [m.apply(c, queries[c].to(dtype)) * w[c] for c in range(len(queries))]
+    streams = [store.chunks(chunk, c, indices) for c in range(len(queries))]
+    for parts in _progress(zip(*streams), _count(store, chunk, indices), progress, "scores"):
+        idx = parts[0][0]
+        block = q[0] @ parts[0][1].to(dtype).T
+        for c in range(1, len(parts)):
+            block += q[c] @ parts[c][1].to(dtype).T
+        yield idx, block
+
+
+def scores(
+    test_features: Tensor | Sequence[Tensor] | Mapping[str, Tensor],
+    store: FeatureSource,
+    *,
+    preconditioner: str | Preconditioner = "identity",
+    weights: Sequence[float] | Mapping[str, float] | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    indices: Tensor | Sequence[int] | None = None,
+    progress: bool = False,
+) -> Tensor:
+    """The ``[m, n]`` scores (``[m, len(indices)]`` with ``indices``), computed chunk by chunk; only the
+    result is ``[m, n]``: use :func:`top_k` when it does not fit in memory."""
+    blocks = [
+        block
+        for _, block in iter_scores(
+            test_features,
+            store,
+            preconditioner=preconditioner,
+            weights=weights,
+            chunk=chunk,
+            indices=indices,
+            progress=progress,
+        )
+    ]
+    return torch.cat(blocks, dim=1)
+
+
+def top_k(
+    test_features: Tensor | Sequence[Tensor] | Mapping[str, Tensor],
+    store: FeatureSource,
+    k: int,
+    *,
+    largest: bool = True,
+    preconditioner: str | Preconditioner = "identity",
+    weights: Sequence[float] | Mapping[str, float] | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    indices: Tensor | Sequence[int] | None = None,
+    progress: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """The ``k`` highest (``largest=False``: lowest) scores of each test sample and their train sample
+    indices, ``([m, k], [m, k])``, sorted, merged chunk by chunk (never the ``[m, n]`` matrix).
+
+    Ties are broken toward the smaller train index, so the result does not depend on the chunk size
+    (``torch.topk`` leaves the order of ties unspecified: its values agree, its indices may not).
+    """
+    count = store.n if indices is None else len(indices)
+    if not 1 <= k <= count:
+        raise ScoreArgumentError(f"top_k: k={k} must be between 1 and the number of train samples scored ({count}).")
+    best_values: Tensor | None = None
+    best_indices: Tensor | None = None
+    for idx, block in iter_scores(
+        test_features,
+        store,
+        preconditioner=preconditioner,
+        weights=weights,
+        chunk=chunk,
+        indices=indices,
+        progress=progress,
+    ):
+        values, where = block, idx.expand(block.shape[0], -1)
+        if best_values is not None and best_indices is not None:
+            values, where = torch.cat([best_values, values], 1), torch.cat([best_indices, where], 1)
+        # order by index, then (stably) by value: ties keep the smaller index first
+        by_index = torch.argsort(where, dim=1, stable=True)
+        values, where = values.gather(1, by_index), where.gather(1, by_index)
+        by_value = torch.argsort(values, dim=1, descending=largest, stable=True)[:, :k]
+        best_values, best_indices = values.gather(1, by_value), where.gather(1, by_value)
+    assert best_values is not None and best_indices is not None
+    return best_values, best_indices
+
+
+def self_influence(
+    store: FeatureSource,
+    preconditioner: str | Preconditioner = "identity",
+    *,
+    weights: Sequence[float] | Mapping[str, float] | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    indices: Tensor | Sequence[int] | None = None,
+    progress: bool = False,
+) -> Tensor:
+    """``[n]`` (``[len(indices)]``): ``sum_c w_c phi_c(i)^T M_c phi_c(i)`` for each train sample ``i``, the
+    diagonal of the train x train scores, chunk by chunk: high values flag outliers and mislabelled samples."""
+    w = _weights(weights, store)
+    m = _resolve(preconditioner, store, chunk, indices, progress)
+    out = []
+    streams = [store.chunks(chunk, c, indices) for c in range(len(store.checkpoints))]
+    for parts in _progress(zip(*streams), _count(store, chunk, indices), progress, "self-influence"):
+        total = torch.zeros(parts[0][1].shape[0], dtype=parts[0][1].dtype)
+        for c, (_, features) in enumerate(parts):
+            total += w[c] * (m.apply(c, features) * features).sum(1)
+        out.append(total)
+    return torch.cat(out)
+
+
+def _resolve(
+    preconditioner: str | Preconditioner,
+    store: FeatureSource,
+    chunk: int,
+    indices: Tensor | Sequence[int] | None,
+    progress: bool,
+) -> Preconditioner:
+    if isinstance(preconditioner, Preconditioner):
+        preconditioner.check(store)
+        return preconditioner
+    if preconditioner == "identity":
+        return Identity()
+    if preconditioner == "gram":
+        return gram(store, chunk=chunk, indices=indices, progress=progress)
+    raise ScoreArgumentError(
+        f"preconditioner={preconditioner!r} is not known: pass 'identity', 'gram', or a Preconditioner "
+        "(e.g. gram(store, damping=...))."
+    )
+
+
+def _queries(test_features: Tensor | Sequence[Tensor] | Mapping[str, Tensor], store: FeatureSource) -> list[Tensor]:
+    names = store.checkpoints
+    if isinstance(test_features, Mapping):
+        if set(test_features) != set(names):
+            raise ScoreArgumentError(
+                f"test features are given for checkpoints {sorted(test_features)}, the store has {list(names)}: "
+                "pass one [m, k] tensor for each of the store's checkpoints."
+            )
+        queries = [test_features[name] for name in names]
+    elif isinstance(test_features, Tensor) and test_features.dim() == 2:
+        queries = [test_features]
+    elif isinstance(test_features, Tensor) and test_features.dim() == 3:
+        queries = list(test_features.unbind(0))
+    elif isinstance(test_features, Tensor):
+        queries = []
+    else:
+        queries = list(test_features)
+    if len(queries) != len(names):
+        raise ScoreArgumentError(
+            f"test features for {len(queries)} checkpoint(s), the store has {len(names)} ({list(names)}): pass "
+            "[m, k] for one checkpoint, [C, m, k] or one [m, k] per checkpoint."
+        )
+    shape = queries[0].shape
+    for q in queries:
+        if q.dim() != 2 or q.shape[1] != store.k or q.shape != shape:
+            raise ScoreArgumentError(
+                f"test features of shape {list(q.shape)}: each checkpoint's must be [m, k] with k={store.k} "
+                "(the store's) and the same m: compute them with the same projection (seed, k) as the store's."
+            )
+        if q.is_floating_point() is False:
+            raise ScoreArgumentError(f"test features have dtype {q.dtype}: pass floating-point features.")
+    return [q.detach().cpu() for q in queries]
+
+
+def _weights(weights: Sequence[float] | Mapping[str, float] | None, store: FeatureSource) -> list[float]:
+    names = store.checkpoints
+    if weights is None:
+        return [1.0] * len(names)
+    if isinstance(weights, Mapping):
+        if set(weights) != set(names):
+            raise ScoreArgumentError(
+                f"weights are given for checkpoints {sorted(weights)}, the store has {list(names)}: give one each."
+            )
+        return [float(weights[name]) for name in names]
+    out = [float(x) for x in weights]
+    if len(out) != len(names):
+        raise ScoreArgumentError(
+            f"{len(out)} weights for the store's {len(names)} checkpoints {list(names)}: give one per checkpoint."
+        )
+    return out
+
+
+def _count(store: FeatureSource, chunk: int, indices: Tensor | Sequence[int] | None) -> int:
+    return math.ceil((store.n if indices is None else len(indices)) / chunk)
+
+
+def _progress(items: Iterable[T], total: int, enabled: bool, desc: str) -> Iterable[T]:
+    """``items`` with a tqdm progress bar when ``enabled`` and tqdm is installed (a warning otherwise)."""
+    if not enabled:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        warnings.warn(
+            "progress=True needs tqdm: install it with `pip install pergrad[attribution]`; scoring goes on without "
+            "a progress bar.",
+            stacklevel=3,
+        )
+        return items
+    bar: Any = tqdm(items, total=total, desc=desc, unit="chunk")
+    return bar
