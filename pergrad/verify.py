@@ -38,7 +38,9 @@ def check_sums(
 ) -> None:
     """Raise ``HookStateError`` for the first parameter whose per-sample gradients do not add up to
     autograd's ``batch_grads`` (in the units of the per-sample gradients), within the round-off of
-    two summation orders."""
+    two summation orders: relative to the larger side, or, where the samples' terms cancel, to the
+    terms themselves (``sum_i w_i |g_i|`` elementwise, built only then: a layer that computes in float32
+    inside float64 parameters, as HF's Gemma RMSNorm does, rounds each term at float32)."""
     first = batch_grads[params[0]]
     weight = 1.0 / batch_size if loss_reduction == "mean" else 1.0
     totals = source.summed(params, first.new_full((batch_size,), weight))
@@ -47,11 +49,13 @@ def check_sums(
         ours = totals[p].detach().to(autograd.dtype)
         if not torch.isfinite(autograd).all():
             continue  # non-finite values: nothing to compare; a poisoned sample is handled elsewhere
-        # round-off of two summation orders, relative to the larger side, plus a floor for sums
-        # that cancel to ~0 (a term below the floor would not change training anyway)
+        # a floor for sums that cancel to ~0 (a term below it would not change training anyway)
         rel, floor = (1e-6, 1e-10) if autograd.dtype == torch.float64 else (1e-2, 1e-4)
         scale = torch.maximum(autograd.abs().max(), ours.abs().max())
-        if not torch.allclose(autograd, ours, rtol=0, atol=float(rel * scale + floor)):
+        if torch.allclose(autograd, ours, rtol=0, atol=float(rel * scale + floor)):
+            continue
+        terms = source.per_sample([p])[p].detach().abs().sum(0).mul_(weight).to(autograd.dtype)
+        if not ((autograd - ours).abs() <= rel * terms + floor).all():
             raise HookStateError(
                 unattributable(names[p], f"max difference {float((autograd - ours).abs().max()):.3g}")
                 + " Or pass verify=False to PerSampleModule if dropping that part is intended."

@@ -19,7 +19,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from hypothesis import given  # noqa: E402
+from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -354,6 +354,9 @@ BRIEF_NORMS = [
     loss_reduction=st.sampled_from(["mean", "sum"]),
     seed=st.integers(0, 2**16),
 )
+# samples' weight gradients that cancel (2.9, -3.6, 0.6 sum to -0.08), computed in float32 inside the
+# float64 Gemma norm: its first backward's check once refused autograd's float32 round-off
+@example(batch=3, positions=[4], dim=1, eps=0.1, loss_reduction="mean", seed=1)
 def test_norm_rules_over_shapes(
     name: str, batch: int, positions: list[int], dim: int, eps: float, loss_reduction: str, seed: int
 ) -> None:
