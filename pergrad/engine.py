@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from .backward import Backward, Backwards, queue_at_end
 from .calls import Call, HookedLayer, Kept
 from .consumers import Batch, Consumer
+from .consumers.factors import ProjectedFactors
 from .consumers.grad_sample import GradSample
 from .consumers.norms import Norms
 from .consumers.projection import Projection
@@ -119,8 +120,9 @@ class Engine:
         self.statistics = TrackStatistics(track_statistics, loss_reduction)
         self.norms = Norms(self.track_norms, self.targets)
         self.projection = Projection(self.canonical)
+        self.factors = ProjectedFactors(self.projection, self.canonical)
         self.reducer = Reduction(self.targets, reduction, self.canonical)
-        self.consumers: list[Consumer] = [self.statistics, self.norms, self.projection, self.reducer]
+        self.consumers: list[Consumer] = [self.statistics, self.norms, self.projection, self.factors, self.reducer]
         if keep_grad_sample:
             self.consumers.insert(0, self.grad_sample)
 
@@ -299,6 +301,8 @@ class Engine:
                 )
             previous = arrived.grads.get(param)
             arrived.grads[param] = g if previous is None else previous + g
+        if self.factors.reads(kept):  # the projected factors read (a, d) at the end, beside the built g_i
+            arrived.calls.append(Call(layer, kept.a, d, scale, per_sample))
 
     def _read_at_end(self, kept: Kept) -> bool:
         """Whether the end of the backward reads this call's ``(a, d)`` (without ``grad_sample``): for

@@ -12,6 +12,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
 from .calls import HookedLayer
+from .consumers.factors import Factors
 from .consumers.projection import Projected
 from .discover import discover, is_lazy_module, layout_of
 from .distributed import DataParallel, running_ddp, world_for
@@ -509,6 +510,100 @@ class PerSampleModule:
         if not projection.last:
             raise ProjectionError("per_sample_projections() is available after a backward pass")
         return dict(projection.last)
+
+    def track_projected_factors(self, *targets: nn.Module | nn.Parameter | str) -> None:
+        """Sum, in every backward from now on, the Kronecker factors of each target's projected gradient
+        (K-FAC curvature on the projected space, for LoGra / EK-FAC-style preconditioning in
+        ``pergrad.attribution.KroneckerFactored``); read them with ``projected_factors()``, start again
+        with ``reset_projected_factors()``.
+
+        Each target is a projection target (``register_projection(weight, dim=...)``, ``kind="kron"``)
+        of ONE weight of a Linear, Conv1d/2d/3d, Embedding or HF ``Conv1D``: register one projection
+        per weight (a target of several parameters sums their blocks into one feature vector, which no
+        Kronecker factors describe). With ``u_is``, ``v_is`` the projected factors of sample ``i`` at
+        position ``s`` (its features are ``vec(sum_s u_is v_is^T)``), ``N`` the samples summed::
+
+            row = (1/N) sum_{i,s} u_is u_is^T  [r_row, r_row]    col = (1/N) sum_{i,s} v_is v_is^T  [r_col, r_col]
+
+        (``pergrad.consumers.factors``). With ``keep_grad_sample=True`` the tracked layers' inputs and
+        output gradients are held until the end of each backward.
+        """
+        if not targets:
+            raise ProjectionError(
+                "track_projected_factors() needs at least one projection target, e.g. "
+                "track_projected_factors('fc.weight') after register_projection('fc.weight', dim=64)"
+            )
+        names = []
+        for target in targets:
+            label, params, _, ref = self._resolve(target)
+            name = ref if isinstance(ref, str) else next(n for n, m in self.module.named_modules() if m is ref)
+            if isinstance(ref, nn.Module):
+                label = f"{label} ({type(ref).__name__})"
+            projected = next((t for t in self._engine.projection.targets if t.name == name), None)
+            if projected is None:
+                weights = [self._engine.param_names[p] for p in params.values() if p.dim() >= 2]
+                raise ProjectionError(
+                    f"track_projected_factors: {label} has no projection; register one per weight first, e.g. "
+                    f"register_projection({(weights or [name])[0]!r}, dim=64)"
+                )
+            self._check_factored(label, projected)
+            names.append(name)
+        self._engine.factors.names.update(dict.fromkeys(names))
+
+    def _check_factored(self, label: str, projected: Projected) -> None:
+        """Raise unless ``projected`` is one weight whose every layer has a Kronecker factor form."""
+        names = self._engine.param_names
+        if len(projected.params) != 1:
+            qualified = [names[p] for p in projected.params]
+            raise ProjectionError(
+                f"track_projected_factors: {label} projects {len(qualified)} parameters {qualified} into one sum of "
+                "blocks, which no Kronecker factors describe: register one projection per weight "
+                f"(register_projection({qualified[0]!r}, dim=...)) and track those"
+            )
+        ((param, projector),) = projected.params.items()
+        if not projector.kron:
+            why = "one dim" if projector.spec.kind == "kron" else f"kind={projector.spec.kind!r}"
+            raise ProjectionError(
+                f"track_projected_factors: {label} (shape {list(projector.shape)}) has a dense block ({why}); "
+                "Kronecker factors need kind='kron' on a weight of two or more dims. Leave it untracked: "
+                "KroneckerFactored applies the identity to columns outside its blocks"
+            )
+        layers = [layer for layer in self._layers if any(self._canonical(p) is param for _, p in layer.trainable())]
+        for layer in layers:
+            fused = layer.spec.fused
+            if fused is None or fused.factors is None or layer.spec.parametrized:
+                how = " (through a parametrization)" if layer.spec.parametrized else ""
+                raise ProjectionError(
+                    f"track_projected_factors: {label} is computed by {layer.label}{how}, which has no Kronecker "
+                    "factor form (weights of Linear, Conv1d/2d/3d, Embedding and HF Conv1D have one). Leave it "
+                    "untracked: precondition its features with the identity or the Gram matrix"
+                )
+        if not layers:
+            raise ProjectionError(
+                f"track_projected_factors: no hooked layer of the wrapped model computes {label}; track the weight "
+                "of a Linear, Conv1d/2d/3d, Embedding or HF Conv1D"
+            )
+
+    def projected_factors(self) -> dict[str, Factors]:
+        """``{target name: Factors(row, col, samples, positions)}``: the Kronecker factors of each target
+        of ``track_projected_factors``, summed over every backward since it was tracked or since
+        ``reset_projected_factors()`` (float64, on the weight's device)."""
+        factors = self._engine.factors
+        if not factors.names:
+            raise ProjectionError(
+                "projected_factors(): no factors tracked; call track_projected_factors('fc.weight') first"
+            )
+        found = factors.factors()
+        if not found:
+            raise ProjectionError(
+                "projected_factors() is available after a backward pass (since track_projected_factors or "
+                "reset_projected_factors)"
+            )
+        return found
+
+    def reset_projected_factors(self) -> None:
+        """Forget the factors summed so far: the next backward starts new sums (targets stay tracked)."""
+        self._engine.factors.reset()
 
     def _resolve(
         self, target: nn.Module | nn.Parameter | str

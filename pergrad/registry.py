@@ -105,6 +105,10 @@ class FusedRule:
     - ``project(layer, a, d, projectors) -> {name: [B, k]} | None``: ``P_p vec(g_i)`` for each parameter
       name in ``projectors`` (``pergrad.projectors``), Kronecker blocks without building ``g_i``; None
       where the layer has no such form for these projectors (a dense one: the caller builds ``g_i``).
+    - ``factors(layer, a, d, projectors) -> {name: (u [B, S, r_row], v [B, S, r_col])} | None``: the
+      projected factors of each Kronecker block, ``P_p vec(g_i) = vec(sum_s u_is v_is^T)`` (``S``: the
+      positions the weight's gradient sums over), for Kronecker-factored curvature
+      (``pergrad.consumers.factors``); None where the layer has no such form for these projectors.
     Every function returns entries only for parameters that require grad, as fresh tensors (the
     caller may scale them in place). ``bilinear``: the weight's
     ``g_i`` is linear in ``a_i`` as well, so for a layer without a trainable bias per-sample weights
@@ -119,6 +123,9 @@ class FusedRule:
     moments: Callable[[nn.Module, Any, Tensor, dict[str, Tensor] | None], Moments | None] | None = None
     builds: Callable[[nn.Module, Any, Tensor], bool] | None = None
     project: Callable[[nn.Module, Any, Tensor, dict[str, Projector]], dict[str, Tensor] | None] | None = None
+    factors: (
+        Callable[[nn.Module, Any, Tensor, dict[str, Projector]], dict[str, tuple[Tensor, Tensor]] | None] | None
+    ) = None
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,12 @@ Preconditioners:
   does not depend on the features' scale; default ``damping=1e-3``). Build it once with :func:`gram` and
   pass it to several calls, or pass ``"gram"`` to build it from the store on each call.
 
-A layer-wise Kronecker-factored curvature (LoGra, EK-FAC) needs per-layer factors from the backward, not
-flat features: it is not here.
+- :class:`KroneckerFactored`: LoGra / EK-FAC-style, block-diagonal over the feature columns of each
+  Kronecker-projected weight (one projection target per weight, features concatenated: see
+  :func:`feature_columns`), ``M_c = (S_row ⊗ S_col + lambda I)^{-1}`` on each block from the factors the
+  backward summed (``psm.projected_factors()``), applied through the factors' eigenbases; the identity
+  on the other columns (biases, dense blocks). :func:`ekfac` replaces the eigenvalue products by the
+  train features' second moments in that basis (a pass over the store).
 
 Test features are applied the preconditioner once (``q_j = M_c phi_c(test_j)``, ``[m, k]``), then each
 chunk of train features gives a ``[m, chunk]`` block of scores: the full ``[m, n]`` matrix is built only by
@@ -133,6 +137,162 @@ def gram(
         factors.append(factor)
         lambdas.append(lam)
     return Gram(factors, lambdas)
+
+
+class KroneckerPair(Protocol):
+    """Kronecker factors of one block (``psm.projected_factors()``'s values are): ``row`` ``[r_row, r_row]``
+    and ``col`` ``[r_col, r_col]``, symmetric positive semidefinite."""
+
+    @property
+    def row(self) -> Tensor: ...
+
+    @property
+    def col(self) -> Tensor: ...
+
+
+Blocks = Mapping[range, KroneckerPair | tuple[Tensor, Tensor]]  # columns -> factors
+
+
+class _Block:
+    """One block's eigenbases ``U_row``, ``U_col``, its curvature in that basis ``[r_row, r_col]`` and
+    its absolute damping."""
+
+    def __init__(self, columns: range, row: Tensor, col: Tensor) -> None:
+        self.start, self.stop = columns.start, columns.stop
+        row_values, self.row = torch.linalg.eigh(row)
+        col_values, self.col = torch.linalg.eigh(col)
+        self.curvature = row_values.clamp(min=0).outer(col_values.clamp(min=0))  # lambda_row ⊗ lambda_col
+        self.damping = 0.0
+
+    def rotate(self, x: Tensor) -> Tensor:
+        """``U_row^T X U_col`` for each row of ``x`` ``[m, r_row * r_col]`` -> ``[m, r_row, r_col]``."""
+        return self.row.T @ x.reshape(x.shape[0], self.row.shape[0], self.col.shape[0]) @ self.col
+
+
+class KroneckerFactored(Preconditioner):
+    """``M_c``: on each block of columns ``[start, stop)`` of a Kronecker-projected weight's features
+    (``r_row * r_col`` wide, flattened row-major as ``per_sample_projections()`` gives them),
+    ``(S_row ⊗ S_col + lambda I)^{-1}``; the identity on every other column.
+
+    ``blocks``: ``{range(start, stop): factors}`` (a ``Factors`` of ``psm.projected_factors()``, or a
+    ``(row, col)`` pair) for a store with one checkpoint, or one such mapping per checkpoint.
+    ``damping`` is relative to each block's mean curvature eigenvalue (``trace(S_row) trace(S_col) /
+    (r_row r_col)``; for :func:`ekfac`, the mean of its eigenvalues), so it does not depend on the
+    features' scale. With ``S_row = U_row diag(l_row) U_row^T`` (and ``S_col`` alike), a block ``X``
+    (``[r_row, r_col]``) becomes ``U_row ((U_row^T X U_col) / (l_row l_col^T + lambda)) U_col^T``.
+    """
+
+    def __init__(self, blocks: Blocks | Sequence[Blocks], damping: float = 1e-3) -> None:
+        if damping < 0:
+            raise ScoreArgumentError(
+                f"KroneckerFactored: damping={damping} must be >= 0 (relative to the mean eigenvalue)."
+            )
+        per_checkpoint = [blocks] if isinstance(blocks, Mapping) else list(blocks)
+        self.blocks = [_blocks(b) for b in per_checkpoint]
+        self.relative_damping = damping
+        for c in range(len(self.blocks)):
+            self._damp(c)
+
+    def _damp(self, checkpoint: int) -> None:
+        for block in self.blocks[checkpoint]:
+            mean = float(block.curvature.mean())
+            if mean <= 0:
+                raise ScoreArgumentError(
+                    f"KroneckerFactored: the block of columns {block.start}:{block.stop} (checkpoint {checkpoint}) "
+                    "has zero curvature (factors of a weight no backward reached?): leave it out of the blocks "
+                    "(its columns then take the identity)."
+                )
+            block.damping = self.relative_damping * mean
+
+    def apply(self, checkpoint: int, features: Tensor) -> Tensor:
+        out = features.to(torch.float64, copy=True)
+        for block in self.blocks[checkpoint]:
+            x = block.rotate(out[:, block.start : block.stop]) / (block.curvature + block.damping)
+            out[:, block.start : block.stop] = (block.row @ x @ block.col.T).flatten(1)
+        return out.to(features.dtype)
+
+    def check(self, source: FeatureSource) -> None:
+        if len(self.blocks) != len(source.checkpoints):
+            raise ScoreArgumentError(
+                f"the Kronecker-factored preconditioner has factors for {len(self.blocks)} checkpoint(s), the store "
+                f"has {len(source.checkpoints)} ({list(source.checkpoints)}): pass one mapping of blocks per checkpoint."
+            )
+        stop = max((b.stop for blocks in self.blocks for b in blocks), default=0)
+        if stop > source.k:
+            raise ScoreArgumentError(
+                f"the Kronecker-factored preconditioner has a block up to column {stop}, the store has k={source.k} "
+                "features: give the columns of each weight's features in the store's order (feature_columns)."
+            )
+
+
+def _blocks(blocks: Blocks) -> list[_Block]:
+    """Each block's eigenbases, checked: columns as wide as the factors, in order, not overlapping."""
+    out: list[_Block] = []
+    for columns, factors in sorted(blocks.items(), key=lambda item: item[0].start):
+        row, col = factors if isinstance(factors, tuple) else (factors.row, factors.col)
+        row, col = row.detach().to("cpu", torch.float64), col.detach().to("cpu", torch.float64)
+        start, stop = columns.start, columns.stop
+        square = row.dim() == col.dim() == 2 and row.shape[0] == row.shape[1] and col.shape[0] == col.shape[1]
+        if (
+            not isinstance(columns, range)
+            or columns.step != 1
+            or not square
+            or len(columns) != row.shape[0] * col.shape[0]
+        ):
+            raise ScoreArgumentError(
+                f"KroneckerFactored: the block {columns} with factors of shapes {list(row.shape)}, {list(col.shape)}: "
+                "give range(start, start + r_row * r_col) -> factors [r_row, r_row], [r_col, r_col] (feature_columns)."
+            )
+        if out and start < out[-1].stop:
+            raise ScoreArgumentError(
+                f"KroneckerFactored: the blocks {out[-1].start}:{out[-1].stop} and {start}:{stop} overlap: give each "
+                "weight's columns once."
+            )
+        out.append(_Block(columns, row, col))
+    return out
+
+
+def feature_columns(features: Mapping[str, Tensor | int]) -> dict[str, range]:
+    """The columns of each target's features in their concatenation ``torch.cat(list(features.values()), 1)``
+    (``features``: ``psm.per_sample_projections()``, or each target's dim), for :class:`KroneckerFactored`::
+
+        columns = feature_columns(psm.per_sample_projections())
+        blocks = {columns[name]: f for name, f in psm.projected_factors().items()}
+    """
+    out, start = {}, 0
+    for name, value in features.items():
+        width = value if isinstance(value, int) else value.shape[-1]
+        out[name] = range(start, start + width)
+        start += width
+    return out
+
+
+def ekfac(
+    store: FeatureSource,
+    blocks: Blocks | Sequence[Blocks],
+    damping: float = 1e-3,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    indices: Tensor | Sequence[int] | None = None,
+    progress: bool = False,
+) -> KroneckerFactored:
+    """EK-FAC: :class:`KroneckerFactored` with each block's eigenvalue products ``l_row l_col^T``
+    replaced by the mean square of the store's train features (its rows ``indices`` if given) in the
+    factors' eigenbasis, ``(1/n) sum_i (U_row^T X_i U_col)^2``, one pass per checkpoint."""
+    m = KroneckerFactored(blocks, damping)
+    m.check(store)
+    for c in range(len(store.checkpoints)):
+        sums = [torch.zeros_like(b.curvature) for b in m.blocks[c]]
+        count = 0
+        for _, features in _progress(store.chunks(chunk, c, indices), _count(store, chunk, indices), progress, "ekfac"):
+            x = features.to(torch.float64)
+            count += x.shape[0]
+            for total, block in zip(sums, m.blocks[c]):
+                total += block.rotate(x[:, block.start : block.stop]).square().sum(0)
+        for total, block in zip(sums, m.blocks[c]):
+            block.curvature = total / max(count, 1)
+        m._damp(c)
+    return m
 
 
 def iter_scores(

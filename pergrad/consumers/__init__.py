@@ -10,6 +10,7 @@ batch (the per-sample norms statistics computed, which clipping reuses):
 - ``statistics.TrackStatistics``: ``psm.statistics()`` (``track_statistics=...``);
 - ``norms.Norms``: ``psm.per_sample_norms()`` and the norms a clipping transform needs;
 - ``projection.Projection``: ``psm.per_sample_projections()``, ``P vec(g_i)`` of each projection target;
+- ``factors.ProjectedFactors``: ``psm.projected_factors()``, K-FAC factors of Kronecker-projected weights;
 - ``reduction.Reduction``: each target's ``(1/B) sum_i T(g_i)`` into ``.grad``.
 
 Adding a consumer is adding a module here with a class that has ``reads`` (must the calls of a

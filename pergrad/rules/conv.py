@@ -255,9 +255,41 @@ def conv_project(layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, P
     return out
 
 
+def conv_factors(
+    layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector]
+) -> dict[str, tuple[Tensor, Tensor]] | None:
+    """The weight's Kronecker factors at every (group, output position) ``(g, l)``:
+    ``u = P_row[:, g] d_i[g, :, l]`` ``[n, g*l, p]`` and ``v = P_col patch_i[g, l]`` ``[n, g*l, q]``, as
+    ``conv_project`` computes them (``P_col`` as a convolution, nothing unfolded); its features are
+    ``vec(sum_{g,l} u v^T)``. None if the weight's block is dense."""
+    assert isinstance(layer, _CONVS)
+    weight = projectors.get("weight")
+    if weight is None:
+        return {}
+    if not weight.kron:
+        return None
+    n, groups = a.shape[0], layer.groups
+    row, col = weight.factors(d)
+    stride, zeros, dilation, _ = _conv_args(layer)
+    x, padding = _input_and_padding(layer, a)
+    kernel = col.reshape(col.shape[0], *layer.weight.shape[1:]).repeat(groups, *([1] * (x.dim() - 1)))
+    y = torch.ops.aten.convolution(x, kernel, None, stride, padding, dilation, False, zeros, groups)
+    v = y.reshape(n, groups, col.shape[0], -1).transpose(2, 3)  # [n, g, l, q]
+    u = torch.einsum("pgo,ngol->nglp", row.reshape(row.shape[0], groups, -1), d.reshape(n, groups, -1, v.shape[2]))
+    return {"weight": (u.reshape(n, -1, row.shape[0]), v.reshape(n, -1, col.shape[0]))}
+
+
 default_registry.register_fused(
     _CONVS,
-    FusedRule(conv_sq_norms, conv_summed, conv_dots, bilinear=True, builds=conv_builds, project=conv_project),
+    FusedRule(
+        conv_sq_norms,
+        conv_summed,
+        conv_dots,
+        bilinear=True,
+        builds=conv_builds,
+        project=conv_project,
+        factors=conv_factors,
+    ),
 )
 
 

@@ -121,9 +121,36 @@ def embedding_project(
     return {"weight": torch.bmm(row.T[idx].transpose(1, 2), d @ col.T).flatten(1)}  # ntp,ntq->npq
 
 
+def embedding_factors(
+    layer: nn.Module, idx: Tensor, d: Tensor, projectors: dict[str, Projector]
+) -> dict[str, tuple[Tensor, Tensor]] | None:
+    """The weight's Kronecker factors at every token: ``u_it = P_row[:, idx_it]`` ``[n, t, p]`` and
+    ``v_it = P_col d_it`` ``[n, t, q]``, both 0 at padding tokens (they contribute nothing);
+    ``embedding_project``'s features are ``vec(sum_t u_it v_it^T)``. None if the block is dense."""
+    assert isinstance(layer, nn.Embedding)
+    weight = projectors.get("weight")
+    if weight is None:
+        return {}
+    if not weight.kron:
+        return None
+    idx, d = _tokens(layer, idx, d)
+    row, col = weight.factors(d)
+    u = row.T[idx]
+    if layer.padding_idx is not None:
+        u = u.masked_fill((idx == layer.padding_idx % layer.num_embeddings).unsqueeze(2), 0)
+    return {"weight": (u, d @ col.T)}
+
+
 default_registry.register_fused(
     (nn.Embedding,),
-    FusedRule(embedding_sq_norms, embedding_summed, embedding_dots, embedding_sum_squares, project=embedding_project),
+    FusedRule(
+        embedding_sq_norms,
+        embedding_summed,
+        embedding_dots,
+        embedding_sum_squares,
+        project=embedding_project,
+        factors=embedding_factors,
+    ),
 )
 
 

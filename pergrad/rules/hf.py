@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from ..registry import FusedRule, default_registry
 from .linear import (
     linear_dots,
+    linear_factors,
     linear_moments,
     linear_project,
     linear_sq_norms,
@@ -160,6 +161,7 @@ default_registry.register_fused(
         bilinear=True,
         moments=partial(linear_moments, transposed=True),
         project=partial(linear_project, transposed=True),
+        factors=partial(linear_factors, transposed=True),
     ),
 )
 

@@ -170,9 +170,31 @@ def linear_project(
     return out
 
 
+def linear_factors(
+    layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector], *, transposed: bool = False
+) -> dict[str, tuple[Tensor, Tensor]] | None:
+    """The weight's Kronecker factors ``u_is = P_row d_is``, ``v_is = P_col a_is`` (``[n, s, p]``,
+    ``[n, s, q]``; with ``transposed=True``, ``P_row a_is`` and ``P_col d_is``): ``linear_project``'s
+    features are ``vec(sum_s u_is v_is^T)``. None if the weight's block is dense."""
+    weight = projectors.get("weight")
+    if weight is None:
+        return {}
+    if not weight.kron:
+        return None
+    row, col = weight.factors(d)
+    left, right = (a, d) if transposed else (d, a)
+    return {"weight": (rows(left) @ row.T, rows(right) @ col.T)}
+
+
 default_registry.register_fused(
     (nn.Linear,),
     FusedRule(
-        linear_sq_norms, linear_summed, linear_dots, bilinear=True, moments=linear_moments, project=linear_project
+        linear_sq_norms,
+        linear_summed,
+        linear_dots,
+        bilinear=True,
+        moments=linear_moments,
+        project=linear_project,
+        factors=linear_factors,
     ),
 )
