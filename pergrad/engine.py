@@ -298,8 +298,6 @@ class Engine:
         else:
             with self._buffers(state):
                 per_sample = run_rule(layer, kept.a, d, scale)
-        if kept.batch_size > 0 and self.projection.reads_tokens(kept):  # per-token features need (a, d) too
-            arrived.calls.append(Call(layer, kept.a, d, scale, None))
         for name, g in per_sample.items():
             param = self.canonical(layer.module.get_parameter(name))  # FSDP: the layer holds the unsharded one now
             if g.shape != (kept.batch_size, *param.shape):
@@ -309,7 +307,8 @@ class Engine:
                 )
             previous = arrived.grads.get(param)
             arrived.grads[param] = g if previous is None else previous + g
-        if self.factors.reads(kept):  # the projected factors read (a, d) at the end, beside the built g_i
+        # the projected factors and per-token features read (a, d) at the end, beside the built g_i
+        if self.factors.reads(kept) or (kept.batch_size > 0 and self.projection.reads_tokens(kept)):
             arrived.calls.append(Call(layer, kept.a, d, scale, per_sample))
 
     def _read_at_end(self, kept: Kept) -> bool:

@@ -298,6 +298,28 @@ def test_per_token_features_of_a_layer_before_attention_are_its_positions_terms(
     psm.remove()
 
 
+@pytest.mark.parametrize("keep_grad_sample", [True, False], ids=["materialised", "fused"])
+def test_per_token_features_beside_projected_factors_read_each_call_once(keep_grad_sample: bool) -> None:
+    """Both read the kept ``(a, d)`` of a call at the end of the backward: each call counts once."""
+    torch.manual_seed(0)
+    net = TokenWise().double()
+    psm = PerSampleModule(net, keep_grad_sample=keep_grad_sample)
+    psm.register_projection("lin", dim=16, per_token=True)
+    psm.register_projection("lin.weight", dim=16)
+    psm.track_projected_factors("lin.weight")
+    seen = 0
+    for step, batch in enumerate(BATCHES):
+        x = _ids(batch, 9)
+        y = _target_like(net, x)
+        per_token = _token_grads(net, x, y)
+        run_pergrad(psm, x, y)
+        seen += batch * 9
+        found = psm.per_sample_projections()["lin"]
+        assert_close(found, _features(per_token, net, Spec(16), "lin."), f"step {step}: per-token features")
+        assert psm.projected_factors()["lin.weight"].positions == seen, f"step {step}: positions of the factors"
+    psm.remove()
+
+
 def test_per_token_refusals_name_the_layer_and_the_fix() -> None:
     net = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 3)).double()
     psm = PerSampleModule(net)
