@@ -17,6 +17,9 @@ The shortcut is taken only where it provably gives what autograd would:
   transforms or torch.compile; under FSDP2 (``pergrad.distributed``) only weights a transform covers
   (every rank must leave the same unsharded parameters without a gradient).
 
+A weight whose ``.grad`` is not needed at all (a projection target registered with ``grads=False``,
+in one process) also runs detached, whatever its positions: pergrad then writes no ``.grad`` for it.
+
 An *anchor* stays attached in the same call (see ``Detached``) and is *touched* with the detached
 parameters (``touch``): a backward through it runs their ``AccumulateGrad`` at no matmul's cost, so
 which backward passes reach a detached weight is told by its own ``AccumulateGrad``: in one process
@@ -82,7 +85,8 @@ class _Guard:
         raise DetachedWeightError(
             f"autograd was asked for the gradient of the weight of {self.label} (torch.autograd.grad or "
             "backward(inputs=...)), but this forward ran it detached: pergrad computes its .grad itself, from "
-            "the per-sample gradients, and autograd skips it. Pass detach_transformed=False to PerSampleModule "
+            "the per-sample gradients (or not at all, for a projection registered with grads=False), and autograd "
+            "skips it. Pass detach_transformed=False to PerSampleModule "
             "to keep every weight in autograd's graph, or call psm.remove() before such a forward."
         )
 
@@ -127,6 +131,9 @@ class Wrapper(Protocol):
 
     @property
     def transformed(self) -> set[nn.Parameter]: ...
+
+    @property
+    def gradless(self) -> set[nn.Parameter]: ...  # of projections registered with grads=False
 
     def canonical(self, p: nn.Parameter) -> nn.Parameter: ...
 
@@ -176,6 +183,8 @@ class Detacher:
         """Whether pergrad writes the ``.grad`` of ``module``'s weight ``key`` itself when the call
         applies it at ``many`` positions per sample (see ``for_call``)."""
         engine = self.engine
+        if engine.world is None and key in engine.gradless:
+            return True  # its .grad is not needed: autograd's weight gradient is pure cost
         if engine.world is not None and not engine.world.touches:
             # FSDP2 reduce-scatters what has a gradient: detach alike on every rank, whatever
             # its batch (an empty one has "few" positions), so only the weights a transform covers
@@ -204,7 +213,9 @@ class Detacher:
           sample (a convolution, a Linear on sequences): ``.grad`` (the mean) is then the sum of
           the built ``g_i``, one read of ``B x |W|`` values, where autograd spends ``2 B L |W|``
           flops on L positions;
-        - norms of a convolution are tracked (they build its ``g_i``: see ``conv_builds``).
+        - norms of a convolution are tracked (they build its ``g_i``: see ``conv_builds``);
+        - a projection registered with ``grads=False`` covers the weight (one process): its ``.grad``
+          is not needed, and pergrad leaves it unwritten.
         """
         engine = self.engine
         if generation != self._generation:
@@ -248,6 +259,8 @@ class Detacher:
                 return Detached(self.probe(weight), (weight,), tuple(swaps), probe=True, on_output=True)
             assert isinstance(bias, nn.Parameter)
             writes_bias = self.engine.canonical(bias) in engine.transformed
+            if engine.world is None:
+                writes_bias = writes_bias or bias in engine.gradless
             if engine.world is None or engine.world.touches:
                 writes_bias = writes_bias or engine.keep_grad_sample or engine.track_norms
             if writes_bias and self._ok(bias):

@@ -141,6 +141,12 @@ class Engine:
     def transformed(self) -> set[nn.Parameter]:
         return self.targets.transformed
 
+    @property
+    def gradless(self) -> set[nn.Parameter]:
+        """The parameters of projections registered with ``grads=False``: where their weight runs
+        detached, their ``.grad`` is left as it is."""
+        return self.projection.gradless
+
     def canonical(self, p: nn.Parameter) -> nn.Parameter:
         """The parameter ``p`` is keyed by (FSDP2: the shard of an unsharded parameter)."""
         return p if self.world is None else self.world.canonical(p)
@@ -301,7 +307,8 @@ class Engine:
                 )
             previous = arrived.grads.get(param)
             arrived.grads[param] = g if previous is None else previous + g
-        if self.factors.reads(kept):  # the projected factors read (a, d) at the end, beside the built g_i
+        # the projected factors and per-token features read (a, d) at the end, beside the built g_i
+        if self.factors.reads(kept) or (kept.batch_size > 0 and self.projection.reads_tokens(kept)):
             arrived.calls.append(Call(layer, kept.a, d, scale, per_sample))
 
     def _read_at_end(self, kept: Kept) -> bool:
@@ -460,7 +467,8 @@ class Engine:
             else Fused(state.arrived.calls, None if self.world is None else self.world.canonical)
         )
         write = functools.partial(self.writer.add, state=state)
-        return Batch(state, source, dict(state.autograd.reached), self.param_names, write, owned)
+        unwritten = {p for detached in state.arrived.detached for p in detached.params} & self.gradless
+        return Batch(state, source, dict(state.autograd.reached), self.param_names, write, owned, unwritten)
 
     def _flush_outputs(self, state: Backward) -> None:
         """Run the rules that take every output's gradient, once per call (see ``RuleSpec.output_dims``)."""
@@ -471,9 +479,11 @@ class Engine:
 
     def _reach_detached(self, state: Backward) -> list[nn.Parameter]:
         """Add the weights that ran detached to what the backward reached, where it did (autograd computed
-        no gradient for them); returns those no transform covers (``.grad`` is their plain reduction)."""
+        no gradient for them); returns those no transform covers (``.grad`` is their plain reduction),
+        but for those whose ``.grad`` is not needed (``gradless``: left as it is)."""
         touched = self.world is None or self.world.touches  # their AccumulateGrad runs (detach.touch)
         reached = state.autograd.reached
+        gradless = self.gradless
         owned: dict[nn.Parameter, None] = {}
         for detached in state.arrived.detached:
             if touched:  # reached in the backward passes that run their AccumulateGrad
@@ -486,7 +496,7 @@ class Engine:
                 )
                 params = list(detached.params) if anchor else []
             reached.update(dict.fromkeys(params))
-            owned.update(dict.fromkeys(p for p in params if p not in self.transformed))
+            owned.update(dict.fromkeys(p for p in params if p not in self.transformed and p not in gradless))
         return list(owned)
 
     def _check(self, batch: Batch) -> None:

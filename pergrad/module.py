@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
@@ -163,7 +164,7 @@ class PerSampleModule:
         self._engine.world = world_for(model, self._engine, accumulate)
         self._canonical = self._engine.world.canonical if self._engine.world is not None else _same
         self._targets: list[tuple[nn.Module | str, Transform]] = []  # as registered, resolved again on rebinding
-        self._projections: list[tuple[nn.Module | str, Spec]] = []  # likewise
+        self._projections: list[tuple[nn.Module | str, Spec, bool, bool]] = []  # likewise (grads, per_token)
         self._layers: list[HookedLayer] = []
         self._accumulators: list[Any] = []
         self._accumulate_handles: list[RemovableHandle] = []
@@ -224,7 +225,7 @@ class PerSampleModule:
         for target, transform in self._targets:
             label, params, _, _ = self._resolve(target)
             engine.targets.add(Target(label, params, transform))
-        engine.projection.targets = [self._projected(target, spec) for target, spec in self._projections]
+        engine.projection.targets = [self._projected(*registered) for registered in self._projections]
 
     def _install_hooks(self) -> None:
         """The layers' forward hooks, for the layers and transforms as they are now."""
@@ -420,6 +421,10 @@ class PerSampleModule:
         label, params, single, ref = self._resolve(target)
         if not params:
             raise TargetError(f"{label} has no trainable parameters; nothing to transform")
+        for projected in self._engine.projection.targets:
+            shared = set(params.values()) & set(projected.params) if not projected.grads else set()
+            if shared:
+                raise TargetError(self._gradless_overlap(label, projected.name, shared))
         for other in self._engine.targets:
             shared = set(params.values()) & set(other.params.values())
             if shared:
@@ -448,6 +453,8 @@ class PerSampleModule:
         kind: str = "kron",
         seed: int = 0,
         dtype: torch.dtype | None = None,
+        grads: bool = True,
+        per_token: bool = False,
     ) -> None:
         """Compute ``P vec(g_i)``, ``dim`` features of each sample's gradient of ``target``, in every
         backward; read them with ``per_sample_projections()``.
@@ -456,12 +463,15 @@ class PerSampleModule:
         object or its qualified name). ``P = [P_1 ... P_m]`` projects the target's whole gradient (its
         parameters concatenated): each parameter's block ``P_p`` has ``dim`` rows and is regenerated
         from ``(seed, the parameter's qualified name, its shape, kind)``, never saved, so features of
-        the same model agree across batches, processes and restarts (``pergrad.projectors``).
+        the same model agree across batches, processes and restarts (``pergrad.projectors``). Under DDP
+        each rank gets its own samples' features, ``P`` named as in the model DDP holds (without DDP's
+        ``module.`` prefix): the features one process computes for those samples.
 
         - ``kind="kron"``: a parameter of two or more dims gets ``P_row ⊗ P_col`` with
           ``r_row * r_col = dim`` (``dim = r^2``: ``r x r``; ``dim = 2 r^2``: ``r x 2r``; every power of
           two is one of these), computed without building ``g_i`` for Linear (any leading dims),
-          Conv1d/2d/3d (any stride, padding, dilation, groups), Embedding and HF ``Conv1D``, and from
+          Conv1d/2d/3d and ConvTranspose1d/2d/3d (any stride, padding, dilation, groups, output
+          padding), Embedding and HF ``Conv1D``, and from
           the built ``g_i`` of one layer at a time for every other layer; one-dim parameters (biases,
           norm weights) get a dense Gaussian block.
         - ``kind="dense"``: a dense Gaussian ``[dim, numel]`` block per parameter, applied to the built
@@ -469,6 +479,27 @@ class PerSampleModule:
 
         Features are of the raw ``g_i`` (before any transform) of each sample's own loss, in ``dtype``
         (default: the parameters'); computed in the parameters' dtype.
+
+        ``per_token=True`` gives ``[B, T, dim]`` features: those of each token's term ``g_it`` of
+        ``g_i = sum_t g_it`` (they sum over ``t`` to the per-sample features): for a Linear or HF ``Conv1D``
+        on ``[B, T, features]``, ``vec(P_row d_it (P_col a_it)^T)`` from the gradient ``d_it`` reaching the
+        token's output and its input ``a_it``; for an Embedding on ``[B, T]``, the token's row. Where
+        positions do not mix (no attention or convolution over tokens between the layer and the loss),
+        ``g_it`` is the gradient of token t's own loss term. Needs ``kind="kron"`` and a target whose every
+        layer is one of these (``ProjectionError`` otherwise, naming the layer; another input shape is
+        refused in the backward). A target the backward did not reach gets ``[B, 0, dim]``.
+
+        ``grads=False`` says the target's ``.grad`` is not needed (an attribution pass: features only).
+        Its layers' weights then run detached (``pergrad.detach``): autograd spends no weight-gradient
+        matmul or convolution on them, and pergrad writes no ``.grad`` for them either: it is left as it
+        was (None after ``zero_grad()``), so do not step an optimizer on the target. The features are
+        unchanged (the gradient reaching each layer does not depend on its weight's gradient). This holds
+        in one process, after the first backward (its ``verify`` check needs autograd's gradients; from
+        the first with ``verify=False``), with ``detach_transformed=True`` (the default), for the weights
+        ``pergrad.detach`` may detach (held once in the model, with no ``register_hook`` hook, of a
+        Linear, convolution or HF ``Conv1D``); any other parameter of the target (a bias, an embedding,
+        a tied weight, under DDP or FSDP2) keeps autograd's ``.grad``. A transform cannot cover a
+        parameter of such a target (``TargetError``: its ``.grad`` would be missing).
         """
         if kind not in KINDS:
             raise ProjectionError(f"register_projection: unknown kind {kind!r}; pass kind='kron' or kind='dense'")
@@ -481,24 +512,66 @@ class PerSampleModule:
             )
         if dtype is not None and not dtype.is_floating_point:
             raise ProjectionError(f"register_projection: dtype must be a floating point dtype, got {dtype}")
+        if per_token and kind != "kron":
+            raise ProjectionError(
+                f"register_projection(per_token=True): per-token features are Kronecker only, got kind={kind!r}; "
+                "pass kind='kron', or per_token=False for dense per-sample features"
+            )
         spec = Spec(dim, kind, seed, dtype)
         label, _, _, ref = self._resolve(target)
-        projected = self._projected(ref, spec)
+        projected = self._projected(ref, spec, grads, per_token)
+        if per_token:
+            self._check_per_token(label, projected)
         if any(other.name == projected.name for other in self._engine.projection.targets):
             raise TargetError(
                 f"{label} already has a projection (per_sample_projections() holds one per target name); "
                 "register it once, or project its parameters or submodules separately"
             )
-        self._projections.append((ref, spec))
+        if not grads:
+            for other in self._engine.targets:
+                shared = set(projected.params) & set(other.params.values())
+                if shared:
+                    raise TargetError(self._gradless_overlap(other.label, projected.name, shared))
+        self._projections.append((ref, spec, grads, per_token))
         self._engine.projection.targets.append(projected)
+        if not grads:
+            self._install_hooks()  # its weights may now run detached
 
-    def _projected(self, target: nn.Module | nn.Parameter | str, spec: Spec) -> Projected:
+    def _check_per_token(self, label: str, projected: Projected) -> None:
+        """Every layer feeding the target has a per-token form (``FusedRule.project_tokens``)."""
+        for layer in self._layers:
+            if not any(self._canonical(p) in projected.params for _, p in layer.trainable()):
+                continue
+            fused = layer.spec.fused
+            if fused is None or fused.project_tokens is None:
+                raise ProjectionError(
+                    f"register_projection(per_token=True) on {label}: {layer.label} has no per-token form "
+                    "(per-token features exist for nn.Linear and HF Conv1D on [B, T, features] and nn.Embedding "
+                    "on [B, T]). Register per_token=False for per-sample features of it, or project only the "
+                    "layers that have one per token."
+                )
+
+    def _gradless_overlap(self, label: str, projected: str, shared: set[nn.Parameter]) -> str:
+        names = sorted(self._engine.param_names[p] for p in shared)
+        where = self._resolve(projected)[0]
+        return (
+            f"{label} has a transform, and the projection of {where} with grads=False leaves the .grad of "
+            f"{names} unwritten: the transform's result would be lost. Register that projection with grads=True "
+            "(the default), or do not transform its parameters."
+        )
+
+    def _projected(
+        self, target: nn.Module | nn.Parameter | str, spec: Spec, grads: bool = True, per_token: bool = False
+    ) -> Projected:
         label, params, _, ref = self._resolve(target)
         if not params:
             raise TargetError(f"{label} has no trainable parameters; nothing to project")
         name = ref if isinstance(ref, str) else next(n for n, m in self.module.named_modules() if m is ref)
         names = self._engine.param_names
-        return Projected(name, spec, {p: Projector(spec, names[p], tuple(p.shape)) for p in params.values()})
+        if isinstance(self.module, DistributedDataParallel):  # named as in the model DDP holds: one process's P
+            names = {p: n.removeprefix("module.") for p, n in names.items()}
+        projectors = {p: Projector(spec, names[p], tuple(p.shape)) for p in params.values()}
+        return Projected(name, spec, projectors, grads, per_token)
 
     def per_sample_projections(self) -> dict[str, Tensor]:
         """``{target name: Tensor[B, dim]}``: the projected per-sample gradients ``P vec(g_i)`` of the last

@@ -6,7 +6,8 @@ features are ``sum_p P_p vec(g_i(p))``: the projection ``[P_1 ... P_m]`` of the 
 gradient (its parameters concatenated), ``k`` features whatever the number of parameters.
 
 - ``"kron"``: a parameter of two or more dims, stored ``[R, C, *rest]`` (a Linear ``[out, in]``, a
-  convolution ``[out, in/groups, *kernel]``, an embedding ``[vocab, dim]``, HF ``Conv1D`` ``[in, out]``)
+  convolution ``[out, in/groups, *kernel]``, a transposed one ``[in, out/groups, *kernel]``, an embedding
+  ``[vocab, dim]``, HF ``Conv1D`` ``[in, out]``)
   gets ``P_p = P_row ⊗ P_col`` with ``P_row`` ``[r_row, R]`` and ``P_col`` ``[r_col, C * prod(rest)]``:
   ``P_p vec(g) = vec(P_row g P_col^T)``, flattened row-major (``[r_row, r_col]``), with
   ``r_row * r_col = k`` (``split``). A layer with a Kronecker rule (``FusedRule.project``) computes it

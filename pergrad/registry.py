@@ -109,6 +109,9 @@ class FusedRule:
       projected factors of each Kronecker block, ``P_p vec(g_i) = vec(sum_s u_is v_is^T)`` (``S``: the
       positions the weight's gradient sums over), for Kronecker-factored curvature
       (``pergrad.consumers.factors``); None where the layer has no such form for these projectors.
+    - ``project_tokens(layer, a, d, projectors) -> {name: [B, T, k]} | None``: the same, per token: the
+      projection of each position's term of ``g_i`` (they sum over ``t`` to ``project``'s), for inputs with
+      one token dim after the batch; None where the layer has no such form for these shapes.
     Every function returns entries only for parameters that require grad, as fresh tensors (the
     caller may scale them in place). ``bilinear``: the weight's
     ``g_i`` is linear in ``a_i`` as well, so for a layer without a trainable bias per-sample weights
@@ -126,6 +129,7 @@ class FusedRule:
     factors: (
         Callable[[nn.Module, Any, Tensor, dict[str, Projector]], dict[str, tuple[Tensor, Tensor]] | None] | None
     ) = None
+    project_tokens: Callable[[nn.Module, Any, Tensor, dict[str, Projector]], dict[str, Tensor] | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .calls import Call, HookedLayer, Kept
-from .errors import SecondOrderError
+from .errors import ProjectionError, SecondOrderError
 from .layout import new_buffer, recorded, recording_buffers
 from .projectors import Projector
 from .registry import FusedRule, OutputGrads
@@ -356,6 +356,39 @@ class Fused:
                 found = {p: projectors[p].apply(g) for p, g in built.items() if p in projectors}
             for p, f in found.items():
                 out[p] = f if p not in out else out[p] + f
+        return out
+
+    def project_tokens(self, projectors: dict[nn.Parameter, Projector]) -> dict[nn.Parameter, Tensor]:
+        """``P_p vec(g_it)`` ``[B, T, k]`` of each parameter, ``g_it`` the term of ``g_i`` at token ``t``
+        (summed over its calls: tied and reused layers), from each call's ``FusedRule.project_tokens``;
+        ``ProjectionError`` for a call without one (a layer or input shape with no per-token form) or
+        calls of different token counts."""
+        out: dict[nn.Parameter, Tensor] = {}
+        fed: dict[nn.Parameter, HookedLayer] = {}
+        for call in self._calls_of(p for p in projectors if p in self.uses):
+            named = {name: p for name, p in self._params[call].items() if p in projectors}
+            layer, fused = call.layer, call.layer.spec.fused
+            found = None
+            if fused is not None and fused.project_tokens is not None and isinstance(call.a, Tensor):
+                found = fused.project_tokens(layer.module, call.a, call.d, {n: projectors[p] for n, p in named.items()})
+            if found is None:
+                shape = tuple(call.a.shape) if isinstance(call.a, Tensor) else "several inputs"
+                raise ProjectionError(
+                    f"register_projection(per_token=True): {layer.label} was called on an input of shape {shape}; "
+                    "per-token features exist for nn.Linear and HF Conv1D on [B, T, features] and nn.Embedding on "
+                    "[B, T] (one token dim after the batch). Register its projection with per_token=False for "
+                    "per-sample features, or reshape its input to [B, T, features]."
+                )
+            for name, f in found.items():
+                p = named[name]
+                if p in out and out[p].shape != f.shape:
+                    raise ProjectionError(
+                        f"register_projection(per_token=True): {fed[p].label} and {layer.label} share parameter "
+                        f"{name!r} but see {out[p].shape[1]} and {f.shape[1]} tokens per sample; per-token features "
+                        "need the same tokens in every call. Register its projection with per_token=False."
+                    )
+                out[p] = f * call.scale if p not in out else out[p] + f * call.scale
+                fed.setdefault(p, layer)
         return out
 
     def moments(

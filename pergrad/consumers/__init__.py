@@ -41,6 +41,7 @@ class Batch:
     names: dict[nn.Parameter, str]  # every trainable parameter's name in the wrapped model
     write: Callable[[nn.Parameter, Tensor], None]  # add a reduction (in .grad's units) to .grad
     owned: list[nn.Parameter]  # ran detached with no transform: .grad is the plain reduction
+    unwritten: set[nn.Parameter] = field(default_factory=set)  # ran detached, .grad not needed: left as it is
     sq_norms: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # ||g_i||^2 [B] computed so far
     means: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # (1/B) sum_i g_i computed so far
 

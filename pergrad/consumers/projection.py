@@ -3,7 +3,8 @@
 ``pergrad.projectors``, their Kronecker forms in each layer family's rules file.
 
 Features are those of the samples' raw gradients ``g_i`` of their own losses ``f_i`` (before any
-transform, unscaled under loss scaling), with ``loss_reduction`` "mean" as with "sum"."""
+transform, unscaled under loss scaling), with ``loss_reduction`` "mean" as with "sum"; per token
+(``per_token=True``), ``[B, T, k]``, those of each token's term ``g_it`` (``g_i = sum_t g_it``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import Tensor, nn
 
 from ..calls import Kept
 from ..projectors import Projector, Spec
+from ..sources import Fused
 from . import Batch
 
 
@@ -24,6 +26,8 @@ class Projected:
     name: str  # qualified name of the target ("" for the whole model)
     spec: Spec
     params: dict[nn.Parameter, Projector]
+    grads: bool = True  # False: its parameters' .grad is not needed (their weights may run detached, unwritten)
+    per_token: bool = False  # features [B, T, k] of each token's term of g_i
 
 
 class Projection:
@@ -35,18 +39,39 @@ class Projection:
         self.targets: list[Projected] = []
         self.last: dict[str, Tensor] = {}  # the last backward's, by target name
 
+    @property
+    def gradless(self) -> set[nn.Parameter]:
+        """The parameters of targets registered with ``grads=False``: pergrad does not write their ``.grad``
+        where their weight runs detached (``pergrad.detach``)."""
+        return {p for t in self.targets if not t.grads for p in t.params}
+
     def reads(self, kept: Kept) -> bool:
         return any(self.canonical(p) in t.params for t in self.targets for _, p in kept.layer.trainable())
+
+    def reads_tokens(self, kept: Kept) -> bool:
+        """Whether a per-token target reads this call's ``(a, d)`` (kept even where ``g_i`` are built)."""
+        return any(
+            self.canonical(p) in t.params for t in self.targets if t.per_token for _, p in kept.layer.trainable()
+        )
 
     def consume(self, batch: Batch) -> None:
         if not self.targets:
             return
         self.last = {}
+        tokens: Fused | None = None
         for target in self.targets:
             reached = {p: proj for p, proj in target.params.items() if p in batch.params}
-            found = batch.source.project(reached) if reached and batch.size else {}
             first = next(iter(target.params))
-            total = first.new_zeros((batch.size, target.spec.dim))  # summed in the parameters' dtype, then cast
+            if target.per_token:
+                if tokens is None:  # the calls are kept for per-token targets where g_i are built too
+                    source = batch.source
+                    tokens = source if isinstance(source, Fused) else Fused(batch.state.arrived.calls, self.canonical)
+                found = tokens.project_tokens(reached) if reached and batch.size else {}
+                count = next(iter(found.values())).shape[1] if found else 0  # (no token reached: none)
+                total = first.new_zeros((batch.size, count, target.spec.dim))
+            else:
+                found = batch.source.project(reached) if reached and batch.size else {}
+                total = first.new_zeros((batch.size, target.spec.dim))  # summed in the parameters' dtype, then cast
             for features in found.values():
                 total = total + features
             self.last[target.name] = total if target.spec.dtype is None else total.to(target.spec.dtype)

@@ -1,6 +1,7 @@
 """The reduction into ``.grad``: ``p.grad += (1/B) sum_i T(g_i)`` (``"mean"``) or ``sum_i T(g_i)``
 (``"sum"``) for each target's transform ``T``, and the plain reduction of the weights that ran
-detached with no transform (autograd computed no gradient for them).
+detached with no transform (autograd computed no gradient for them), except those of projections
+registered with ``grads=False`` (their ``.grad`` is left as it is).
 
 A transform that scales each sample's gradient (``T(g_i) = c_i g_i``: clipping, normalising,
 weighting) is reduced as ``sum_i c_i g_i`` without building ``g_i`` where the source allows it;
@@ -59,7 +60,7 @@ class Reduction:
         if batch.size == 0:
             # every sum over samples is 0: .grad gets nothing added (autograd's own sum is 0 too);
             # a detached weight gets what autograd would have stored
-            for p in (p for call in state.arrived.detached for p in call.params):
+            for p in (p for call in state.arrived.detached for p in call.params if p not in batch.unwritten):
                 state.written.params[p] = None
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

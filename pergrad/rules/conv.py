@@ -325,12 +325,101 @@ def conv_transpose(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     assert isinstance(layer, _ConvTransposeNd)
     out: dict[str, Tensor] = {}
     if layer.weight.requires_grad:
-        # pad d by `padding` on the left; on the right by `padding` less the whole strides that
-        # output_padding added (those windows reach no input position; negative pads crop)
-        padding: tuple[int, ...] = tuple(int(p) for p in layer.padding)  # never a string for ConvTranspose
-        pairs = [(p, p - s * (op // s)) for p, s, op in zip(padding, layer.stride, layer.output_padding, strict=True)]
-        window = F.pad(d, [side for pair in reversed(pairs) for side in pair])
-        out["weight"] = conv(_twin(layer), window, a)["weight"]
+        out["weight"] = conv(_twin(layer), _window(layer, d), a)["weight"]
     if layer.bias is not None and layer.bias.requires_grad:
         out["bias"] = d.flatten(2).sum(2)
     return out
+
+
+def _window(layer: nn.Module, d: Tensor) -> Tensor:
+    """``d`` as the input of the twin convolution (``_twin``): padded by ``padding`` on the left; on
+    the right by ``padding`` less the whole strides that ``output_padding`` added (those windows reach
+    no input position; negative pads crop)."""
+    assert isinstance(layer, _ConvTransposeNd)
+    padding: tuple[int, ...] = tuple(int(p) for p in layer.padding)  # never a string for ConvTranspose
+    pairs = [(p, p - s * (op // s)) for p, s, op in zip(padding, layer.stride, layer.output_padding, strict=True)]
+    return F.pad(d, [side for pair in reversed(pairs) for side in pair])
+
+
+# -- fused: the twin convolution's fused forms, with d as its input and a as its output gradient ----
+
+
+def _bias_sums(d: Tensor) -> Tensor:
+    """``g_i(b) = sum_l d_i[:, l]``: ``[n, C_out]``."""
+    return d.flatten(2).sum(2)
+
+
+def conv_transpose_sq_norms(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """``||g_i(W)||^2`` of the twin convolution (``conv_sq_norms``), ``||sum_l d_i[:, l]||^2``."""
+    assert isinstance(layer, _ConvTransposeNd)
+    out = {}
+    if layer.weight.requires_grad:
+        out["weight"] = conv_sq_norms(_twin(layer), _window(layer, d), a)["weight"]
+    if layer.bias is not None and layer.bias.requires_grad:
+        out["bias"] = _bias_sums(d).square().sum(1)
+    return out
+
+
+def conv_transpose_summed(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """``sum_i g_i``: the transposed convolution's own weight backward (no unfold)."""
+    assert isinstance(layer, _ConvTransposeNd)
+    out = {}
+    if layer.weight.requires_grad:
+        twin, window = _twin(layer), _window(layer, d)
+        stride, zeros, dilation, groups = _conv_args(twin)
+        out["weight"] = torch.ops.aten.convolution_backward(
+            a, window, layer.weight, None, stride, zeros, dilation, False, zeros, groups, [False, True, False]
+        )[1]  # the twin's weight has the shape of layer.weight: [C_in, C_out / g, *kernel]
+    if layer.bias is not None and layer.bias.requires_grad:
+        out["bias"] = d.sum((0, *range(2, d.dim())))
+    return out
+
+
+def conv_transpose_dots(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``<g_i(W), G>`` of the twin convolution (``conv_dots``: one convolution of the window of ``d``)."""
+    assert isinstance(layer, _ConvTransposeNd)
+    out = {}
+    if layer.weight.requires_grad:
+        out["weight"] = conv_dots(_twin(layer), _window(layer, d), a, {"weight": other["weight"]})["weight"]
+    if layer.bias is not None and layer.bias.requires_grad:
+        out["bias"] = _bias_sums(d) @ other["bias"]
+    return out
+
+
+def conv_transpose_builds(layer: nn.Module, a: Tensor, d: Tensor) -> bool:
+    assert isinstance(layer, _ConvTransposeNd)
+    return conv_builds(_twin(layer), _window(layer, d), a)
+
+
+def conv_transpose_project(
+    layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector]
+) -> dict[str, Tensor] | None:
+    """``P vec(g_i)`` of the weight ``[C_in, C_out/g, *kernel]`` as the twin convolution's (``conv_project``
+    with the window of ``d`` as its input and ``a`` as its output gradient: ``P_row`` over ``C_in``,
+    ``P_col`` applied to every patch of the window by one convolution); the bias's block applied to
+    ``sum_l d_i[:, l]``. None if the weight's block is dense (``g_i`` must be built)."""
+    assert isinstance(layer, _ConvTransposeNd)
+    weight = projectors.get("weight")
+    if weight is not None and not weight.kron:
+        return None
+    out = {}
+    if weight is not None:
+        found = conv_project(_twin(layer), _window(layer, d), a, {"weight": weight})
+        assert found is not None
+        out["weight"] = found["weight"]
+    if "bias" in projectors:
+        out["bias"] = projectors["bias"].apply(_bias_sums(d))
+    return out
+
+
+default_registry.register_fused(
+    _ConvTransposeNd,
+    FusedRule(
+        conv_transpose_sq_norms,
+        conv_transpose_summed,
+        conv_transpose_dots,
+        bilinear=True,
+        builds=conv_transpose_builds,
+        project=conv_transpose_project,
+    ),
+)

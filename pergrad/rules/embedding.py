@@ -141,6 +141,25 @@ def embedding_factors(
     return {"weight": (u, d @ col.T)}
 
 
+def embedding_project_tokens(
+    layer: nn.Module, idx: Tensor, d: Tensor, projectors: dict[str, Projector]
+) -> dict[str, Tensor] | None:
+    """``P_row[:, idx_it] (P_col d_it)^T`` per token ``t`` (zero for a padding token). None unless the
+    input is ``[n, t]`` and the block Kronecker.
+
+    Index conventions: n sample, t tokens, e embedding features, p and q projected features.
+    """
+    assert isinstance(layer, nn.Embedding)
+    weight = projectors.get("weight")
+    if weight is None:
+        return {}
+    if idx.dim() != 2 or not weight.kron:
+        return None
+    idx, d = _tokens(layer, idx, d)
+    row, col = weight.factors(d)
+    return {"weight": (row.T[idx].unsqueeze(3) * (d @ col.T).unsqueeze(2)).flatten(2)}  # ntp,ntq->ntpq
+
+
 default_registry.register_fused(
     (nn.Embedding,),
     FusedRule(
@@ -150,6 +169,7 @@ default_registry.register_fused(
         embedding_sum_squares,
         project=embedding_project,
         factors=embedding_factors,
+        project_tokens=embedding_project_tokens,
     ),
 )
 

@@ -34,6 +34,7 @@ from .linear import (
     linear_factors,
     linear_moments,
     linear_project,
+    linear_project_tokens,
     linear_sq_norms,
     linear_summed,
     outer_sums,
@@ -162,6 +163,7 @@ default_registry.register_fused(
         moments=partial(linear_moments, transposed=True),
         project=partial(linear_project, transposed=True),
         factors=partial(linear_factors, transposed=True),
+        project_tokens=partial(linear_project_tokens, transposed=True),
     ),
 )
 

@@ -186,6 +186,30 @@ def linear_factors(
     return {"weight": (rows(left) @ row.T, rows(right) @ col.T)}
 
 
+def linear_project_tokens(
+    layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector], *, transposed: bool = False
+) -> dict[str, Tensor] | None:
+    """``P vec(d_it a_it^T)`` per token ``t``: ``(P_row d_it)(P_col a_it)^T`` flattened (with
+    ``transposed=True``: ``(P_row a_it)(P_col d_it)^T``), and the bias's block applied to each ``d_it``.
+    None unless the input is ``[n, t, i]`` and the weight's block Kronecker.
+
+    Index conventions: n sample, t tokens, i and o features, p and q projected features.
+    a: [n, t, i], d: [n, t, o] -> [n, t, p * q].
+    """
+    weight = projectors.get("weight")
+    if a.dim() != 3 or (weight is not None and not weight.kron):
+        return None
+    out = {}
+    if weight is not None:
+        row, col = weight.factors(d)
+        left, right = (a, d) if transposed else (d, a)
+        out["weight"] = ((left @ row.T).unsqueeze(3) * (right @ col.T).unsqueeze(2)).flatten(2)  # ntp,ntq->ntpq
+    if "bias" in projectors:
+        n, t = d.shape[:2]
+        out["bias"] = projectors["bias"].apply(d.reshape(n * t, -1)).view(n, t, -1)
+    return out
+
+
 default_registry.register_fused(
     (nn.Linear,),
     FusedRule(
@@ -196,5 +220,6 @@ default_registry.register_fused(
         moments=linear_moments,
         project=linear_project,
         factors=linear_factors,
+        project_tokens=linear_project_tokens,
     ),
 )
