@@ -9,12 +9,15 @@ they are mostly code-like prose, megabytes of it, and change with every Python r
 Bytes are the tokens (vocabulary 256). The text is cut into non-overlapping sequences of
 ``length + 1`` bytes (input: the first ``length``, target: the next byte at each position); 10% are
 held out. A tiny causal transformer (token and position embeddings, ``--blocks`` pre-norm blocks of
-causal self-attention and an MLP, all Linear layers) trains for a few epochs with Adam through a
-``PerSampleModule``; each sample's loss is the sum of its own tokens' cross-entropies. At the end of
-each epoch every training sequence's projected gradient ``P vec(g_i)`` (``register_projection(model,
-dim=k, kind="kron")``) is written into a ``FeatureStore``, and the queries' features are computed with
-the same projection. TracIn then ranks, for each query, the training sequences by
-``sum_c lr_c phi_c(query)^T phi_c(train)`` and ``top_k`` keeps the best three.
+causal self-attention and an MLP, all Linear layers) trains for a few epochs with Adam, in plain
+PyTorch. At the end of each epoch the model is wrapped in a ``PerSampleModule`` for one feature pass
+(and unwrapped: it is the same model after): each sequence's loss is the sum of its own tokens'
+cross-entropies, and every training sequence's projected gradient ``P vec(g_i)``
+(``register_projection(model, dim=k, kind="kron")``) is written into a ``FeatureStore``; the queries'
+features come from the same projection. TracIn then ranks, for each query, the training sequences by
+``sum_c lr_c phi_c(query)^T phi_c(train)`` and ``top_k`` keeps the best three: on the raw features,
+and on unit-normalised ones (a second store, rows divided by their norm: a sum of cosines), since raw
+inner products favour the training sequences with the largest gradients.
 
 What is measured: among the queries are planted exact copies of some training sequences and near
 copies (``--changed`` of their bytes replaced by random printable ones). The example reports how often
@@ -35,6 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from importlib.resources import files
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -134,12 +138,12 @@ class Result:
     n_train: int
     n_held: int
     copies: int
-    exact_top1: float  # fraction of exact copies whose source (or an identical sequence) is the top-1 proponent
-    near_top1: float  # the same for near copies
+    top1: dict[str, dict[str, float]]  # "raw" / "unit" -> {"exact", "near"}: fraction of the copies whose
+    # source (or a training sequence with the same bytes) is the top-1 proponent
     random_top1: float  # what a random ranking gives: mean over the copies of (#identical to source) / n
     held_loss: float  # held-out loss, nats per byte
     seconds: float
-    top: Tensor = field(repr=False)  # [m, 3] train indices of the best proponents of each query
+    top: dict[str, Tensor] = field(repr=False)  # "raw" / "unit" -> [m, 3] train indices of the best proponents
     example: str = field(default="", repr=False)
 
 
@@ -151,7 +155,7 @@ def run(
     length: int = 32,
     width: int = 64,
     blocks: int = 1,
-    lr: float = 3e-3,
+    lr: float = 1e-2,
     batch: int = 32,
     copies: int = 20,
     changed: int = 3,
@@ -166,37 +170,49 @@ def run(
     queries, source = plant(train, held, copies, changed, gen)
     torch.manual_seed(seed)
     model = TinyLM(length, width, blocks=blocks)
-    psm = wrap(model, dim, seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     names = [f"epoch{e + 1}" for e in range(epochs)]
-    query_features = []
+    query_features: dict[str, list[Tensor]] = {"raw": [], "unit": []}
     with tempfile.TemporaryDirectory(prefix="pergrad-attribution-lm-") as root:
-        with FeatureStore.open(root, n=len(train), k=dim, checkpoints=names, seed=seed, kind="kron") as store:
+        spec = {"n": len(train), "k": dim, "checkpoints": names, "seed": seed, "kind": "kron"}
+        raw = FeatureStore.open(Path(root) / "raw", **spec)
+        unit = FeatureStore.open(Path(root) / "unit", **spec)  # each row divided by its norm
+        with raw, unit:
             for name in names:
-                for idx in torch.randperm(len(train), generator=gen).split(batch):
+                for idx in torch.randperm(len(train), generator=gen).split(batch):  # plain PyTorch
                     optimizer.zero_grad(set_to_none=True)
-                    sequence_losses(psm(train[idx, :-1]), train[idx]).mean().backward()
+                    sequence_losses(model(train[idx, :-1]), train[idx]).mean().backward()
                     optimizer.step()
+                psm = wrap(model, dim, seed)  # pergrad for the feature pass only: removed, the model is as it was
                 for idx in torch.arange(len(train)).split(feature_batch):
-                    store.write(idx, features(psm, train[idx]), checkpoint=name)
-                query_features.append(torch.cat([features(psm, q) for q in queries.split(feature_batch)]))
-        psm.remove()
+                    phi = features(psm, train[idx])
+                    raw.write(idx, phi, checkpoint=name)
+                    unit.write(idx, F.normalize(phi, dim=1), checkpoint=name)
+                phi = torch.cat([features(psm, q) for q in queries.split(feature_batch)])
+                query_features["raw"].append(phi)
+                query_features["unit"].append(F.normalize(phi, dim=1))
+                psm.remove()
         # TracIn: each checkpoint weighed by its learning rate (Adam's step size; constant here)
-        _, top = top_k(query_features, store, 3, weights=[lr] * epochs)
+        top = {
+            kind: top_k(query_features[kind], store, 3, weights=[lr] * epochs)[1]
+            for kind, store in (("raw", raw), ("unit", unit))
+        }
     with torch.no_grad():
         held_loss = sequence_losses(model(held[:, :-1]), held).sum().item() / held[:, 1:].numel()
     same = (train.unsqueeze(0) == train[source[held_count:]].unsqueeze(1)).all(2)  # [2 copies, n]
-    hit = same.float().gather(1, top[held_count:, :1]).squeeze(1)
+    top1 = {}
+    for kind, best in top.items():
+        hit = same.float().gather(1, best[held_count:, :1]).squeeze(1)
+        top1[kind] = {"exact": hit[:copies].mean().item(), "near": hit[copies:].mean().item()}
     example = f"held-out query: {decode(held[0])!r}\n" + "".join(
-        f"  top-{r + 1} proponent: {decode(train[int(top[0, r])])!r}\n" for r in range(3)
+        f"  top-{r + 1} proponent (cosine): {decode(train[int(top['unit'][0, r])])!r}\n" for r in range(3)
     )
     return Result(
         seed,
         len(train),
         held_count,
         copies,
-        exact_top1=hit[:copies].mean().item(),
-        near_top1=hit[copies:].mean().item(),
+        top1=top1,
         random_top1=same.float().mean().item(),
         held_loss=held_loss,
         seconds=time.perf_counter() - start,
@@ -212,7 +228,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--length", type=int, default=32, help="input bytes per sequence")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=1)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--copies", type=int, default=20, help="exact copies planted, and as many near copies")
     parser.add_argument("--changed", type=int, default=3, help="bytes changed in a near copy")
     parser.add_argument("--seed", type=int, default=0)
@@ -242,14 +258,16 @@ def main(argv: list[str] | None = None) -> list[Result]:
         f"bytes, {first.n_held} held out; TinyLM width {args.width}, {args.blocks} block(s), Adam lr {args.lr}, "
         f"{epochs} checkpoints, kron dim {dim}; {len(results)} seed(s), mean (min..max)"
     )
-    rows = (
-        (f"{args.copies} exact copies: source is top-1", [r.exact_top1 for r in results]),
-        (f"{args.copies} near copies ({args.changed} bytes changed)", [r.near_top1 for r in results]),
-        ("random ranking", [r.random_top1 for r in results]),
-        ("held-out loss (nats/byte)", [r.held_loss for r in results]),
-    )
+    rows = [
+        (f"{label}, {kind}", [r.top1[key][kind] for r in results])
+        for key, label in (("raw", "TracIn top-1 is the source"), ("unit", "TracIn on unit features (cosine)"))
+        for kind in ("exact", "near")
+    ]
+    rows.append(("random ranking", [r.random_top1 for r in results]))
+    rows.append(("held-out loss (nats/byte)", [r.held_loss for r in results]))
+    print(f"{args.copies} exact copies and {args.copies} near copies ({args.changed} bytes changed) among the queries")
     for label, values in rows:
-        print(f"{label:45}{statistics.mean(values):8.3f} ({min(values):.3f}..{max(values):.3f})")
+        print(f"{label:50}{statistics.mean(values):8.3f} ({min(values):.3f}..{max(values):.3f})")
     print(first.example, end="")
     print(f"{statistics.mean(r.seconds for r in results):.1f} s per seed")
     return results
