@@ -101,7 +101,7 @@ def test_lm_features_are_the_projected_gradients_of_each_sequences_loss() -> Non
     psm.remove()
 
 
-QUICK = {"epochs": 3, "dim": 256}
+QUICK = {"epochs": 2, "dim": 64}  # small: this test is about the store, not the ranking
 
 
 def test_a_stopped_run_resumes_to_the_same_scores(tmp_path: Path) -> None:
@@ -113,14 +113,14 @@ def test_a_stopped_run_resumes_to_the_same_scores(tmp_path: Path) -> None:
     stopped = attribution.run(1, **QUICK, store=str(tmp_path), stop_after=3)
     assert not stopped.complete and stopped.rows_written == 3 * 256 and not stopped.detection
     resumed = attribution.run(1, **QUICK, store=str(tmp_path))
-    assert resumed.complete and resumed.rows_written == 3 * n - 3 * 256
+    assert resumed.complete and resumed.rows_written == 2 * n - 3 * 256
     again = attribution.run(1, **QUICK, store=str(tmp_path))
     assert again.rows_written == 0
     for name in attribution.RANKINGS[:3]:
         torch.testing.assert_close(resumed.scores[name], whole.scores[name], rtol=1e-5, atol=0, msg=name)
         torch.testing.assert_close(again.scores[name], whole.scores[name], rtol=1e-5, atol=0, msg=name)
-    with pytest.raises(StoreSpecError, match="was written with k=256"):
-        attribution.run(1, epochs=3, dim=128, store=str(tmp_path))
+    with pytest.raises(StoreSpecError, match="was written with k=64"):
+        attribution.run(1, epochs=2, dim=128, store=str(tmp_path))
 
 
 def test_self_influence_finds_the_flipped_digits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -134,17 +134,26 @@ def test_self_influence_finds_the_flipped_digits(tmp_path: Path, capsys: pytest.
     (result,) = results
     assert result.n_flipped == 72 and result.n_train == 1438
     d = {name: result.detection[name] for name in attribution.RANKINGS}
-    # MEASURED: see the module's report; placeholder margins filled in after measuring
-    assert d["TracIn self-influence"]["auc"] > 0.9, d
-    assert d["TRAK-style self-influence"]["auc"] > 0.9, d
+    # Measured (quick: 3 epochs, dim 256) on seeds 0..11 with 1 thread, and 0..2 with 2 threads (the same
+    # numbers): ROC AUC / precision at 72, min..max (median):
+    #   TracIn self-influence      0.970..0.992 (0.980) / 0.639..0.806 (0.694)
+    #   TRAK-style self-influence  0.988..0.996 (0.993) / 0.764..0.875 (0.819)
+    #   loss, last checkpoint      0.982..0.998 (0.994) / 0.764..0.903 (0.847)
+    # Seed 0 (this run): 0.976 / 0.694, 0.992 / 0.819, 0.985 / 0.833. Random: 0.5 / 0.05.
+    assert d["TracIn self-influence"]["auc"] > 0.95 and d["TracIn self-influence"]["precision"] > 0.55, d
+    assert d["TRAK-style self-influence"]["auc"] > 0.97 and d["TRAK-style self-influence"]["precision"] > 0.7, d
+    assert d["loss at the last checkpoint"]["auc"] > 0.95 and d["loss at the last checkpoint"]["precision"] > 0.65, d
+    assert d["random"] == {"auc": 0.5, "precision": 72 / 1438}
 
 
 def test_the_copies_source_is_the_top_proponent(capsys: pytest.CaptureFixture[str]) -> None:
     (result,) = attribution_lm.main(["--quick"])
     out = capsys.readouterr().out
     assert "TracIn on unit features (cosine), exact" in out and "top-1 proponent" in out
-    # MEASURED: placeholder
+    # Measured (quick: 2 epochs, dim 256) on seeds 0..9, 1 thread: top-1 is the source for unit features
+    # (cosine) exact 1.0 on every seed, near 0.95..1.0 (median 1.0); raw TracIn exact 0.55..0.95 (0.75),
+    # near 0.25..0.95 (0.675): raw inner products favour the sequences with the largest gradients; a random
+    # ranking 0.00085..0.001. Seed 0 (this run): unit 1.0 / 1.0, raw 0.8 / 0.9.
     assert result.random_top1 < 0.002, result
-    assert result.top1["unit"]["exact"] == 1.0, result
-    assert result.top1["unit"]["near"] >= 0.85, result
-    assert result.top1["raw"]["exact"] >= 0.5, result
+    assert result.top1["unit"]["exact"] >= 0.9 and result.top1["unit"]["near"] >= 0.8, result
+    assert result.top1["raw"]["exact"] >= 0.4, result
