@@ -174,9 +174,10 @@ def run(
     names = [f"epoch{e + 1}" for e in range(epochs)]
     query_features: dict[str, list[Tensor]] = {"raw": [], "unit": []}
     with tempfile.TemporaryDirectory(prefix="pergrad-attribution-lm-") as root:
-        spec = {"n": len(train), "k": dim, "checkpoints": names, "seed": seed, "kind": "kron"}
-        raw = FeatureStore.open(Path(root) / "raw", **spec)
-        unit = FeatureStore.open(Path(root) / "unit", **spec)  # each row divided by its norm
+        raw, unit = (  # unit: each row divided by its norm
+            FeatureStore.open(Path(root) / sub, n=len(train), k=dim, checkpoints=names, seed=seed, kind="kron")
+            for sub in ("raw", "unit")
+        )
         with raw, unit:
             for name in names:
                 for idx in torch.randperm(len(train), generator=gen).split(batch):  # plain PyTorch
