@@ -13,15 +13,15 @@ from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
 from .calls import HookedLayer
-from .consumers.factors import Factors
-from .consumers.projection import Projected
+from .consumers.factors import Factors, check_factored
+from .consumers.projection import Projected, check_per_token, check_request
 from .discover import discover, is_lazy_module, layout_of
 from .distributed import DataParallel, running_ddp, world_for
 from .engine import Engine
 from .errors import NormNotComputedError, PergradError, ProjectionError, TargetError, TransformError
 from .hooks import LayerHooks, owners
 from .loss_scale import GradScalerLike, LossScaleLike, factor_reader, loss_scale_reader
-from .projectors import KINDS, Projector, Spec, splittable
+from .projectors import Projector, Spec
 from .registry import RuleRegistry, default_registry
 from .sources import Materialized
 from .statistics import Statistics, compute_statistics, requested
@@ -501,27 +501,12 @@ class PerSampleModule:
         a tied weight, under DDP or FSDP2) keeps autograd's ``.grad``. A transform cannot cover a
         parameter of such a target (``TargetError``: its ``.grad`` would be missing).
         """
-        if kind not in KINDS:
-            raise ProjectionError(f"register_projection: unknown kind {kind!r}; pass kind='kron' or kind='dense'")
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
-            raise ProjectionError(f"register_projection: dim must be a positive int, got {dim!r}")
-        if kind == "kron" and not splittable(dim):
-            raise ProjectionError(
-                f"register_projection(kind='kron'): dim={dim} cannot be split into r_row * r_col as r x r or "
-                "r x 2r; pass a square or twice a square (64, 128, 256, 512, 1024, ...), or kind='dense'"
-            )
-        if dtype is not None and not dtype.is_floating_point:
-            raise ProjectionError(f"register_projection: dtype must be a floating point dtype, got {dtype}")
-        if per_token and kind != "kron":
-            raise ProjectionError(
-                f"register_projection(per_token=True): per-token features are Kronecker only, got kind={kind!r}; "
-                "pass kind='kron', or per_token=False for dense per-sample features"
-            )
+        check_request(dim, kind, dtype, per_token)
         spec = Spec(dim, kind, seed, dtype)
         label, _, _, ref = self._resolve(target)
         projected = self._projected(ref, spec, grads, per_token)
         if per_token:
-            self._check_per_token(label, projected)
+            check_per_token(label, projected, self._layers, self._canonical)
         if any(other.name == projected.name for other in self._engine.projection.targets):
             raise TargetError(
                 f"{label} already has a projection (per_sample_projections() holds one per target name); "
@@ -536,20 +521,6 @@ class PerSampleModule:
         self._engine.projection.targets.append(projected)
         if not grads:
             self._install_hooks()  # its weights may now run detached
-
-    def _check_per_token(self, label: str, projected: Projected) -> None:
-        """Every layer feeding the target has a per-token form (``FusedRule.project_tokens``)."""
-        for layer in self._layers:
-            if not any(self._canonical(p) in projected.params for _, p in layer.trainable()):
-                continue
-            fused = layer.spec.fused
-            if fused is None or fused.project_tokens is None:
-                raise ProjectionError(
-                    f"register_projection(per_token=True) on {label}: {layer.label} has no per-token form "
-                    "(per-token features exist for nn.Linear and HF Conv1D on [B, T, features] and nn.Embedding "
-                    "on [B, T]). Register per_token=False for per-sample features of it, or project only the "
-                    "layers that have one per token."
-                )
 
     def _gradless_overlap(self, label: str, projected: str, shared: set[nn.Parameter]) -> str:
         names = sorted(self._engine.param_names[p] for p in shared)
@@ -619,43 +590,9 @@ class PerSampleModule:
                     f"track_projected_factors: {label} has no projection; register one per weight first, e.g. "
                     f"register_projection({(weights or [name])[0]!r}, dim=64)"
                 )
-            self._check_factored(label, projected)
+            check_factored(label, projected, self._layers, self._canonical, self._engine.param_names)
             names.append(name)
         self._engine.factors.names.update(dict.fromkeys(names))
-
-    def _check_factored(self, label: str, projected: Projected) -> None:
-        """Raise unless ``projected`` is one weight whose every layer has a Kronecker factor form."""
-        names = self._engine.param_names
-        if len(projected.params) != 1:
-            qualified = [names[p] for p in projected.params]
-            raise ProjectionError(
-                f"track_projected_factors: {label} projects {len(qualified)} parameters {qualified} into one sum of "
-                "blocks, which no Kronecker factors describe: register one projection per weight "
-                f"(register_projection({qualified[0]!r}, dim=...)) and track those"
-            )
-        ((param, projector),) = projected.params.items()
-        if not projector.kron:
-            why = "one dim" if projector.spec.kind == "kron" else f"kind={projector.spec.kind!r}"
-            raise ProjectionError(
-                f"track_projected_factors: {label} (shape {list(projector.shape)}) has a dense block ({why}); "
-                "Kronecker factors need kind='kron' on a weight of two or more dims. Leave it untracked: "
-                "KroneckerFactored applies the identity to columns outside its blocks"
-            )
-        layers = [layer for layer in self._layers if any(self._canonical(p) is param for _, p in layer.trainable())]
-        for layer in layers:
-            fused = layer.spec.fused
-            if fused is None or fused.factors is None or layer.spec.parametrized:
-                how = " (through a parametrization)" if layer.spec.parametrized else ""
-                raise ProjectionError(
-                    f"track_projected_factors: {label} is computed by {layer.label}{how}, which has no Kronecker "
-                    "factor form (weights of Linear, Conv1d/2d/3d, Embedding and HF Conv1D have one). Leave it "
-                    "untracked: precondition its features with the identity or the Gram matrix"
-                )
-        if not layers:
-            raise ProjectionError(
-                f"track_projected_factors: no hooked layer of the wrapped model computes {label}; track the weight "
-                "of a Linear, Conv1d/2d/3d, Embedding or HF Conv1D"
-            )
 
     def projected_factors(self) -> dict[str, Factors]:
         """``{target name: Factors(row, col, samples, positions)}``: the Kronecker factors of each target

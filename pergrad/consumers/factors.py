@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..calls import Kept
+from ..calls import HookedLayer, Kept
 from ..errors import ProjectionError
 from ..projectors import Projector, split
 from . import Batch
-from .projection import Projection
+from .projection import Projected, Projection
 
 
 @dataclass(frozen=True)
@@ -132,3 +132,44 @@ class ProjectedFactors:
     def reset(self) -> None:
         """Forget every sum: the next backward starts new ones."""
         self.sums, self.samples = {}, {}
+
+
+def check_factored(
+    label: str,
+    projected: Projected,
+    layers: list[HookedLayer],
+    canonical: Callable[[nn.Parameter], nn.Parameter],
+    names: dict[nn.Parameter, str],
+) -> None:
+    """Raise unless ``projected`` is one weight whose every layer has a Kronecker factor form (for
+    ``psm.track_projected_factors``; ``names``: each parameter's qualified name, for messages)."""
+    if len(projected.params) != 1:
+        qualified = [names[p] for p in projected.params]
+        raise ProjectionError(
+            f"track_projected_factors: {label} projects {len(qualified)} parameters {qualified} into one sum of "
+            "blocks, which no Kronecker factors describe: register one projection per weight "
+            f"(register_projection({qualified[0]!r}, dim=...)) and track those"
+        )
+    ((param, projector),) = projected.params.items()
+    if not projector.kron:
+        why = "one dim" if projector.spec.kind == "kron" else f"kind={projector.spec.kind!r}"
+        raise ProjectionError(
+            f"track_projected_factors: {label} (shape {list(projector.shape)}) has a dense block ({why}); "
+            "Kronecker factors need kind='kron' on a weight of two or more dims. Leave it untracked: "
+            "KroneckerFactored applies the identity to columns outside its blocks"
+        )
+    layers = [layer for layer in layers if any(canonical(p) is param for _, p in layer.trainable())]
+    for layer in layers:
+        fused = layer.spec.fused
+        if fused is None or fused.factors is None or layer.spec.parametrized:
+            how = " (through a parametrization)" if layer.spec.parametrized else ""
+            raise ProjectionError(
+                f"track_projected_factors: {label} is computed by {layer.label}{how}, which has no Kronecker "
+                "factor form (weights of Linear, Conv1d/2d/3d, Embedding and HF Conv1D have one). Leave it "
+                "untracked: precondition its features with the identity or the Gram matrix"
+            )
+    if not layers:
+        raise ProjectionError(
+            f"track_projected_factors: no hooked layer of the wrapped model computes {label}; track the weight "
+            "of a Linear, Conv1d/2d/3d, Embedding or HF Conv1D"
+        )

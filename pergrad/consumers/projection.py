@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
-from ..calls import Kept
-from ..projectors import Projector, Spec
+from ..calls import HookedLayer, Kept
+from ..errors import ProjectionError
+from ..projectors import KINDS, Projector, Spec, splittable
 from ..sources import Fused
 from . import Batch
 
@@ -75,3 +77,40 @@ class Projection:
             for features in found.values():
                 total = total + features
             self.last[target.name] = total if target.spec.dtype is None else total.to(target.spec.dtype)
+
+
+def check_request(dim: int, kind: str, dtype: torch.dtype | None, per_token: bool) -> None:
+    """Refuse a ``register_projection`` request that cannot be honoured, saying what to pass instead."""
+    if kind not in KINDS:
+        raise ProjectionError(f"register_projection: unknown kind {kind!r}; pass kind='kron' or kind='dense'")
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+        raise ProjectionError(f"register_projection: dim must be a positive int, got {dim!r}")
+    if kind == "kron" and not splittable(dim):
+        raise ProjectionError(
+            f"register_projection(kind='kron'): dim={dim} cannot be split into r_row * r_col as r x r or "
+            "r x 2r; pass a square or twice a square (64, 128, 256, 512, 1024, ...), or kind='dense'"
+        )
+    if dtype is not None and not dtype.is_floating_point:
+        raise ProjectionError(f"register_projection: dtype must be a floating point dtype, got {dtype}")
+    if per_token and kind != "kron":
+        raise ProjectionError(
+            f"register_projection(per_token=True): per-token features are Kronecker only, got kind={kind!r}; "
+            "pass kind='kron', or per_token=False for dense per-sample features"
+        )
+
+
+def check_per_token(
+    label: str, projected: Projected, layers: list[HookedLayer], canonical: Callable[[nn.Parameter], nn.Parameter]
+) -> None:
+    """Every layer feeding the target has a per-token form (``FusedRule.project_tokens``)."""
+    for layer in layers:
+        if not any(canonical(p) in projected.params for _, p in layer.trainable()):
+            continue
+        fused = layer.spec.fused
+        if fused is None or fused.project_tokens is None:
+            raise ProjectionError(
+                f"register_projection(per_token=True) on {label}: {layer.label} has no per-token form "
+                "(per-token features exist for nn.Linear and HF Conv1D on [B, T, features] and nn.Embedding "
+                "on [B, T]). Register per_token=False for per-sample features of it, or project only the "
+                "layers that have one per token."
+            )
