@@ -61,7 +61,10 @@ PENALTY_WEIGHT = 1.0  # lam: as large as the loss's own gradient, so the check s
 PROJECT_DIM = 512  # k of the tables (Kronecker: 16 x 32)
 PROJECT_SEED = 0
 LOGRA_RANK = 23  # LoGra's r x r features per layer: 529, the nearest square to PROJECT_DIM
-PROJECT_TOL = 1e-4  # float32 features against float64 features of the same P: round-off only
+# float32 features against float64 ones of the same P, relative to the largest: round-off, as for every
+# other check here (the cnn's first conv sums 1024 positions with cancellation: torch.func's own
+# float32 gradients are off by 3e-3 there; pergrad's features in float64 agree to 2e-15)
+PROJECT_TOL = 1e-2
 
 
 class Unsupported(Exception):
