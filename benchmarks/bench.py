@@ -59,6 +59,7 @@ PEERS = {
 CLIP_NORM = 1.0
 PENALTY_WEIGHT = 1.0  # lam: as large as the loss's own gradient, so the check sees a wrong penalty term
 PROJECT_DIM = 512  # k of the issue's tables (Kronecker: 16 x 32)
+QUICK_PROJECT_DIM = 64  # --quick (8 x 8): the dense rows' cost is proportional to k
 PROJECT_SEED = 0
 LOGRA_RANK = 23  # LoGra's r x r features per layer: 529, the nearest square to PROJECT_DIM
 # float32 features against float64 ones of the same P, relative to the largest: round-off, as for every
@@ -186,7 +187,7 @@ def penalty_step(params: dict[str, Any], penalty: Any) -> None:
 
 
 def setup(
-    method: str, model: Any, x: Any, y: Any
+    method: str, model: Any, x: Any, y: Any, project_dim: int = PROJECT_DIM
 ) -> tuple[Callable[[], None], Callable[[], tuple[str, dict[str, Any]]]]:
     import torch
     import torch.nn.functional as F
@@ -202,7 +203,7 @@ def setup(
         return "penalty_grad", {n: params[n].grad for n in names}
 
     if method in PROJECT:
-        return setup_projection(method, model, x, y)
+        return setup_projection(method, model, x, y, project_dim)
 
     if method == "plain":
 
@@ -413,9 +414,9 @@ def pergrad_projectors(
 
 
 def setup_projection(
-    method: str, model: Any, x: Any, y: Any
+    method: str, model: Any, x: Any, y: Any, dim: int = PROJECT_DIM
 ) -> tuple[Callable[[], None], Callable[[], tuple[str, dict[str, Any]]]]:
-    """A ``PROJECT`` method: each step is the forward, the backward and ``PROJECT_DIM`` features of each
+    """A ``PROJECT`` method: each step is the forward, the backward and ``dim`` features of each
     sample's gradient; its result is ``("projection", {"features": [B, k], "_project": P})`` where
     ``P`` maps per-sample gradients ``{name: [B, *shape]}`` to the features the method should have
     found (its own random projection, regenerated), so the check is exact, not statistical."""
@@ -442,7 +443,7 @@ def setup_projection(
 
         detached = {k: v.detach() for k, v in params.items()}
         per_sample = vmap(grad(one), in_dims=(None, 0, 0))
-        box["project"] = pergrad_projectors(model, "dense")
+        box["project"] = pergrad_projectors(model, "dense", dim)
 
         def step() -> None:
             box["features"] = box["project"](per_sample(detached, x, y))
@@ -454,8 +455,8 @@ def setup_projection(
 
         kind = method.rpartition("_")[2]
         psm = PerSampleModule(model, keep_grad_sample=False)
-        psm.register_projection(model, dim=PROJECT_DIM, kind=kind, seed=PROJECT_SEED)
-        box["project"] = pergrad_projectors(model, kind)
+        psm.register_projection(model, dim=dim, kind=kind, seed=PROJECT_SEED)
+        box["project"] = pergrad_projectors(model, kind, dim)
 
         def step() -> None:
             psm.zero_grad()
@@ -487,7 +488,7 @@ def setup_projection(
 
         traker = TRAKer(
             model=model, task=CrossEntropy(), train_set_size=b, save_dir=tempfile.mkdtemp(prefix="trak-"),
-            device="cpu", proj_dim=PROJECT_DIM, use_half_precision=False, projector_seed=PROJECT_SEED,
+            device="cpu", proj_dim=dim, use_half_precision=False, projector_seed=PROJECT_SEED,
             logging_level=40,
         )  # fmt: skip
         scale = traker.normalize_factor
@@ -517,7 +518,7 @@ def setup_projection(
         task = AttributionTask(loss_func=loss, model=model, checkpoints=model.state_dict())
         grad_loss = task.get_grad_loss_func(in_dims=(None, 0))
         flat, _ = task.get_param(ckpt_idx=0)
-        kwargs = {"proj_dim": PROJECT_DIM, "proj_max_batch_size": 32, "proj_seed": PROJECT_SEED, "device": "cpu"}
+        kwargs = {"proj_dim": dim, "proj_max_batch_size": 32, "proj_seed": PROJECT_SEED, "device": "cpu"}
         trak = method == "dattri_trak"
         scale = math.sqrt(flat.numel()) if trak else 1.0
         if trak:
@@ -815,7 +816,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     alloc_baseline = malloc_in_use_mib() or 0.0
     syncs = None
     try:
-        step, result = setup(args.method, model, x, y)
+        step, result = setup(args.method, model, x, y, QUICK_PROJECT_DIM if args.quick else PROJECT_DIM)
         for _ in range(args.warmup):
             step()
         wait()
