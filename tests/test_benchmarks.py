@@ -48,14 +48,21 @@ def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> Non
             "torch_func_penalty",
             "pergrad_penalty",
             "pergrad_penalty_norms",
+            "torch_func_project",
+            "pergrad_project_kron",
+            "pergrad_project_dense",
         } <= set(methods)
         for method, result in methods.items():
             expected = (workload, method) not in TORCH_FUNC_WRONG
             assert result.get("correct") is expected, (workload, method, result)
             if method.endswith("penalty") or method.endswith("penalty_norms"):
                 assert result["checked"] == "penalty_grad", (workload, method, result)
+            if "project" in method:
+                assert result["checked"] == "projection", (workload, method, result)
+                assert result["max_rel_err"] < 1e-3, (workload, method, result)
     assert "| pergrad |" in proc.stdout
     assert "| pergrad_penalty_norms |" in proc.stdout
+    assert "| pergrad_project_kron |" in proc.stdout
     assert "peak allocated memory" in proc.stdout  # glibc: the CPU's allocated-memory table
     assert proc.stdout.startswith("device: cpu (") and report["device"].startswith("cpu (")
 
@@ -85,6 +92,46 @@ def test_the_penalty_check_tells_a_full_gradient_from_the_loss_gradient_alone() 
         penalty_part = {n: got[n] - plain[n] for n in got}
         off_by_b = {n: plain[n] + penalty_part[n] / b for n in got}
         assert not bench.check(kind, off_by_b, reference, x, y)[0], b
+
+
+@pytest.mark.parametrize("kind", ["kron", "dense"])
+def test_the_projection_check_tells_exact_features_from_wrong_ones(kind: str) -> None:
+    """The check of a projection row compares a method's features with its own ``P`` applied to
+    torch.func's float64 per-sample gradients: pergrad's features after each of three training steps,
+    on batches of three sizes, pass it; features of another seed, with two samples swapped, of the
+    mean loss's gradient (``g_i / B``) or of the model before the last update fail it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench
+
+    for b in (16, 5, 9):
+        model, x, y = bench.build("mlp", quick=True, batch=b)
+        reference = copy.deepcopy(model)  # the same weights, without pergrad's hooks
+        step, result = bench.setup(f"pergrad_project_{kind}", model, x, y)
+        right = bench.pergrad_projectors(reference, kind)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(3):
+            step()
+            found, got = result()
+            assert found == "projection"
+            features = got["features"]
+            assert tuple(features.shape) == (b, bench.PROJECT_DIM)
+            ok, worst, _ = bench.check(found, dict(got), reference, x, y)
+            assert ok and worst < 1e-5, (b, worst)
+            per_sample = bench.per_sample_reference64(reference, x, y)
+            expected = right(per_sample)  # drawn once: the wrong features below are checked against it
+
+            def same(_: object, expected: torch.Tensor = expected) -> torch.Tensor:
+                return expected
+
+            other_seed = bench.pergrad_projectors(reference, kind, seed=bench.PROJECT_SEED + 1)(per_sample)
+            swapped = features.clone()
+            swapped[[0, 1]] = features[[1, 0]]
+            for wrong in (other_seed.float(), swapped, features / b):
+                assert not bench.check(found, {"features": wrong, "_project": same}, reference, x, y)[0], b
+            optimizer.step()
+            reference.load_state_dict(model.state_dict())
+            stale = bench.check(found, {"features": features, "_project": right}, reference, x, y)
+            assert not stale[0], b
 
 
 def test_what_pergrad_holds_between_steps(tmp_path: Path) -> None:
@@ -153,3 +200,38 @@ def test_quick_memory_benchmark_runs_and_stays_within_one_step(tmp_path: Path) -
         assert 0 < max(result["held_mib"]) <= result["one_step_mib"], (row, result["held_mib"])
     assert report["speed"]["rows"]["mlp_fused"]["current_ms"] > 0
     assert "| poisson_mlp | 12 |" in proc.stdout
+
+
+PEER_ROWS = {
+    "trak": ["trak_project"],
+    "dattri": ["dattri_trak", "dattri_tracin"],
+    "logix": ["logix_logra"],
+}
+
+
+@pytest.mark.parametrize("peer", sorted(PEER_ROWS))
+def test_quick_projection_peers_are_correct_where_installed(peer: str, tmp_path: Path) -> None:
+    """The attribution peers' rows, where the peer is installed (never in CI): each one's features
+    equal its own projection of torch.func's per-sample gradients."""
+    pytest.importorskip(peer)
+    out = tmp_path / f"{peer}.json"
+    methods = ["plain", "pergrad_project_kron", *PEER_ROWS[peer]]
+    proc = run_script("bench.py", "--quick", "--workloads", "mlp", "cnn", "--methods", *methods, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for workload, found in json.loads(out.read_text())["results"].items():
+        for method in methods:
+            assert found[method].get("correct") is True, (workload, method, found[method])
+
+
+def test_quick_scoring_benchmark_is_correct_and_bounded(tmp_path: Path) -> None:
+    """benchmarks/scoring.py end to end on tiny shapes: every chunk size's top-k equals torch.topk of
+    the exact scores, and the table and JSON are written."""
+    out = tmp_path / "scoring.json"
+    proc = run_script("scoring.py", "--quick", "--threads", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [r["chunk"] for r in report["runs"]] == [128, 512]
+    for r in report["runs"]:
+        assert r.get("correct") is True, r
+        assert r["checked_test_samples"] == 64
+    assert "| chunk | time (s) |" in proc.stdout
