@@ -61,3 +61,26 @@ def test_loss_scaling_example() -> None:
         assert q.grad is not None
         step = start - p.detach()
         assert (step - q.grad).norm() <= 3e-2 * q.grad.norm()
+
+
+def test_attribution_example() -> None:
+    """The README's projection snippet gives ``P vec(g_i)`` of each sample's own loss (torch.func's
+    per-sample gradients times the regenerated P), float64."""
+    from pergrad.projectors import Projector, Spec
+
+    block = README.split("### Training-data attribution")[1].split("```python")[1].split("```")[0]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out, target)
+
+    namespace = {"PerSampleModule": pergrad.PerSampleModule, "model": model, "loss_fn": loss_fn, "x": x, "y": y}
+    exec(block, namespace)
+    features = namespace["features"]
+    assert isinstance(features, torch.Tensor) and features.shape == (5, 512)
+    ref = reference_grad_sample(model, x, y, loss=lambda out, t: torch.nn.functional.cross_entropy(out, t))
+    spec = Spec(512, "kron", 0, None)
+    expected = sum(Projector(spec, n, tuple(p.shape)).apply(ref[n]) for n, p in model.named_parameters())
+    assert_close(features, expected, "README's projected features")  # type: ignore[arg-type]
