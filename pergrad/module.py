@@ -473,7 +473,7 @@ class PerSampleModule:
           Conv1d/2d/3d and ConvTranspose1d/2d/3d (any stride, padding, dilation, groups, output
           padding), Embedding and HF ``Conv1D``, and from
           the built ``g_i`` of one layer at a time for every other layer; one-dim parameters (biases,
-          norm weights) get a dense Gaussian block.
+          norm weights) get a CountSketch (``pergrad.projectors``: one pass over ``g_i``).
         - ``kind="dense"``: a dense Gaussian ``[dim, numel]`` block per parameter, applied to the built
           ``g_i`` of one layer at a time (drawn in chunks of 32 MiB: never held whole when large).
 

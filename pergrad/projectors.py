@@ -12,7 +12,10 @@ gradient (its parameters concatenated), ``k`` features whatever the number of pa
   ``P_p vec(g) = vec(P_row g P_col^T)``, flattened row-major (``[r_row, r_col]``), with
   ``r_row * r_col = k`` (``split``). A layer with a Kronecker rule (``FusedRule.project``) computes it
   from its input and output gradient without building ``g_i``. A one-dim parameter (bias, norm
-  weight) gets a dense block.
+  weight) gets a CountSketch (Charikar et al. 2002): coordinate ``j`` is added, with a random sign
+  ``s_j``, to one feature ``h_j`` (``P[h_j, j] = s_j``): inner products are unbiased, with about the
+  variance of a Gaussian block's, at the cost of one pass over ``g_i`` rather than ``k`` (a dense
+  ``[k, 512]`` block per bias cost as much as the layer's weight gradient).
 - ``"dense"``: one Gaussian ``[k, numel]`` block per parameter, applied to the built ``g_i``.
 
 Entries are Gaussian with variance ``1/k`` (``1/r_row`` and ``1/r_col`` for the two factors), so
@@ -92,8 +95,13 @@ class Projector:
 
     @property
     def kron(self) -> bool:
-        """Whether ``P_p = P_row ⊗ P_col`` (else dense)."""
+        """Whether ``P_p = P_row ⊗ P_col`` (else a sketch or dense)."""
         return self.spec.kind == "kron" and len(self.shape) >= 2
+
+    @property
+    def sketch(self) -> bool:
+        """Whether ``P_p`` is a CountSketch (a one-dim parameter of a Kronecker projection)."""
+        return self.spec.kind == "kron" and len(self.shape) < 2
 
     @property
     def numel(self) -> int:
@@ -132,6 +140,20 @@ class Projector:
             return row, col
         return self._like("row", 0, row, like), self._like("col", 0, col, like)
 
+    def sketched(self, like: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """A CountSketch's feature of each coordinate ``h`` ``[numel]`` (int64) and its sign ``s``
+        ``[numel]`` (float64 on the CPU, or in the dtype and on the device of ``like``)."""
+        assert self.sketch
+        if ("sketch", 0) not in self._kept:
+            generator = _generator(self.spec.seed, *self._key("sketch"))
+            self._kept[("sketch", 0)] = torch.randint(0, self.spec.dim, (self.numel,), generator=generator)
+            signs = torch.randint(0, 2, (self.numel,), generator=generator).to(torch.float64)
+            self._kept[("sketch", 1)] = signs.mul_(2).sub_(1)
+        where, signs = self._kept[("sketch", 0)], self._kept[("sketch", 1)]
+        if like is None:
+            return where, signs
+        return where.to(like.device), self._like("sketch", 1, signs, like)
+
     def dense_blocks(self, like: Tensor | None = None) -> Iterator[tuple[slice, Tensor]]:
         """The rows of a dense block ``[k, numel]``, ``CHUNK`` elements at a time: (rows, block)."""
         k, numel = self.spec.dim, self.numel
@@ -148,6 +170,9 @@ class Projector:
             row, col = self.factors(g)
             return (row @ g.reshape(n, self.shape[0], -1) @ col.T).reshape(n, -1)
         flat = g.reshape(n, -1)
+        if self.sketch:  # out of place: differentiable under create_graph
+            where, signs = self.sketched(flat)
+            return flat.new_zeros((n, self.spec.dim)).index_add(1, where, flat * signs)
         out = flat.new_empty((n, self.spec.dim))
         for rows, block in self.dense_blocks(flat):
             out[:, rows] = flat @ block.T
@@ -157,4 +182,9 @@ class Projector:
         """The whole block ``P_p`` ``[k, numel]`` in float64 (for tests and small parameters)."""
         if self.kron:
             return torch.kron(*self.factors())
+        if self.sketch:
+            where, signs = self.sketched()
+            found = torch.zeros(self.spec.dim, self.numel, dtype=torch.float64)
+            found[where, torch.arange(self.numel)] = signs
+            return found
         return torch.cat([block for _, block in self.dense_blocks()])

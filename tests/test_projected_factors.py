@@ -226,7 +226,9 @@ def test_errors_name_the_target_and_the_fix() -> None:
     ):
         psm.track_projected_factors("inp")
     psm.register_projection("inp.bias", dim=8)
-    with pytest.raises(ProjectionError, match=r"parameter 'inp.bias' \(shape \[4\]\) has a dense block \(one dim\)"):
+    with pytest.raises(
+        ProjectionError, match=r"parameter 'inp.bias' \(shape \[4\]\) has no Kronecker block \(one dim: a CountSketch\)"
+    ):
         psm.track_projected_factors("inp.bias")
     psm.register_projection("attn.in_proj_weight", dim=8)
     with pytest.raises(

@@ -267,3 +267,19 @@ def test_errors_name_the_target_and_the_fix() -> None:
     psm(torch.randn(3, 3)).sum().backward()
     assert psm.per_sample_projections()["0.weight"].shape == (3, 12)
     psm.remove()
+
+
+def test_a_one_dim_parameter_of_a_kronecker_projection_is_count_sketched() -> None:
+    """A bias's block is a CountSketch: one ``±1`` per column (each coordinate to one feature, with a
+    sign), drawn from its key; applying it equals multiplying by that matrix, in float64 and float32."""
+    projector = Projector(Spec(64, "kron", 3), "fc.bias", (300,))
+    assert projector.sketch and not projector.kron
+    p = projector.matrix()
+    assert p.shape == (64, 300)
+    assert torch.equal((p != 0).sum(0), torch.ones(300, dtype=torch.long))
+    assert set(p[p != 0].tolist()) == {-1.0, 1.0}
+    assert torch.equal(p, Projector(Spec(64, "kron", 3), "fc.bias", (300,)).matrix())
+    assert not torch.equal(p, Projector(Spec(64, "kron", 4), "fc.bias", (300,)).matrix())
+    g = torch.randn(5, 300, dtype=torch.float64)
+    assert_close(projector.apply(g), g @ p.T, "sketched features")
+    torch.testing.assert_close(projector.apply(g.float()), (g @ p.T).float(), rtol=1e-5, atol=1e-5)

@@ -152,9 +152,9 @@ def check_factored(
         )
     ((param, projector),) = projected.params.items()
     if not projector.kron:
-        why = "one dim" if projector.spec.kind == "kron" else f"kind={projector.spec.kind!r}"
+        why = "one dim: a CountSketch" if projector.spec.kind == "kron" else f"kind={projector.spec.kind!r}"
         raise ProjectionError(
-            f"track_projected_factors: {label} (shape {list(projector.shape)}) has a dense block ({why}); "
+            f"track_projected_factors: {label} (shape {list(projector.shape)}) has no Kronecker block ({why}); "
             "Kronecker factors need kind='kron' on a weight of two or more dims. Leave it untracked: "
             "KroneckerFactored applies the identity to columns outside its blocks"
         )
