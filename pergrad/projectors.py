@@ -73,6 +73,18 @@ def gaussian(rows: int, cols: int, seed: int, *key: object) -> Tensor:
     return torch.randn(rows, cols, generator=_generator(seed, *key), dtype=torch.float64)
 
 
+def kron_features(u: Tensor, v: Tensor) -> Tensor:
+    """A Kronecker block's features from its factors at every position (a rule's ``FusedRule.factors``):
+    ``vec(sum_s u_is v_is^T)`` row-major, ``u [n, s, p]``, ``v [n, s, q]`` -> ``[n, p * q]``, with no
+    ``[p, q]`` tensor per position."""
+    return torch.bmm(u.transpose(1, 2), v).flatten(1)  # nsp,nsq->npq
+
+
+def kron_token_features(u: Tensor, v: Tensor) -> Tensor:
+    """Per position: ``vec(u_it v_it^T)``, ``u [n, t, p]``, ``v [n, t, q]`` -> ``[n, t, p * q]``."""
+    return (u.unsqueeze(3) * v.unsqueeze(2)).flatten(2)  # ntp,ntq->ntpq
+
+
 @dataclass(frozen=True)
 class Spec:
     """One ``register_projection``: ``k`` features of each sample, of this kind, seed and dtype."""

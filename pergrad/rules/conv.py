@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layout import new_buffer, owned, recorded
-from ..projectors import Projector
+from ..projectors import Projector, kron_features
 from ..registry import FusedRule, default_registry
 from .linear import gram_is_cheaper, outer_sq_norms
 
@@ -229,27 +229,13 @@ def conv_project(layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, P
     ``[O, C/g, *kernel]`` (``P_row [p, O]``, ``P_col [q, C/g * k]``), with nothing unfolded: ``P_col``
     applied to every patch is the convolution of ``a`` with ``P_col`` as a ``[q, C/g, *kernel]`` weight
     (the layer's stride, padding, dilation; repeated once per group, so group g's input meets it),
-    ``P_row d`` a contraction over each group's output channels. The bias's block is applied to
-    ``sum_l d_i[:, l]``. None if the weight's block is dense (``g_i`` must be built).
-
-    Index conventions: n sample, g group, o output channels of the group, l output positions
-    (flattened), p and q projected features. d: [n, O, *out_positions] (O = g*o).
-    """
-    assert isinstance(layer, _CONVS)
-    weight = projectors.get("weight")
-    if weight is not None and not weight.kron:
+    ``P_row d`` a contraction over each group's output channels (the factors: ``conv_factors``). The
+    bias's block is applied to ``sum_l d_i[:, l]``. None if the weight's block is dense (``g_i`` must
+    be built)."""
+    factors = conv_factors(layer, a, d, projectors)
+    if factors is None:
         return None
-    out = {}
-    if weight is not None:
-        n, groups = a.shape[0], layer.groups
-        row, col = weight.factors(d)
-        stride, zeros, dilation, _ = _conv_args(layer)
-        x, padding = _input_and_padding(layer, a)
-        kernel = col.reshape(col.shape[0], *layer.weight.shape[1:]).repeat(groups, *([1] * (x.dim() - 1)))
-        y = torch.ops.aten.convolution(x, kernel, None, stride, padding, dilation, False, zeros, groups)
-        y = y.reshape(n, groups, col.shape[0], -1)  # [n, g, q, l]
-        z = torch.einsum("pgo,ngol->ngpl", row.reshape(row.shape[0], groups, -1), d.reshape(n, groups, -1, y.shape[3]))
-        out["weight"] = torch.einsum("ngpl,ngql->npq", z, y).flatten(1)
+    out = {name: kron_features(u, v) for name, (u, v) in factors.items()}
     if "bias" in projectors:
         out["bias"] = projectors["bias"].apply(d.flatten(2).sum(2))
     return out
@@ -258,7 +244,9 @@ def conv_project(layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, P
 def conv_factors(
     layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector]
 ) -> dict[str, tuple[Tensor, Tensor]] | None:
-    """The weight's Kronecker factors at every (group, output position) ``(g, l)``:
+    """The weight's Kronecker factors at every (group, output position) ``(g, l)``
+    (n sample, g group, o output channels of the group, l output positions, flattened; p and q
+    projected features; d: [n, O, *out_positions], O = g*o):
     ``u = P_row[:, g] d_i[g, :, l]`` ``[n, g*l, p]`` and ``v = P_col patch_i[g, l]`` ``[n, g*l, q]``, as
     ``conv_project`` computes them (``P_col`` as a convolution, nothing unfolded); its features are
     ``vec(sum_{g,l} u v^T)``. None if the weight's block is dense."""

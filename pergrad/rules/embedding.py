@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from ..errors import UnsupportedLayerError
 from ..layout import new_buffer
-from ..projectors import Projector
+from ..projectors import Projector, kron_features, kron_token_features
 from ..registry import FusedRule, LayerCall, default_registry
 
 
@@ -104,21 +104,11 @@ def embedding_sum_squares(layer: nn.Module, idx: Tensor, d: Tensor) -> dict[str,
 def embedding_project(
     layer: nn.Module, idx: Tensor, d: Tensor, projectors: dict[str, Projector]
 ) -> dict[str, Tensor] | None:
-    """``P vec(g_i) = sum_t P_row[:, idx_it] (P_col d_it)^T``: ``P_row`` of a one-hot row is a column
-    lookup (``P_row [p, vocab]``, ``P_col [q, e]``); padding tokens contribute nothing. None if the
-    block is dense (``g_i`` must be built).
-
-    Index conventions: n sample, t token positions, e embedding features, p and q projected features.
-    """
-    assert isinstance(layer, nn.Embedding)
-    weight = projectors.get("weight")
-    if weight is None:
-        return {}
-    if not weight.kron:
-        return None
-    idx, d = _tokens(layer, idx, d)
-    row, col = weight.factors(d)
-    return {"weight": torch.bmm(row.T[idx].transpose(1, 2), d @ col.T).flatten(1)}  # ntp,ntq->npq
+    """``P vec(g_i) = sum_t P_row[:, idx_it] (P_col d_it)^T`` from the factors (``embedding_factors``):
+    ``P_row`` of a one-hot row is a column lookup (``P_row [p, vocab]``, ``P_col [q, e]``); padding
+    tokens contribute nothing. None if the block is dense (``g_i`` must be built)."""
+    factors = embedding_factors(layer, idx, d, projectors)
+    return None if factors is None else {name: kron_features(u, v) for name, (u, v) in factors.items()}
 
 
 def embedding_factors(
@@ -149,15 +139,10 @@ def embedding_project_tokens(
 
     Index conventions: n sample, t tokens, e embedding features, p and q projected features.
     """
-    assert isinstance(layer, nn.Embedding)
-    weight = projectors.get("weight")
-    if weight is None:
-        return {}
-    if idx.dim() != 2 or not weight.kron:
+    if idx.dim() != 2 and "weight" in projectors:
         return None
-    idx, d = _tokens(layer, idx, d)
-    row, col = weight.factors(d)
-    return {"weight": (row.T[idx].unsqueeze(3) * (d @ col.T).unsqueeze(2)).flatten(2)}  # ntp,ntq->ntpq
+    factors = embedding_factors(layer, idx, d, projectors)
+    return None if factors is None else {name: kron_token_features(u, v) for name, (u, v) in factors.items()}
 
 
 default_registry.register_fused(

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layout import new_buffer, owned, recorded, rows
-from ..projectors import Projector
+from ..projectors import Projector, kron_features, kron_token_features
 from ..registry import FusedRule, Moments, default_registry
 
 
@@ -141,30 +141,17 @@ def linear_moments(
     return norms, squares, dots
 
 
-def kron_sums(left: Tensor, right: Tensor, p_left: Tensor, p_right: Tensor) -> Tensor:
-    """``vec(P_l g_i P_r^T)`` for ``g_i = sum_s left_is right_is^T``, as ``sum_s (P_l left_is)(P_r right_is)^T``:
-    no ``[l, r]`` per-sample tensor.
-
-    Index conventions: n sample, s shared positions, l and r features, p and q projected features.
-    left: [n, *s, l], right: [n, *s, r], p_left: [p, l], p_right: [q, r] -> [n, p * q].
-    """
-    lp, rq = rows(left) @ p_left.T, rows(right) @ p_right.T  # [n, s, p], [n, s, q]
-    return torch.bmm(lp.transpose(1, 2), rq).flatten(1)  # nsp,nsq->npq
-
-
 def linear_project(
     layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector], *, transposed: bool = False
 ) -> dict[str, Tensor] | None:
-    """``P vec(g_i)``: the weight's Kronecker block as ``sum_s (P_row d_is)(P_col a_is)^T`` (with
-    ``transposed=True``, a weight stored ``[in, out]``: ``sum_s (P_row a_is)(P_col d_is)^T``); the bias's
-    block applied to ``sum_s d_is``. None if the weight's block is dense (``g_i`` must be built)."""
-    weight = projectors.get("weight")
-    if weight is not None and not weight.kron:
+    """``P vec(g_i)``: the weight's Kronecker block as ``sum_s (P_row d_is)(P_col a_is)^T`` from its factors
+    (``linear_factors``; with ``transposed=True``, a weight stored ``[in, out]``: ``sum_s (P_row a_is)(P_col
+    d_is)^T``); the bias's block applied to ``sum_s d_is``. None if the weight's block is dense (``g_i``
+    must be built)."""
+    factors = linear_factors(layer, a, d, projectors, transposed=transposed)
+    if factors is None:
         return None
-    out = {}
-    if weight is not None:
-        row, col = weight.factors(d)
-        out["weight"] = kron_sums(a, d, row, col) if transposed else kron_sums(d, a, row, col)
+    out = {name: kron_features(u, v) for name, (u, v) in factors.items()}
     if "bias" in projectors:
         out["bias"] = projectors["bias"].apply(d if d.dim() == 2 else rows(d).sum(1))
     return out
@@ -196,14 +183,10 @@ def linear_project_tokens(
     Index conventions: n sample, t tokens, i and o features, p and q projected features.
     a: [n, t, i], d: [n, t, o] -> [n, t, p * q].
     """
-    weight = projectors.get("weight")
-    if a.dim() != 3 or (weight is not None and not weight.kron):
+    factors = linear_factors(layer, a, d, projectors, transposed=transposed) if a.dim() == 3 else None
+    if factors is None:
         return None
-    out = {}
-    if weight is not None:
-        row, col = weight.factors(d)
-        left, right = (a, d) if transposed else (d, a)
-        out["weight"] = ((left @ row.T).unsqueeze(3) * (right @ col.T).unsqueeze(2)).flatten(2)  # ntp,ntq->ntpq
+    out = {name: kron_token_features(u, v) for name, (u, v) in factors.items()}
     if "bias" in projectors:
         n, t = d.shape[:2]
         out["bias"] = projectors["bias"].apply(d.reshape(n * t, -1)).view(n, t, -1)
