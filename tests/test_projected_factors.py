@@ -15,67 +15,34 @@ from torch import Tensor, nn
 from pergrad import PerSampleModule
 from pergrad.errors import ProjectionError
 from pergrad.projectors import Projector, Spec
+from tests.test_projection import Tied, Twice, floats, token_ids
 
 DIM, SEED = 8, 4  # kron: 2 x 4
 
 
-class Tied(nn.Module):
-    """An embedding (with padding) and a head sharing one weight: both calls' positions are summed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(11, 4, padding_idx=0)
-        self.mid = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 11, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return self.head(torch.tanh(self.mid(self.emb(ids))))
-
-
-class Twice(nn.Module):
-    """One Linear called twice in a forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.out = nn.Linear(4, 3)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.out(self.lin(torch.tanh(self.lin(x))))
-
-
-def _floats(*shape: int) -> Callable[[int], Tensor]:
-    return lambda b: torch.randn(b, *shape, dtype=torch.float64)
-
-
-def _ids(t: int) -> Callable[[int], Tensor]:
-    return lambda b: torch.randint(0, 11, (b, t))
-
-
 def _hf_conv1d(t: int) -> tuple[nn.Module, Callable[[int], Tensor], tuple[int, ...]]:
     conv1d = pytest.importorskip("transformers").pytorch_utils.Conv1D
-    return nn.Sequential(conv1d(5, 4), nn.Tanh(), conv1d(3, 5)), _floats(t, 4), (t, 3)
+    return nn.Sequential(conv1d(5, 4), nn.Tanh(), conv1d(3, 5)), floats(t, 4), (t, 3)
 
 
 # family -> (model for t positions, input of a batch, output shape)
 CASES: dict[str, Callable[[int], tuple[nn.Module, Callable[[int], Tensor], tuple[int, ...]]]] = {
-    "linear": lambda t: (nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)), _floats(t, 4), (t, 3)),
+    "linear": lambda t: (nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)), floats(t, 4), (t, 3)),
     "conv1d": lambda t: (
         nn.Sequential(
             nn.Conv1d(4, 4, 3, padding=2, dilation=2, groups=2), nn.Tanh(), nn.Conv1d(4, 2, 3, stride=2, padding=1)
         ),
-        _floats(4, t),
+        floats(4, t),
         (2, (t - 1) // 2 + 1),
     ),
     "conv2d": lambda t: (
         nn.Sequential(nn.Conv2d(2, 4, (3, 2), stride=(2, 1), padding=1, dilation=(1, 2)), nn.Tanh()),
-        _floats(2, t, 3),
+        floats(2, t, 3),
         (4, (t - 1) // 2 + 1, 3),
     ),
     "hf_conv1d": _hf_conv1d,
-    "tied": lambda t: (Tied(), _ids(t), (t, 11)),
-    "twice": lambda t: (Twice(), _floats(t, 4), (t, 3)),
+    "tied": lambda t: (Tied(), token_ids(t), (t, 11)),
+    "twice": lambda t: (Twice(), floats(t, 4), (t, 3)),
 }
 
 

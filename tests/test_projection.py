@@ -76,11 +76,11 @@ class Raw(nn.Module):
         return self.lin(torch.tanh((x * self.scale) @ self.mix))
 
 
-def _floats(*shape: int) -> Callable[[int], Tensor]:
+def floats(*shape: int) -> Callable[[int], Tensor]:
     return lambda b: torch.randn(b, *shape, dtype=torch.float64)
 
 
-def _ids(t: int) -> Callable[[int], Tensor]:
+def token_ids(t: int) -> Callable[[int], Tensor]:
     return lambda b: torch.randint(0, 11, (b, t))
 
 
@@ -88,7 +88,7 @@ def _ids(t: int) -> Callable[[int], Tensor]:
 CASES: dict[str, Callable[[int], tuple[nn.Module, Callable[[int], Tensor], tuple[int, ...]]]] = {
     "linear": lambda t: (
         nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3), nn.Flatten(), nn.Linear(3 * t, 2)),
-        _floats(t, 4),
+        floats(t, 4),
         (2,),
     ),
     "conv1d": lambda t: (
@@ -99,30 +99,30 @@ CASES: dict[str, Callable[[int], tuple[nn.Module, Callable[[int], Tensor], tuple
             nn.Flatten(),
             nn.Linear(4 * ((t - 3) // 2 + 1), 2),
         ),
-        _floats(3, t),
+        floats(3, t),
         (2,),
     ),
     "conv2d": lambda t: (
         nn.Sequential(nn.Conv2d(2, 4, (3, 2), stride=(2, 1), padding=1, dilation=(1, 2)), nn.Tanh()),
-        _floats(2, t, 3),
+        floats(2, t, 3),
         (4, (t + 2 - 3) // 2 + 1, 3 + 2 - 2 * (2 - 1) - 1 + 1),
     ),
     "conv_transpose": lambda t: (
         nn.Sequential(nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1), nn.Tanh()),
-        _floats(3, t),
+        floats(3, t),
         (4, 2 * t - 1),
     ),
-    "raw": lambda t: (Raw(), _floats(t, 4), (t, 3)),
-    "embedding": lambda t: (nn.Sequential(nn.Embedding(11, 4, padding_idx=0), nn.Linear(4, 3)), _ids(t), (t, 3)),
-    "hf_conv1d": lambda t: (nn.Sequential(Conv1D(5, 4), nn.Tanh(), Conv1D(3, 5)), _floats(t, 4), (t, 3)),
+    "raw": lambda t: (Raw(), floats(t, 4), (t, 3)),
+    "embedding": lambda t: (nn.Sequential(nn.Embedding(11, 4, padding_idx=0), nn.Linear(4, 3)), token_ids(t), (t, 3)),
+    "hf_conv1d": lambda t: (nn.Sequential(Conv1D(5, 4), nn.Tanh(), Conv1D(3, 5)), floats(t, 4), (t, 3)),
     "layer_norm": lambda t: (
         nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 3)),
-        _floats(t, 4),
+        floats(t, 4),
         (t, 3),
     ),
-    "attention": lambda t: (Attention(), _floats(t, 4), (t, 4)),
-    "tied": lambda t: (Tied(), _ids(t), (t, 11)),
-    "twice": lambda t: (Twice(), _floats(t, 4), (t, 3)),
+    "attention": lambda t: (Attention(), floats(t, 4), (t, 4)),
+    "tied": lambda t: (Tied(), token_ids(t), (t, 11)),
+    "twice": lambda t: (Twice(), floats(t, 4), (t, 3)),
 }
 
 
