@@ -258,7 +258,11 @@ class DPSGD:
     float32), ``accumulate="samples"`` with ``reduction="mean"``, FSDP2, and ``reduction="mean"`` under
     ``torch.distributed`` (use ``"sum"``: pergrad's sum runs over every rank's samples).
 
-    Several processes (DDP): every rank ends with the same ``.grad``, holding the noise once: the noise is
+    A ``loss_scale`` given as a callable is called once more per backward, by the clipping (to divide it
+    out): it must return the same value both times.
+
+    Several processes (DDP): every rank runs each backward, on an empty share of the batch too (DDP waits
+    for every rank); every rank ends with the same ``.grad``, holding the noise once: the noise is
     drawn from generators that agree on every rank (``generator=None`` seeds one from rank 0; a
     generator you pass must be seeded alike on every rank, which the first ``add_noise`` checks).
     The noise is drawn on the generator's device (``torch.Generator("cuda")`` for a model on the GPU)
