@@ -218,10 +218,8 @@ class PrivateClip(ClipNorm):
         super().__init__(max_norm)
         self.expected_batch_size = float(expected_batch_size)
         self.psm = psm
-        self.samples = 0  # samples clipped since the last noise: this rank's share of the step's batch
 
     def factors(self, norms: Tensor | None, batch_size: int, like: Tensor) -> Tensor:
-        self.samples += batch_size
         weight = (batch_size if self.psm.reduction == "mean" else 1) / self.expected_batch_size
         factors = super().factors(norms, batch_size, like) * weight
         loss_scale = factor_reader(self.psm.loss_scale)
@@ -266,7 +264,7 @@ class DPSGD:
     drawn from generators that agree on every rank (``generator=None`` seeds one from rank 0; a
     generator you pass must be seeded alike on every rank, which the first ``add_noise`` checks).
     The noise is drawn on the generator's device (``torch.Generator("cuda")`` for a model on the GPU)
-    in the parameters' dtype (at least float32), in the order of ``target.named_parameters()``.
+    in the parameters' dtype (at least float32), in the order of ``target.parameters()``.
     """
 
     def __init__(
@@ -438,7 +436,6 @@ class DPSGD:
                 p.grad = noise
             else:
                 p.grad.add_(noise)
-        self._clip.samples = 0
         self.steps += 1
 
     # -- accounting and resuming -------------------------------------------------------------------
