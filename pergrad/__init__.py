@@ -9,6 +9,7 @@ from . import rules, transforms
 from .errors import (
     BatchMixingError,
     BatchSizeError,
+    CaptumError,
     DetachedWeightError,
     HookStateError,
     NormNotComputedError,
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchMixingError",
     "BatchSizeError",
+    "CaptumError",
     "DetachedWeightError",
     "HookStateError",
     "LayerCall",

@@ -59,6 +59,11 @@ class OpacusRouteError(PergradError, RuntimeError):
     grad_sample_mode="no_op")``) in a way that would drop or mix what pergrad computed."""
 
 
+class CaptumError(PergradError, ValueError):
+    """``pergrad.captum`` was asked for scores it cannot compute from per-sample gradients (a loss that
+    is not one per sample, a wrapper that keeps no ``grad_sample``)."""
+
+
 class NormNotComputedError(PergradError, KeyError):
     """``per_sample_norms()[name]`` for a parameter whose norm the last backward did not compute."""
 
