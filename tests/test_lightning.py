@@ -1,0 +1,198 @@
+"""pergrad.lightning with a real ``lightning.pytorch.Trainer`` on CPU: every optimizer step's ``.grad``
+(captured in ``on_before_optimizer_step``) against a per-sample reference (torch.func, float64) of the
+micro-batches that step saw, and the parameters the optimizer made of it."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from pergrad import PerSampleModule, transforms  # noqa: E402
+from pergrad.lightning import LightningOptionError, PerSample, per_sample_module  # noqa: E402
+
+from reference import clipped, reference_grad_sample  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LR = 0.5
+BOUND = 0.3
+
+
+def cross_entropy_of_one(out: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(out, target)
+
+
+class Net(pl.LightningModule):
+    """A small MLP in ``self.model``; records, per optimizer step, the parameters it started from, the
+    micro-batches its backward passes saw and the ``.grad`` the optimizer is about to use."""
+
+    def __init__(self, dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(dtype)
+        self.micro: list[tuple[Tensor, Tensor]] = []
+        self.records: list[dict[str, Any]] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        self.micro.append((x.clone(), y.clone()))
+        return F.cross_entropy(self.model(x), y)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()}
+        self.records.append({"params": params, "micro": self.micro, "grad": grads})
+        self.micro = []
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def data(n: int, dtype: torch.dtype = torch.float64, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(3 * torch.randn(n, 5, generator=g, dtype=dtype), torch.randint(0, 3, (n,), generator=g))
+
+
+def trainer(tmp_path: Path, **kwargs: Any) -> pl.Trainer:
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "enable_progress_bar": False,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_model_summary": False,
+        "default_root_dir": tmp_path,
+        "max_epochs": 2,
+    }
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+def reference_step(model: nn.Module, record: dict[str, Any], k: int, bound: float) -> dict[str, Tensor]:
+    """What the step's ``.grad`` must be: ``(1/k) sum_m mean_{i in m} clip(g_i)`` over its micro-batches
+    ``m`` (Lightning divides each micro-batch's mean loss by k), ``g_i`` by torch.func at the step's
+    starting parameters."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(record["params"][n])
+    total: dict[str, Tensor] = {}
+    for x, y in record["micro"]:
+        ref = clipped(reference_grad_sample(model, x, y, cross_entropy_of_one), bound)
+        for n, g in ref.items():
+            total[n] = total.get(n, 0) + g.mean(0) / k
+    return total
+
+
+def check_steps(net: Net, k: int = 1, bound: float = BOUND, steps: int | None = None) -> None:
+    assert net.records, "no optimizer step was recorded"
+    if steps is not None:
+        assert len(net.records) == steps
+    for t, record in enumerate(net.records):
+        expected = reference_step(net.model, record, k, bound)
+        for n, g in record["grad"].items():
+            torch.testing.assert_close(g, expected[n], rtol=1e-10, atol=1e-12, msg=lambda m: f"step {t}, {n}: {m}")
+        if t + 1 < len(net.records):  # what SGD made of it
+            after = net.records[t + 1]["params"]
+            for n, p in record["params"].items():
+                torch.testing.assert_close(after[n], p - LR * record["grad"][n], rtol=1e-12, atol=1e-14)
+
+
+def assert_unwrapped(model: nn.Module) -> None:
+    """No hook, no grad_sample left: a new wrapper can be built and removed."""
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
+    assert all(not hasattr(p, "grad_sample") for p in model.parameters())
+    PerSampleModule(model).remove()
+
+
+# -- automatic optimisation, accumulation ---------------------------------------------------------------
+
+
+def test_every_step_is_the_mean_of_clipped_per_sample_gradients(tmp_path: Path) -> None:
+    net = Net()
+    callback = PerSample("model", transforms={"": transforms.clip_norm(BOUND)})
+    loader = DataLoader(data(14), batch_size=4)  # batches of 4, 4, 4, 2
+    trainer(tmp_path, callbacks=[callback]).fit(net, loader)
+    check_steps(net, steps=8)
+    assert callback.psm is None
+    assert_unwrapped(net.model)
+
+
+@pytest.mark.parametrize(("k", "n", "steps"), [(2, 16, 4), (3, 14, 4)])
+def test_accumulate_grad_batches(tmp_path: Path, k: int, n: int, steps: int) -> None:
+    """k=2 over 4 batches of 4; k=3 over batches 4, 4, 4, 2 (the last step has one micro-batch, which
+    Lightning still divides by 3)."""
+    net = Net()
+    callback = PerSample("model", transforms={"": transforms.clip_norm(BOUND)})
+    trainer(tmp_path, callbacks=[callback], accumulate_grad_batches=k).fit(net, DataLoader(data(n), batch_size=4))
+    assert [len(r["micro"]) for r in net.records] == ([2, 2] if k == 2 else [3, 1]) * 2
+    check_steps(net, k=k, steps=steps)
+
+
+def test_per_layer_transforms_and_the_module_reaches_the_wrapper(tmp_path: Path) -> None:
+    """A transform per layer; the LightningModule reads per-sample norms through ``per_sample_module``."""
+
+    class WithNorms(Net):
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.psm = per_sample_module(self)
+            return loss
+
+    net = WithNorms()
+    callback = PerSample("model", transforms={"0": transforms.clip_norm(BOUND), "2": transforms.clip_norm(BOUND)})
+    trainer(tmp_path, callbacks=[callback], max_epochs=1).fit(net, DataLoader(data(10), batch_size=4))
+    assert net.psm is not None and callback.psm is None
+    for t, record in enumerate(net.records):
+        model = copy.deepcopy(net.model)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(record["params"][n])
+        (x, y) = record["micro"][0]
+        ref = reference_grad_sample(model, x, y, cross_entropy_of_one)
+        for layer in ("0", "2"):
+            part = clipped({n: g for n, g in ref.items() if n.startswith(layer + ".")}, BOUND)
+            for n, g in part.items():
+                torch.testing.assert_close(record["grad"][n], g.mean(0), rtol=1e-10, atol=1e-12, msg=f"step {t} {n}")
+
+
+# -- refusals ---------------------------------------------------------------------------------------------
+
+
+def test_gradient_clip_val_is_refused_and_leaves_the_model_unwrapped(tmp_path: Path) -> None:
+    net = Net()
+    callback = PerSample("model", transforms={"": transforms.clip_norm(BOUND)})
+    with pytest.raises(LightningOptionError, match=r"gradient_clip_val=1\.0\).*remove gradient_clip_val"):
+        trainer(tmp_path, callbacks=[callback], gradient_clip_val=1.0).fit(net, DataLoader(data(8), batch_size=4))
+    assert_unwrapped(net.model)
+
+
+def test_an_unknown_module_name_lists_the_children(tmp_path: Path) -> None:
+    with pytest.raises(LightningOptionError, match=r"Net has no submodule 'net'.*children are \['model'\]"):
+        trainer(tmp_path, callbacks=[PerSample("net")]).fit(Net(), DataLoader(data(8), batch_size=4))
+
+
+def test_loss_scale_is_the_callbacks() -> None:
+    with pytest.raises(TypeError, match="PerSample sets loss_scale itself"):
+        PerSample("model", loss_scale=0.5)
+
+
+# -- the core does not import it --------------------------------------------------------------------------
+
+
+def test_import_pergrad_does_not_import_lightning() -> None:
+    code = "import sys, pergrad; assert 'lightning' not in sys.modules and 'pergrad.lightning' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
