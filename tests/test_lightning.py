@@ -196,3 +196,93 @@ def test_loss_scale_is_the_callbacks() -> None:
 def test_import_pergrad_does_not_import_lightning() -> None:
     code = "import sys, pergrad; assert 'lightning' not in sys.modules and 'pergrad.lightning' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+# -- mixed precision ----------------------------------------------------------------------------------------
+
+
+def autocast_reference_step(model: nn.Module, record: dict[str, Any], bound: float) -> dict[str, Tensor]:
+    """``mean_i clip(g_i)`` with each ``g_i`` from a backward of sample i alone under the same
+    ``torch.autocast("cpu", torch.bfloat16)`` Lightning's ``bf16-mixed`` runs the training step in."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(record["params"][n])
+    names = [n for n, _ in model.named_parameters()]
+    (x, y) = record["micro"][0]
+    per_sample: dict[str, list[Tensor]] = {n: [] for n in names}
+    for i in range(len(x)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
+        for n, g in zip(names, torch.autograd.grad(loss, list(model.parameters()))):
+            per_sample[n].append(g.float())
+    return {n: g.mean(0) for n, g in clipped({n: torch.stack(v) for n, v in per_sample.items()}, bound).items()}
+
+
+def test_bf16_mixed_matches_the_same_autocast_per_sample(tmp_path: Path) -> None:
+    """bf16-mixed: float32 parameters, the step under CPU autocast. pergrad builds g_i from the layers'
+    bf16 inputs and output gradients; a one-sample backward under the same autocast computes the weight
+    gradient in a bf16 matmul of its own, so the two agree to bf16's resolution: within 2% (relative
+    norm) per parameter, every step."""
+    net = Net(dtype=torch.float32)
+    callback = PerSample("model", transforms={"": transforms.clip_norm(BOUND)})
+    loader = DataLoader(data(14, dtype=torch.float32), batch_size=4)
+    trainer(tmp_path, callbacks=[callback], precision="bf16-mixed").fit(net, loader)
+    assert len(net.records) == 8
+    for t, record in enumerate(net.records):
+        expected = autocast_reference_step(net.model, record, BOUND)
+        for n, g in record["grad"].items():
+            assert g.dtype == torch.float32
+            error = (g - expected[n]).norm() / expected[n].norm()
+            assert error < 0.02, f"step {t}, {n}: relative error {error:.4f}"
+
+
+# -- strategy="ddp" -----------------------------------------------------------------------------------------
+
+DDP_SCRIPT = """
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, {tests!r})
+from test_lightning import BOUND, Net, assert_unwrapped, data, trainer
+
+from pergrad import transforms
+from pergrad.lightning import PerSample
+
+out = Path(sys.argv[1])
+net = Net()
+callback = PerSample("model", transforms={{"": transforms.clip_norm(BOUND)}})
+fit = trainer(out, callbacks=[callback], strategy="ddp", devices=2, accumulate_grad_batches=2)
+fit.fit(net, DataLoader(data(32), batch_size=4, shuffle=True))
+assert_unwrapped(net.model)
+torch.save(net.records, out / f"rank{{fit.global_rank}}.pt")
+"""
+
+
+def test_ddp_two_processes_every_rank_gets_the_global_reduction(tmp_path: Path) -> None:
+    """strategy="ddp", 2 CPU processes (gloo), accumulate_grad_batches=2: each rank sees 16 samples per
+    epoch in batches of 4 (a DistributedSampler's shuffled share); every step, each rank's ``.grad`` is
+    the mean over both ranks of ``(1/2) sum_m mean_{i in m} clip(g_i)``, their own micro-batches'."""
+    script = tmp_path / "fit_ddp.py"
+    script.write_text(DDP_SCRIPT.format(tests=str(ROOT / "tests")))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert [len(r) for r in ranks] == [4, 4]
+    model = Net().model
+    for t, (zero, one) in enumerate(zip(*ranks)):
+        assert len(zero["micro"]) == len(one["micro"]) == 2
+        assert not torch.equal(zero["micro"][0][0], one["micro"][0][0])  # each rank its own samples
+        for n in zero["params"]:
+            assert torch.equal(zero["params"][n], one["params"][n])
+        both = [reference_step(model, record, 2, BOUND) for record in (zero, one)]
+        for n in zero["grad"]:
+            expected = (both[0][n] + both[1][n]) / 2
+            for r, record in enumerate((zero, one)):
+                torch.testing.assert_close(
+                    record["grad"][n], expected, rtol=1e-10, atol=1e-12, msg=f"rank {r} step {t} {n}"
+                )
