@@ -5,11 +5,9 @@ micro-batches that step saw, and the parameters the optimizer made of it."""
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +19,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from reference import clipped, reference_grad_sample  # noqa: E402
+
 from pergrad import PerSampleModule, transforms  # noqa: E402
 from pergrad.lightning import LightningOptionError, PerSample, per_sample_module  # noqa: E402
-
-from reference import clipped, reference_grad_sample  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LR = 0.5
@@ -104,7 +102,7 @@ def check_steps(net: Net, k: int = 1, bound: float = BOUND, steps: int | None = 
     for t, record in enumerate(net.records):
         expected = reference_step(net.model, record, k, bound)
         for n, g in record["grad"].items():
-            torch.testing.assert_close(g, expected[n], rtol=1e-10, atol=1e-12, msg=lambda m: f"step {t}, {n}: {m}")
+            torch.testing.assert_close(g, expected[n], rtol=1e-10, atol=1e-12, msg=f"step {t}, {n}")
         if t + 1 < len(net.records):  # what SGD made of it
             after = net.records[t + 1]["params"]
             for n, p in record["params"].items():
