@@ -83,3 +83,9 @@ class SecondOrderError(PergradError, RuntimeError):
 class ProjectionError(PergradError, ValueError):
     """A projection (``register_projection``) is asked for with an unknown kind or a dimension that
     cannot be split, or its features are read before a backward computed them."""
+
+
+class PrivacyError(PergradError, ValueError):
+    """DP-SGD (``pergrad.privacy``) is asked for with a setting whose noise or normalisation it cannot make
+    exact (another transform on the clipped parameters, trainable parameters left unclipped, a GradScaler,
+    ...), or with generators that differ across ranks."""
