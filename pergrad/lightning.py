@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
+from . import privacy
 from .errors import PergradError
 from .module import PerSampleModule
 from .transforms import ClipNorm, Transform
@@ -152,6 +154,171 @@ class PerSample(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._remove()
+
+
+class DPSGD(PerSample):
+    """DP-SGD in Lightning: ``PerSample`` with ``pergrad.privacy.DPSGD``'s clipping, noise and accounting.
+
+    Per optimizer step ``.grad = (sum_i clip_C(g_i) + N(0, sigma^2 C^2 I)) / (q N)``, the sum over every
+    sample of the step's micro-batches (and, under DDP, of every rank), ``q N`` the expected batch size.
+    The train loader must draw its batches with ``pergrad.privacy.PoissonBatchSampler`` (``poisson_loader``
+    builds one), with ``micro_batches=accumulate_grad_batches``; ``q`` and ``N`` are read from it.
+
+    Args:
+        module: as for ``PerSample``.
+        max_grad_norm: the clipping bound ``C`` (flat: one norm over all of ``target``).
+        noise_multiplier: ``sigma``; ``pergrad.privacy.noise_multiplier_for`` finds it for a target epsilon.
+        delta: the delta the logged epsilon is for.
+        target: the module clipped and noised, relative to the network (default: all of it; other
+            trainable parameters are refused).
+        generator: the noise generator (default: seeded from torch's generator, rank 0's under DDP).
+        accountant: ``"rdp"`` or ``"pld"`` (``dp_accounting``).
+        log_epsilon: ``"epoch"`` (default), ``"step"`` or None: ``pl_module.log("epsilon", ...)``.
+        **options: ``PerSampleModule``'s; ``reduction`` defaults to ``"sum"`` (what DDP needs; the
+            normalisation is DPSGD's).
+
+    ``callback.dp`` is the ``pergrad.privacy.DPSGD`` (``dp.steps``, ``dp.epsilon(delta)``) from
+    ``on_train_start``. Checkpoints keep its state (steps taken, noise generator) and the sampler's; a
+    resume from a checkpoint saved at the end of an epoch continues exactly as the uninterrupted run.
+    A second ``fit`` with the same callback continues the accounting.
+    """
+
+    def __init__(
+        self,
+        module: str,
+        *,
+        max_grad_norm: float,
+        noise_multiplier: float,
+        delta: float,
+        target: str | None = None,
+        generator: torch.Generator | None = None,
+        accountant: str = "rdp",
+        log_epsilon: str | None = "epoch",
+        **options: Any,
+    ) -> None:
+        if "transforms" in options:
+            raise TypeError("DPSGD registers the clipping itself; other transforms cannot share its parameters")
+        if log_epsilon not in ("epoch", "step", None):
+            raise ValueError(f"log_epsilon must be 'epoch', 'step' or None, got {log_epsilon!r}")
+        if not 0 < delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+        options.setdefault("reduction", "sum")
+        super().__init__(module, **options)
+        self.max_grad_norm, self.noise_multiplier, self.delta = max_grad_norm, noise_multiplier, delta
+        self.target, self.generator, self.accountant, self.log_epsilon = target, generator, accountant, log_epsilon
+        self.dp: privacy.DPSGD | None = None
+        self.sampler: privacy.PoissonBatchSampler | None = None
+        self._pending: dict[str, Any] | None = None  # loaded from a checkpoint before the DPSGD exists
+
+    def _clips(self) -> bool:
+        return True
+
+    def _poisson_sampler(self, trainer: pl.Trainer) -> privacy.PoissonBatchSampler:
+        loader = trainer.train_dataloader
+        sampler = getattr(loader, "batch_sampler", None)
+        if not isinstance(sampler, privacy.PoissonBatchSampler):
+            raise LightningOptionError(
+                f"DP-SGD's privacy accounting assumes Poisson sampling, but the train loader draws its batches with "
+                f"{type(sampler).__name__ if sampler is not None else type(loader).__name__}. Build it with "
+                "pergrad.lightning.poisson_loader(dataset, sample_rate, trainer=self.trainer) in train_dataloader() "
+                "(a DataLoader with batch_sampler=pergrad.privacy.PoissonBatchSampler(...) and collate_fn="
+                "collate_with_empty(dataset)); under strategy='ddp' also pass Trainer(use_distributed_sampler=False)."
+            )
+        k = trainer.accumulate_grad_batches
+        if sampler.micro_batches != k:
+            raise LightningOptionError(
+                f"Trainer(accumulate_grad_batches={k}) but the PoissonBatchSampler splits each step's draw into "
+                f"micro_batches={sampler.micro_batches}: an optimizer step would not see one Poisson sample. Pass "
+                f"micro_batches={k} (poisson_loader(..., trainer=self.trainer) does)."
+            )
+        if (sampler.num_replicas, sampler.rank) != (trainer.world_size, trainer.global_rank):
+            raise LightningOptionError(
+                f"the PoissonBatchSampler has num_replicas={sampler.num_replicas}, rank={sampler.rank}; this process "
+                f"is rank {trainer.global_rank} of {trainer.world_size}: the ranks would not share one Poisson draw. "
+                "Pass num_replicas=trainer.world_size, rank=trainer.global_rank (poisson_loader(..., "
+                "trainer=self.trainer) does)."
+            )
+        return sampler
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.psm is not None
+        sampler = self._poisson_sampler(trainer)
+        before = self.dp.state_dict() if self.dp is not None else None  # a second fit continues the accounting
+        self.dp = privacy.DPSGD(
+            self.psm,
+            max_grad_norm=self.max_grad_norm,
+            noise_multiplier=self.noise_multiplier,
+            sample_rate=sampler.sample_rate,
+            num_samples=sampler.num_samples,
+            target=self.target,
+            generator=self.generator,
+            accountant=self.accountant,
+        )
+        self.sampler = sampler
+        if self._pending is not None:
+            self.dp.load_state_dict(self._pending["dp"])
+            if self._pending.get("sampler") is not None:
+                sampler.load_state_dict(self._pending["sampler"])
+            self._pending = None
+        elif before is not None:
+            self.dp.load_state_dict(before)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        assert self.dp is not None
+        self.dp.add_noise()
+        if self.log_epsilon == "step":
+            pl_module.log("epsilon", self.dp.epsilon(self.delta), on_step=True, on_epoch=False)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.log_epsilon == "epoch" and self.dp is not None:
+            pl_module.log("epsilon", self.dp.epsilon(self.delta), on_step=False, on_epoch=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The privacy state (``DPSGD.state_dict``: steps, noise generator) and the sampler's."""
+        if self.dp is None:
+            return dict(self._pending or {})
+        return {"dp": self.dp.state_dict(), "sampler": None if self.sampler is None else self.sampler.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning restores callbacks before ``on_train_start`` builds the DPSGD: kept until then."""
+        self._pending = dict(state_dict) if state_dict else None
+        if self._pending is not None and self.dp is not None and self.sampler is not None:
+            self.dp.load_state_dict(self._pending["dp"])
+            self.sampler.load_state_dict(self._pending["sampler"])
+            self._pending = None
+
+
+def poisson_loader(
+    dataset: Any,
+    sample_rate: float,
+    *,
+    trainer: pl.Trainer | None = None,
+    steps: int | None = None,
+    generator: torch.Generator | None = None,
+    **loader_options: Any,
+) -> DataLoader[Any]:
+    """A ``DataLoader`` over ``dataset`` whose batches are Poisson samples (``pergrad.privacy``), for
+    ``DPSGD``: each index joins a step's batch with probability ``sample_rate``; ``len`` is ``steps``
+    (default ``round(1 / sample_rate)``, one epoch in expectation) times the micro-batches. ``trainer``
+    (``self.trainer`` in ``train_dataloader()``) gives the ranks (``world_size``, ``global_rank``) and
+    ``accumulate_grad_batches`` (each step's draw split into that many micro-batches). Empty batches are
+    collated to tensors of 0 rows (``collate_with_empty``; ``collate_fn=`` wraps yours)."""
+    for name in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
+        if name in loader_options:
+            raise TypeError(f"poisson_loader draws the batches itself: do not pass {name}=")
+    sampler = privacy.PoissonBatchSampler(
+        len(dataset),
+        sample_rate,
+        steps=steps,
+        generator=generator,
+        num_replicas=trainer.world_size if trainer is not None else 1,
+        rank=trainer.global_rank if trainer is not None else 0,
+        micro_batches=trainer.accumulate_grad_batches if trainer is not None else 1,
+    )
+    collate = privacy.collate_with_empty(dataset, loader_options.pop("collate_fn", None))
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_options)
 
 
 def per_sample_module(pl_module: pl.LightningModule) -> PerSampleModule:

@@ -22,7 +22,8 @@ pl = pytest.importorskip("lightning.pytorch")
 from reference import clipped, reference_grad_sample  # noqa: E402
 
 from pergrad import PerSampleModule, transforms  # noqa: E402
-from pergrad.lightning import LightningOptionError, PerSample, per_sample_module  # noqa: E402
+from pergrad.lightning import DPSGD, LightningOptionError, PerSample, per_sample_module, poisson_loader  # noqa: E402
+from pergrad.privacy import epsilon_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LR = 0.5
@@ -284,3 +285,106 @@ def test_ddp_two_processes_every_rank_gets_the_global_reduction(tmp_path: Path) 
                 torch.testing.assert_close(
                     record["grad"][n], expected, rtol=1e-10, atol=1e-12, msg=f"rank {r} step {t} {n}"
                 )
+
+
+# -- DP-SGD -------------------------------------------------------------------------------------------------
+
+DELTA = 1e-5
+
+
+class PoissonNet(Net):
+    """``Net`` whose train loader draws Poisson batches of ``data(n)`` (rate ``q``) through ``poisson_loader``."""
+
+    def __init__(self, n: int, q: float, seed: int = 3) -> None:
+        super().__init__()
+        self.n, self.q, self.seed = n, q, seed
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return poisson_loader(data(self.n), self.q, trainer=self.trainer, generator=generator)
+
+
+def dp_reference_step(model: nn.Module, record: dict[str, Any], expected_batch: float) -> dict[str, Tensor]:
+    """``sum_i clip(g_i) / E[B]`` over every sample of the step's micro-batches (sigma = 0)."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(record["params"][n])
+    total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for x, y in record["micro"]:
+        if len(x):
+            for n, g in clipped(reference_grad_sample(model, x, y, cross_entropy_of_one), BOUND).items():
+                total[n] += g.sum(0) / expected_batch
+    return total
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_dpsgd_without_noise_is_the_clipped_sum_over_the_expected_batch_size(tmp_path: Path, k: int) -> None:
+    """sigma = 0: every step's .grad is sum_i clip(g_i) / (q N) over the step's Poisson draw (k micro-batches
+    of it), whatever its size; the draws include an empty micro-batch and sizes from 0 to 6."""
+    net = PoissonNet(n=12, q=0.25)
+    callback = DPSGD("model", max_grad_norm=BOUND, noise_multiplier=0.0, delta=DELTA, log_epsilon="step")
+    trainer(tmp_path, callbacks=[callback], max_epochs=3, accumulate_grad_batches=k).fit(net)
+    assert len(net.records) == 12 and all(len(r["micro"]) == k for r in net.records)
+    sizes = [len(x) for r in net.records for x, _ in r["micro"]]
+    assert 0 in sizes and len(set(sizes)) > 2, sizes
+    for t, record in enumerate(net.records):
+        expected = dp_reference_step(net.model, record, 0.25 * 12)
+        for n, g in record["grad"].items():
+            torch.testing.assert_close(g, expected[n], rtol=1e-10, atol=1e-12, msg=f"step {t}, {n}")
+        if t + 1 < len(net.records):
+            for n, p in record["params"].items():
+                after = net.records[t + 1]["params"][n]
+                torch.testing.assert_close(after, p - LR * record["grad"][n], rtol=1e-12, atol=1e-14)
+    assert callback.dp is not None and callback.dp.steps == 12
+    assert_unwrapped(net.model)
+
+
+def test_dpsgd_logs_epsilon_and_resumes_from_a_checkpoint_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    """sigma = 1: the epsilon logged is dp.epsilon(delta) = epsilon_of(sigma, q, steps, delta); a run resumed
+    from the checkpoint of epoch 1 (fresh objects, other seeds: the checkpoint restores the sampler's and the
+    noise generator's state) takes exactly the uninterrupted run's steps 5 to 12."""
+    steps_per_epoch = 4
+
+    def run(root: Path, seed: int, max_epochs: int, ckpt: Path | None = None) -> tuple[PoissonNet, DPSGD]:
+        net = PoissonNet(n=12, q=0.25, seed=seed)
+        callback = DPSGD(
+            "model",
+            max_grad_norm=BOUND,
+            noise_multiplier=1.0,
+            delta=DELTA,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        saver = pl.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+        fit = trainer(root, callbacks=[callback, saver], max_epochs=max_epochs, enable_checkpointing=True)
+        fit.fit(net, ckpt_path=ckpt)
+        assert callback.dp is not None
+        logged = float(fit.callback_metrics["epsilon"])
+        assert logged == pytest.approx(callback.dp.epsilon(DELTA), rel=1e-6)
+        assert logged == pytest.approx(epsilon_of(1.0, 0.25, callback.dp.steps, DELTA), rel=1e-6)
+        return net, callback
+
+    whole, whole_dp = run(tmp_path / "whole", seed=3, max_epochs=3)
+    assert whole_dp.dp is not None and whole_dp.dp.steps == 3 * steps_per_epoch
+    resumed, resumed_dp = run(tmp_path / "resumed", seed=99, max_epochs=3, ckpt=tmp_path / "whole" / "epoch=0.ckpt")
+    assert resumed_dp.dp is not None and resumed_dp.dp.steps == 3 * steps_per_epoch
+    assert len(resumed.records) == 2 * steps_per_epoch
+    for t, (a, b) in enumerate(zip(whole.records[steps_per_epoch:], resumed.records)):
+        assert [len(x) for x, _ in a["micro"]] == [len(x) for x, _ in b["micro"]]
+        for n in a["grad"]:
+            assert torch.equal(a["params"][n], b["params"][n]), f"step {t + steps_per_epoch}, {n}"
+            assert torch.equal(a["grad"][n], b["grad"][n]), f"step {t + steps_per_epoch}, {n}"
+
+
+def test_dpsgd_refuses_a_loader_that_is_not_poisson(tmp_path: Path) -> None:
+    callback = DPSGD("model", max_grad_norm=BOUND, noise_multiplier=1.0, delta=DELTA)
+    with pytest.raises(LightningOptionError, match=r"assumes Poisson sampling.*BatchSampler.*poisson_loader"):
+        trainer(tmp_path, callbacks=[callback]).fit(Net(), DataLoader(data(8), batch_size=4))
+
+
+def test_dpsgd_refuses_gradient_clip_val(tmp_path: Path) -> None:
+    callback = DPSGD("model", max_grad_norm=BOUND, noise_multiplier=1.0, delta=DELTA)
+    net = PoissonNet(n=12, q=0.25)
+    with pytest.raises(LightningOptionError, match=r"gradient_clip_val=0\.5\).*remove gradient_clip_val"):
+        trainer(tmp_path, callbacks=[callback], gradient_clip_val=0.5).fit(net)
+    assert_unwrapped(net.model)
