@@ -180,7 +180,9 @@ class DPSGD(PerSample):
     ``callback.dp`` is the ``pergrad.privacy.DPSGD`` (``dp.steps``, ``dp.epsilon(delta)``) from
     ``on_train_start``. Checkpoints keep its state (steps taken, noise generator) and the sampler's; a
     resume from a checkpoint saved at the end of an epoch continues exactly as the uninterrupted run.
-    A second ``fit`` with the same callback continues the accounting.
+    A checkpoint saved within an epoch resumes with fresh Poisson draws where the loader had drawn ahead
+    of the training loop (DataLoader prefetching): every step still a Poisson sample and accounted, but
+    not the uninterrupted run's batches. A second ``fit`` with the same callback continues the accounting.
     """
 
     def __init__(

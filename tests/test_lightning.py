@@ -11,19 +11,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from reference import clipped, reference_grad_sample
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-pl = pytest.importorskip("lightning.pytorch")
-
-from reference import clipped, reference_grad_sample  # noqa: E402
-
-from pergrad import PerSampleModule, transforms  # noqa: E402
-from pergrad.lightning import DPSGD, LightningOptionError, PerSample, per_sample_module, poisson_loader  # noqa: E402
-from pergrad.privacy import epsilon_of  # noqa: E402
+from pergrad import PerSampleModule, transforms
+from pergrad.lightning import DPSGD, LightningOptionError, PerSample, per_sample_module, poisson_loader
+from pergrad.privacy import epsilon_of
 
 ROOT = Path(__file__).resolve().parents[1]
 LR = 0.5
