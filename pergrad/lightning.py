@@ -271,11 +271,12 @@ class DPSGD(PerSample):
         assert self.dp is not None
         self.dp.add_noise()
         if self.log_epsilon == "step":
-            pl_module.log("epsilon", self.dp.epsilon(self.delta), on_step=True, on_epoch=False)
+            pl_module.log("epsilon", self.dp.epsilon(self.delta), on_step=True, on_epoch=False)  # same on every rank
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.log_epsilon == "epoch" and self.dp is not None:
-            pl_module.log("epsilon", self.dp.epsilon(self.delta), on_step=False, on_epoch=True)
+            epsilon = self.dp.epsilon(self.delta)  # the same on every rank
+            pl_module.log("epsilon", epsilon, on_step=False, on_epoch=True, sync_dist=trainer.world_size > 1)
 
     def state_dict(self) -> dict[str, Any]:
         """The privacy state (``DPSGD.state_dict``: steps, noise generator) and the sampler's."""

@@ -234,57 +234,6 @@ def test_bf16_mixed_matches_the_same_autocast_per_sample(tmp_path: Path) -> None
             assert error < 0.02, f"step {t}, {n}: relative error {error:.4f}"
 
 
-# -- strategy="ddp" -----------------------------------------------------------------------------------------
-
-DDP_SCRIPT = """
-import sys
-from pathlib import Path
-
-import torch
-from torch.utils.data import DataLoader
-
-sys.path.insert(0, {tests!r})
-from test_lightning import BOUND, Net, assert_unwrapped, data, trainer
-
-from pergrad import transforms
-from pergrad.lightning import PerSample
-
-out = Path(sys.argv[1])
-net = Net()
-callback = PerSample("model", transforms={{"": transforms.clip_norm(BOUND)}})
-fit = trainer(out, callbacks=[callback], strategy="ddp", devices=2, accumulate_grad_batches=2)
-fit.fit(net, DataLoader(data(32), batch_size=4, shuffle=True))
-assert_unwrapped(net.model)
-torch.save(net.records, out / f"rank{{fit.global_rank}}.pt")
-"""
-
-
-def test_ddp_two_processes_every_rank_gets_the_global_reduction(tmp_path: Path) -> None:
-    """strategy="ddp", 2 CPU processes (gloo), accumulate_grad_batches=2: each rank sees 16 samples per
-    epoch in batches of 4 (a DistributedSampler's shuffled share); every step, each rank's ``.grad`` is
-    the mean over both ranks of ``(1/2) sum_m mean_{i in m} clip(g_i)``, their own micro-batches'."""
-    script = tmp_path / "fit_ddp.py"
-    script.write_text(DDP_SCRIPT.format(tests=str(ROOT / "tests")))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True)
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    assert [len(r) for r in ranks] == [4, 4]
-    model = Net().model
-    for t, (zero, one) in enumerate(zip(*ranks)):
-        assert len(zero["micro"]) == len(one["micro"]) == 2
-        assert not torch.equal(zero["micro"][0][0], one["micro"][0][0])  # each rank its own samples
-        for n in zero["params"]:
-            assert torch.equal(zero["params"][n], one["params"][n])
-        both = [reference_step(model, record, 2, BOUND) for record in (zero, one)]
-        for n in zero["grad"]:
-            expected = (both[0][n] + both[1][n]) / 2
-            for r, record in enumerate((zero, one)):
-                torch.testing.assert_close(
-                    record["grad"][n], expected, rtol=1e-10, atol=1e-12, msg=f"rank {r} step {t} {n}"
-                )
-
-
 # -- DP-SGD -------------------------------------------------------------------------------------------------
 
 DELTA = 1e-5
@@ -386,3 +335,75 @@ def test_dpsgd_refuses_gradient_clip_val(tmp_path: Path) -> None:
     with pytest.raises(LightningOptionError, match=r"gradient_clip_val=0\.5\).*remove gradient_clip_val"):
         trainer(tmp_path, callbacks=[callback], gradient_clip_val=0.5).fit(net)
     assert_unwrapped(net.model)
+
+
+# -- strategy="ddp" -----------------------------------------------------------------------------------------
+
+DDP_SCRIPT = """
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, {tests!r})
+from test_lightning import BOUND, DELTA, Net, PoissonNet, assert_unwrapped, data, trainer
+
+from pergrad import transforms
+from pergrad.lightning import DPSGD, PerSample
+
+out = Path(sys.argv[1])
+net = Net()
+callback = PerSample("model", transforms={{"": transforms.clip_norm(BOUND)}})
+fit = trainer(out, callbacks=[callback], strategy="ddp", devices=2, accumulate_grad_batches=2)
+fit.fit(net, DataLoader(data(32), batch_size=4, shuffle=True))
+assert_unwrapped(net.model)
+torch.save(net.records, out / f"clip{{fit.global_rank}}.pt")
+
+net = PoissonNet(n=16, q=0.25)
+callback = DPSGD("model", max_grad_norm=BOUND, noise_multiplier=0.0, delta=DELTA)
+fit = trainer(out, callbacks=[callback], strategy="ddp", devices=2, accumulate_grad_batches=2, use_distributed_sampler=False)
+fit.fit(net)
+assert_unwrapped(net.model)
+torch.save(net.records, out / f"dp{{fit.global_rank}}.pt")
+"""
+
+
+def test_ddp_two_processes_every_rank_gets_the_global_reduction(tmp_path: Path) -> None:
+    """strategy="ddp", 2 CPU processes (gloo), accumulate_grad_batches=2, two fits in one launch.
+
+    PerSample with clip_norm: each rank sees 16 samples per epoch in batches of 4 (a DistributedSampler's
+    shuffled share); each rank's ``.grad`` is the mean over both ranks of ``(1/2) sum_m mean_{i in m}
+    clip(g_i)``. DPSGD, sigma = 0, Poisson batches of 16 samples at q = 1/4 shared out over the ranks
+    (some micro-batches empty): each rank's ``.grad`` is ``sum_i clip(g_i) / (q N)`` over BOTH ranks'
+    samples of the step."""
+    script = tmp_path / "fit_ddp.py"
+    script.write_text(DDP_SCRIPT.format(tests=str(ROOT / "tests")))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    model = Net().model
+
+    ranks = [torch.load(tmp_path / f"clip{r}.pt") for r in range(2)]
+    assert [len(r) for r in ranks] == [4, 4]
+    for t, (zero, one) in enumerate(zip(*ranks)):
+        assert len(zero["micro"]) == len(one["micro"]) == 2
+        assert not torch.equal(zero["micro"][0][0], one["micro"][0][0])  # each rank its own samples
+        both = [reference_step(model, record, 2, BOUND) for record in (zero, one)]
+        for n in zero["grad"]:
+            assert torch.equal(zero["params"][n], one["params"][n])
+            expected = (both[0][n] + both[1][n]) / 2
+            for r, record in enumerate((zero, one)):
+                torch.testing.assert_close(record["grad"][n], expected, rtol=1e-10, atol=1e-12, msg=f"rank {r} {t} {n}")
+
+    ranks = [torch.load(tmp_path / f"dp{r}.pt") for r in range(2)]
+    assert [len(r) for r in ranks] == [8, 8]
+    sizes = [len(x) for rank in ranks for record in rank for x, _ in record["micro"]]
+    assert 0 in sizes and max(sizes) > 1, sizes
+    for t, (zero, one) in enumerate(zip(*ranks)):
+        both = [dp_reference_step(model, record, 0.25 * 16) for record in (zero, one)]
+        for n in zero["grad"]:
+            assert torch.equal(zero["params"][n], one["params"][n])
+            for r, record in enumerate((zero, one)):
+                expected = both[0][n] + both[1][n]
+                torch.testing.assert_close(record["grad"][n], expected, rtol=1e-10, atol=1e-12, msg=f"rank {r} {t} {n}")
