@@ -9,7 +9,8 @@ every hook when it ends; the training step calls ``self.model(x)`` as always. Wh
   LightningModule, and pergrad finds that DDP at the first forward (``pergrad.distributed``: the bytes of
   plain DDP, every rank's ``.grad`` the reduction over every rank's samples);
 - gradient accumulation: Lightning divides each micro-batch's loss by ``accumulate_grad_batches = k``,
-  so the wrapper gets ``loss_scale = 1/k`` and the transforms see each sample's own gradient;
+  so the wrapper gets ``loss_scale = 1/k`` (read at each backward: a ``GradientAccumulationScheduler``
+  may change k between epochs) and the transforms see each sample's own gradient;
   ``.grad`` is then what plain Lightning computes with each ``g_i`` replaced by ``T(g_i)``;
 - ``precision="16-mixed"``: the precision plugin's ``GradScaler`` is the wrapper's ``grad_scaler``;
 - Trainer options that would silently defeat per-sample clipping are refused (``LightningOptionError``).
@@ -132,7 +133,8 @@ class PerSample(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         psm = PerSampleModule(
             self._network(pl_module),
-            loss_scale=1.0 / trainer.accumulate_grad_batches,
+            # read at each backward: a GradientAccumulationScheduler changes k between epochs
+            loss_scale=lambda: 1.0 / trainer.accumulate_grad_batches,
             grad_scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None,
             **self.options,
         )
@@ -264,6 +266,16 @@ class DPSGD(PerSample):
             self._pending = None
         elif before is not None:
             self.dp.load_state_dict(before)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.sampler is not None and self.sampler.micro_batches != trainer.accumulate_grad_batches:
+            raise LightningOptionError(
+                f"accumulate_grad_batches changed to {trainer.accumulate_grad_batches} (a GradientAccumulationScheduler?) "
+                f"but the PoissonBatchSampler splits each draw into {self.sampler.micro_batches} micro-batches: an "
+                "optimizer step would not see one Poisson sample. Keep accumulate_grad_batches fixed under DP-SGD."
+            )
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

@@ -140,6 +140,21 @@ def test_accumulate_grad_batches(tmp_path: Path, k: int, n: int, steps: int) -> 
     check_steps(net, k=k, steps=steps)
 
 
+def test_a_gradient_accumulation_scheduler_changes_the_loss_scale_with_k(tmp_path: Path) -> None:
+    """k = 1 in epoch 0, k = 2 from epoch 1 (Lightning's GradientAccumulationScheduler)."""
+    net = Net()
+    callbacks = [
+        PerSample("model", transforms={"": transforms.clip_norm(BOUND)}),
+        pl.callbacks.GradientAccumulationScheduler(scheduling={0: 1, 1: 2}),
+    ]
+    trainer(tmp_path, callbacks=callbacks, max_epochs=3).fit(net, DataLoader(data(16), batch_size=4))
+    assert [len(r["micro"]) for r in net.records] == [1, 1, 1, 1, 2, 2, 2, 2]
+    for t, record in enumerate(net.records):
+        expected = reference_step(net.model, record, len(record["micro"]), BOUND)
+        for n, g in record["grad"].items():
+            torch.testing.assert_close(g, expected[n], rtol=1e-10, atol=1e-12, msg=f"step {t}, {n}")
+
+
 def test_per_layer_transforms_and_the_module_reaches_the_wrapper(tmp_path: Path) -> None:
     """A transform per layer; the LightningModule reads per-sample norms through ``per_sample_module``."""
 
