@@ -101,19 +101,13 @@ class PerSample(Callback):
                 f"{type(strategy).__name__}; its per-sample gradients are not known to be exact there. Use "
                 "strategy='ddp' (or one device)."
             )
-        if isinstance(strategy, DDPStrategy):
-            if self.module_name == "":
-                raise LightningOptionError(
-                    "under strategy='ddp' Lightning runs training_step as the forward of the LightningModule, so the "
-                    "LightningModule itself cannot be the wrapped network: keep the network in an attribute "
-                    "(self.model = nn.Sequential(...)), call self.model(x) in training_step and pass "
-                    "PerSample('model', ...)."
-                )
-            if strategy._ddp_kwargs.get("static_graph"):
-                raise LightningOptionError(
-                    "DDPStrategy(static_graph=True): pergrad writes part of .grad after DDP's buckets are set up "
-                    "and cannot follow a static graph; remove static_graph=True."
-                )
+        if isinstance(strategy, DDPStrategy) and self.module_name == "":  # static_graph=True: pergrad refuses it
+            raise LightningOptionError(
+                "under strategy='ddp' Lightning runs training_step as the forward of the LightningModule, so the "
+                "LightningModule itself cannot be the wrapped network: keep the network in an attribute "
+                "(self.model = nn.Sequential(...)), call self.model(x) in training_step and pass "
+                "PerSample('model', ...)."
+            )
 
     def _network(self, pl_module: pl.LightningModule) -> nn.Module:
         try:
