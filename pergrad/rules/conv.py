@@ -232,13 +232,33 @@ def conv_project(layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, P
     ``P_row d`` a contraction over each group's output channels (the factors: ``conv_factors``). The
     bias's block is applied to ``sum_l d_i[:, l]``. None if the weight's block is dense (``g_i`` must
     be built)."""
-    factors = conv_factors(layer, a, d, projectors)
-    if factors is None:
-        return None
-    out = {name: kron_features(u, v) for name, (u, v) in factors.items()}
+    weight = projectors.get("weight")
+    if weight is not None and weight.kron and layer.groups == 1:  # channels first throughout: nothing transposed
+        out = {"weight": _conv_kron(layer, a, d, weight)}
+    else:
+        factors = conv_factors(layer, a, d, projectors)
+        if factors is None:
+            return None
+        out = {name: kron_features(u, v) for name, (u, v) in factors.items()}
     if "bias" in projectors:
         out["bias"] = projectors["bias"].apply(d.flatten(2).sum(2))
     return out
+
+
+def _conv_kron(layer: nn.Module, a: Tensor, d: Tensor, weight: Projector) -> Tensor:
+    """``conv_project``'s weight features for one group, from the factors as the convolutions lay them out:
+    ``U = P_row d_i`` ``[n, p, l]`` and ``V = conv(a_i, P_col)`` ``[n, q, l]``, then ``U V^T`` (a bmm reading
+    ``V`` transposed in place, where ``conv_factors``' ``[n, l, q]`` layout copies both)."""
+    n = a.shape[0]
+    row, col = weight.factors(d)
+    stride, zeros, dilation, _ = _conv_args(layer)
+    x, padding = _input_and_padding(layer, a)
+    kernel = col.reshape(col.shape[0], *layer.weight.shape[1:])
+    v = torch.ops.aten.convolution(x, kernel, None, stride, padding, dilation, False, zeros, 1).reshape(
+        n, col.shape[0], -1
+    )
+    u = torch.matmul(row, d.reshape(n, d.shape[1], -1))  # [p, O] @ [n, O, l]
+    return torch.bmm(u, v.transpose(1, 2)).flatten(1)
 
 
 def conv_factors(
