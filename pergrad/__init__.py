@@ -20,7 +20,9 @@ from .errors import (
     TokenLossWarning,
     TransformError,
     UnsupportedLayerError,
+    WrapperAttributeError,
 )
+from .lm_loss import PerSampleLMLoss, per_sample_lm_loss
 from .module import PerSampleModule
 from .registry import LayerCall, RuleRegistry, default_registry, register_rule
 
@@ -33,6 +35,7 @@ __all__ = [
     "HookStateError",
     "LayerCall",
     "NormNotComputedError",
+    "PerSampleLMLoss",
     "PerSampleModule",
     "PergradError",
     "RuleRegistry",
@@ -43,7 +46,9 @@ __all__ = [
     "TokenLossWarning",
     "TransformError",
     "UnsupportedLayerError",
+    "WrapperAttributeError",
     "default_registry",
+    "per_sample_lm_loss",
     "register_rule",
     "rules",
     "transforms",
