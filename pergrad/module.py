@@ -310,11 +310,7 @@ class PerSampleModule:
             raise AttributeError(name)  # protocol lookups (__setstate__, __deepcopy__, ...): the plain answer
         model = vars(self).get("module")
         kind = "" if model is None else f" ({type(model).__name__})"
-        where = (
-            f" The model{kind} has it: use psm.module.{name}."
-            if model is not None and hasattr(model, name)
-            else ""
-        )
+        where = f" The model{kind} has it: use psm.module.{name}." if model is not None and hasattr(model, name) else ""
         raise WrapperAttributeError(
             f"PerSampleModule has no attribute {name!r}: it is not an nn.Module but a plain object that hooks the "
             f"model it wraps, whose parameters, state_dict keys and checkpoints stay the model's own.{where} Call "
@@ -435,6 +431,11 @@ class PerSampleModule:
         return {label: bad.nonzero().flatten() for label, bad in self._engine.reducer.last_dropped.items() if bad.any()}
 
     # -- transforms ------------------------------------------------------------------------------
+
+    def registered_transforms(self) -> dict[str, Transform]:
+        """``{target: transform}`` as registered, each target named as messages name it
+        (``"the whole model"``, ``"module 'encoder'"``, ``"parameter 'head.weight'"``)."""
+        return {target.label: target.transform for target in self._engine.targets}
 
     def register_transform(
         self, target: nn.Module | nn.Parameter | str, fn: Callable[[Any], Any] | Transform, *, batched: bool = False
