@@ -1,12 +1,13 @@
 """DP fine-tuning of HuggingFace transformers with LoRA: a BERT classifier and a GPT-2 language model.
 
-The fine-tuning is DP-SGD exactly as in ``examples/dp_sgd.py``: batches by Poisson sampling (every
-sample joins each step's batch with probability ``--rate``), every sample's gradient over ALL
-trainable parameters clipped to norm ``--clip`` (``clip_norm`` on the root target, computed in the
-ordinary backward without building per-sample gradients), Gaussian noise ``N(0, sigma^2 C^2)`` added
-to the summed clipped gradient, the sum divided by the EXPECTED batch size, then an ordinary
-optimizer step (Adam). Google's ``dp_accounting`` (RDP accountant by default) turns (sigma, rate,
-number of steps) into the epsilon spent at ``--delta``.
+The fine-tuning is DP-SGD exactly as in ``examples/dp_sgd.py``, from ``pergrad.privacy``: batches by
+Poisson sampling (``PoissonBatchSampler``: every sample joins each step's batch with probability
+``--rate``), every sample's gradient over ALL trainable parameters clipped to norm ``--clip`` (``DPSGD``
+registers ``clip_norm`` on the root target, computed in the ordinary backward without building
+per-sample gradients), Gaussian noise ``N(0, sigma^2 C^2)`` added to the summed clipped gradient and the
+sum divided by the EXPECTED batch size (``dp.add_noise()``), then an ordinary optimizer step (Adam).
+Google's ``dp_accounting`` (RDP accountant by default; ``pergrad.privacy.epsilon_of``) turns (sigma,
+rate, number of steps) into the epsilon spent at ``--delta``.
 
 Data: real text that ships with Python, ``pydoc_data.topics`` -- the 79 pages of the Python
 documentation that ``help("while")`` prints (the Language Reference, and library pages such as
@@ -78,7 +79,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pergrad import PerSampleModule, per_sample_lm_loss, transforms
+from pergrad import PerSampleModule, per_sample_lm_loss
+from pergrad.privacy import DPSGD, PoissonBatchSampler, epsilon_of
 
 # the private data set: pydoc topic -> the page's title
 PRIVATE_PAGES = {
@@ -197,22 +199,6 @@ def classification_loss(forward: Forward, seqs: Sequences, labels: Tensor, pad_i
     return F.cross_entropy(forward(input_ids=ids, attention_mask=mask).logits, labels, reduction="sum")
 
 
-def epsilon(sigma: float, rate: float, steps: int, delta: float, accountant: str = "rdp") -> float:
-    """Epsilon at ``delta`` of ``steps`` Poisson-sampled Gaussian steps, from Google's ``dp_accounting``."""
-    import dp_accounting
-
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(sigma)), steps
-    )
-    if accountant == "rdp":
-        acc: dp_accounting.PrivacyAccountant = dp_accounting.rdp.RdpAccountant()
-    elif accountant == "pld":
-        acc = dp_accounting.pld.PLDAccountant()
-    else:
-        raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
-    return float(acc.compose(event).get_epsilon(delta))
-
-
 def pretrain(model: nn.Module, batch_loss: Callable[[Tensor], Tensor], n: int, steps: int, name: str) -> float:
     """Public pretraining, no privacy: plain Adam on batches of 64; returns the seconds it took."""
     from tqdm import tqdm
@@ -242,28 +228,24 @@ def dp_finetune(
     """
     from tqdm import tqdm
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=args.lr)
-    expected_batch = args.rate * n
-    steps_per_epoch = int(1 / args.rate)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    sampler = PoissonBatchSampler(
+        n, args.rate, steps=int(1 / args.rate), generator=torch.Generator().manual_seed(args.seed)
+    )
     model.train()
     start = time.perf_counter()
-    with PerSampleModule(model, loss_reduction="sum", reduction="sum", keep_grad_sample=False) as psm:
-        psm.register_transform(model, transforms.clip_norm(args.clip))  # flat clipping: all trainable params
+    with PerSampleModule(model, loss_reduction="sum", keep_grad_sample=False) as psm:
+        # flat clipping of all trainable params, the noise, and the division by the EXPECTED batch size
+        dp = DPSGD(psm, max_grad_norm=args.clip, noise_multiplier=args.sigma, sample_rate=args.rate, num_samples=n)
         for epoch in range(args.epochs):
-            for _ in tqdm(range(steps_per_epoch), desc=f"{name} DP epoch {epoch + 1}/{args.epochs}", leave=False):
-                batch = (torch.rand(n) < args.rate).nonzero().flatten()  # Poisson sampling
+            for batch in tqdm(sampler, desc=f"{name} DP epoch {epoch + 1}/{args.epochs}", leave=False):
                 optimizer.zero_grad()
-                if len(batch):
-                    batch_loss(psm, batch).backward()  # .grad = sum_i clip(g_i)
-                for p in params:
-                    if p.grad is None:  # an empty batch: the step is noise alone
-                        p.grad = torch.zeros_like(p)
-                    p.grad.add_(torch.randn_like(p) * args.sigma * args.clip)
-                    p.grad.div_(expected_batch)  # the DP-SGD estimate divides by the EXPECTED batch size
+                if batch:  # an empty batch: the step is the noise alone
+                    batch_loss(psm, torch.tensor(batch)).backward()  # .grad = sum_i clip(g_i) / E[B]
+                dp.add_noise()
                 optimizer.step()
     model.eval()
-    return args.epochs * steps_per_epoch, (time.perf_counter() - start) / max(args.epochs, 1)
+    return dp.steps, (time.perf_counter() - start) / max(args.epochs, 1)
 
 
 def with_lora(model: nn.Module, **lora: Any) -> nn.Module:
@@ -438,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     for name in ["bert", "gpt2"] if args.model == "both" else [args.model]:
         result = runners[name](data, args)
-        result["epsilon"] = epsilon(args.sigma, args.rate, result["steps"], args.delta, args.accountant)
+        result["epsilon"] = epsilon_of(args.sigma, args.rate, result["steps"], args.delta, args.accountant)
         results[name] = result
 
     print(

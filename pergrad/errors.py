@@ -94,3 +94,9 @@ class TrainerConfigError(PergradError, ValueError):
     """A training framework's option (HuggingFace ``Trainer``'s ``TrainingArguments``, ...) that would
     silently break the per-sample numbers: aggregate clipping after per-sample clipping, a loss that is
     not a sum of per-sample losses, a data-parallel mode pergrad does not follow."""
+
+
+class PrivacyError(PergradError, ValueError):
+    """DP-SGD (``pergrad.privacy``) is asked for with a setting whose noise or normalisation it cannot make
+    exact (another transform on the clipped parameters, trainable parameters left unclipped, a GradScaler,
+    ...), or with generators that differ across ranks."""

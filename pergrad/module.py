@@ -148,6 +148,7 @@ class PerSampleModule:
             )
         self.module = model
         self._loss_scale = loss_scale
+        self._grad_scaler, self._accumulate = grad_scaler, accumulate
         self.loss_reduction = loss_reduction
         self.reduction = reduction
         self.batch_first = batch_first
@@ -211,6 +212,16 @@ class PerSampleModule:
     def loss_scale(self, value: LossScaleLike) -> None:
         self._engine.loss_factor = factor_reader(value)
         self._loss_scale = value
+
+    @property
+    def grad_scaler(self) -> GradScalerLike:
+        """The ``grad_scaler`` the wrapper was built with (None: the loss is not scaled for mixed precision)."""
+        return self._grad_scaler
+
+    @property
+    def accumulate(self) -> str:
+        """How ``.grad`` combines several backward passes: ``"backward"`` or ``"samples"`` (see the argument)."""
+        return self._accumulate
 
     # -- following the model: its parameters, as they are at each forward ------------------------
 
