@@ -28,7 +28,6 @@ in through ``on_pre_optimizer_step`` (the one point between the last backward an
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -205,10 +204,10 @@ def check_arguments(args: TrainingArguments, *, clips: bool, private: bool) -> N
 
 
 class PoissonMicroBatches(Sampler[list[int]]):
-    """One Poisson batch per optimizer step (``pergrad.privacy.PoissonBatchSampler``), given as
-    ``micro_batches`` consecutive pieces (any of them may be empty), ``steps`` per epoch. Each epoch's
-    draws come from a generator seeded by ``(seed, epoch)`` (``set_epoch``, called by Trainer), so an
-    epoch resumed from a checkpoint and skipped forward replays the same batches."""
+    """``pergrad.privacy.PoissonBatchSampler`` with ``micro_batches`` pieces per optimizer step (one
+    Poisson draw per step, split for gradient accumulation; pieces may be empty), ``steps`` per epoch,
+    each epoch drawn from a generator seeded by ``(seed, epoch)`` (``set_epoch``, which Trainer calls):
+    an epoch resumed from a checkpoint and skipped forward by Trainer replays the same batches."""
 
     def __init__(
         self,
@@ -234,33 +233,15 @@ class PoissonMicroBatches(Sampler[list[int]]):
         from .privacy import PoissonBatchSampler
 
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        sampler = PoissonBatchSampler(
+        yield from PoissonBatchSampler(
             self.num_samples,
             self.sample_rate,
             steps=self.steps,
             generator=generator,
             num_replicas=self.num_replicas,
             rank=self.rank,
+            micro_batches=self.micro_batches,
         )
-        for batch in sampler:
-            indices = list(batch)
-            size = math.ceil(len(indices) / self.micro_batches) if indices else 0
-            for k in range(self.micro_batches):
-                yield indices[k * size : (k + 1) * size]
-
-
-class _EmptyAware:
-    """A collator that turns an empty list of samples (a Poisson batch or micro-batch with nobody in it)
-    into a batch of 0 rows, laid out as the collator lays out one sample."""
-
-    def __init__(self, collate: Callable[[list[Any]], Any], dataset: Any) -> None:
-        self.collate, self.dataset = collate, dataset
-
-    def __call__(self, samples: list[Any]) -> Any:
-        if samples:
-            return self.collate(samples)
-        one = self.collate([self.dataset[0]])
-        return {k: v[:0] if isinstance(v, Tensor) else v for k, v in one.items()}
 
 
 def _rows(inputs: Mapping[str, Any]) -> int | None:
@@ -363,9 +344,11 @@ class PerSampleTrainer(Trainer):
         self.per_sample_loss: PerSampleLoss = per_sample_loss or default_loss(self.model, token_reduction)
         self.privacy = privacy
         scaler = getattr(self.accelerator, "scaler", None)
-        self.psm = PerSampleModule(
-            self.model, loss_reduction="mean", accumulate="samples", grad_scaler=scaler, **options
-        )
+        # without DP: .grad is the mean over every sample of the optimizer step (accumulate="samples");
+        # with DP: DPSGD's clipping factors make every backward add sum_i clip(g_i) / E[B] (any reduction;
+        # "sum" also under DDP), and its add_noise() completes the step
+        how: dict[str, Any] = {"accumulate": "samples"} if privacy is None else {"reduction": "sum"}
+        self.psm = PerSampleModule(self.model, loss_reduction="mean", grad_scaler=scaler, **how, **options)
         try:
             for target, transform in transforms.items():
                 self.psm.register_transform(target, transform)
@@ -422,11 +405,14 @@ class PerSampleTrainer(Trainer):
         step, each in ``gradient_accumulation_steps`` micro-batches; empty ones are batches of 0 rows."""
         if self.privacy is None:
             return super().get_train_dataloader()
-        from transformers.trainer import datasets, is_datasets_available, seed_worker
+        from transformers.trainer_utils import seed_worker
+        from transformers.utils import is_datasets_available
+
+        from .privacy import collate_with_empty
 
         dataset, collate = self.train_dataset, self.data_collator
         assert dataset is not None
-        if is_datasets_available() and isinstance(dataset, datasets.Dataset):
+        if is_datasets_available() and isinstance(dataset, __import__("datasets").Dataset):
             dataset = self._remove_unused_columns(dataset, description="Training")
         else:
             collate = self._get_collator_with_removed_columns(collate, description="Training")
@@ -444,7 +430,7 @@ class PerSampleTrainer(Trainer):
         loader = DataLoader(
             dataset,
             batch_sampler=batches,
-            collate_fn=_EmptyAware(collate, dataset),
+            collate_fn=collate_with_empty(dataset, collate),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
             worker_init_fn=(
@@ -477,6 +463,12 @@ class PerSampleTrainer(Trainer):
                     )
                 self.dp.load_state_dict(torch.load(path, weights_only=False))
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Trainer's log, with DP-SGD's ``epsilon`` spent so far at ``privacy.delta`` in training logs."""
+        if self.dp is not None and "loss" in logs:
+            logs["epsilon"] = self.epsilon()
+        super().log(logs, start_time)
 
     # -- the loss -------------------------------------------------------------------------------------
 
