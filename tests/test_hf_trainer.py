@@ -36,6 +36,8 @@ from pergrad.hf import DPConfig, PerSampleTrainer
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 23
 TOL = 1e-9  # float64 throughout: the Trainer does not cast the model
+LM_CLIP = 20.0  # the tiny GPT-2's per-sample norms (sum of its token losses) are 11 to 38 here
+NORMS: list[float] = []  # every per-sample gradient norm the reference clipped (the bound must bite on some, not all)
 
 
 def gpt2() -> nn.Module:
@@ -221,6 +223,7 @@ def reference(
             g = {n: torch.zeros_like(p) if d is None else d for (n, p), d in zip(params.items(), grads)}
             if clip is not None:
                 norm = torch.sqrt(sum(v.square().sum() for v in g.values()))
+                NORMS.append(float(norm))
                 g = {n: v * min(1.0, clip / float(norm)) for n, v in g.items()}
             for n in total:
                 total[n] += g[n]
@@ -244,6 +247,7 @@ def check_steps(
     """Every step's ``.grad`` is ``mean_i clip(g_i)`` over the step's samples, and SGD stepped with it;
     returns the micro-batch sizes of each step."""
     assert len(recorder.steps) >= 3
+    NORMS.clear()
     sizes = []
     for k, step in enumerate(recorder.steps):
         ref = reference(base, step, own, clip)
@@ -255,6 +259,8 @@ def check_steps(
         after = recorder.steps[k + 1]["params"] if k + 1 < len(recorder.steps) else recorder.final
         for n, g in ref.items():  # SGD, constant learning rate, no weight decay
             torch.testing.assert_close(after[n], step["params"][n] - lr * g, rtol=TOL, atol=TOL)
+    if clip is not None:  # clipping changes some samples and leaves others: a wrong scale would show
+        assert min(NORMS) < clip < max(NORMS), NORMS
     return sizes
 
 
@@ -269,7 +275,7 @@ def test_gpt2_every_step_is_the_mean_of_each_samples_own_clipped_gradient(tmp_pa
     """Padded rows of different lengths, 2 micro-batches per step, 13 samples: the third step is one
     micro-batch of one sample (the end of the epoch), the fourth starts the next epoch."""
     base = gpt2()
-    clip = 0.5 if "clip" in case else None
+    clip = LM_CLIP if "clip" in case else None
     overrides: dict[str, Any] = {}
     if "checkpointing" in case or "reentrant" in case:
         overrides["activation_checkpointing"] = True
@@ -292,8 +298,8 @@ def test_gpt2_every_step_is_the_mean_of_each_samples_own_clipped_gradient(tmp_pa
 
 def test_bert_classifier_every_step_is_the_mean_of_clipped_per_sample_gradients(tmp_path: Path) -> None:
     base = bert()
-    recorder, _ = run(copy.deepcopy(base), class_data(13), tmp_path, transforms={"": transforms.clip_norm(0.3)})
-    assert check_steps(recorder, base, class_sample, 0.3) == [[3, 3], [3, 3], [1], [3, 3]]
+    recorder, _ = run(copy.deepcopy(base), class_data(13), tmp_path, transforms={"": transforms.clip_norm(1.2)})
+    assert check_steps(recorder, base, class_sample, 1.2) == [[3, 3], [3, 3], [1], [3, 3]]
 
 
 def test_bert_with_lora_every_step_is_exact(tmp_path: Path) -> None:
@@ -304,10 +310,10 @@ def test_bert_with_lora_every_step_is_exact(tmp_path: Path) -> None:
         bert(),
         peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="SEQ_CLS", target_modules=["query", "value"]),
     ).double()
-    recorder, _ = run(copy.deepcopy(base), class_data(13), tmp_path, transforms={"": transforms.clip_norm(0.2)})
+    recorder, _ = run(copy.deepcopy(base), class_data(13), tmp_path, transforms={"": transforms.clip_norm(1.0)})
     names = set(recorder.steps[0]["grads"])
     assert names and all("lora_" in n or "classifier" in n for n in names)
-    check_steps(recorder, base, class_sample, 0.2)
+    check_steps(recorder, base, class_sample, 1.0)
 
 
 def test_per_sample_lm_loss_as_compute_loss_func_of_a_plain_trainer(tmp_path: Path) -> None:
@@ -319,7 +325,7 @@ def test_per_sample_lm_loss_as_compute_loss_func_of_a_plain_trainer(tmp_path: Pa
     base = gpt2()
     model = copy.deepcopy(base)
     psm = PerSampleModule(model, accumulate="samples", keep_grad_sample=False)
-    psm.register_transform(model, transforms.clip_norm(0.5))
+    psm.register_transform(model, transforms.clip_norm(LM_CLIP))
     recorder = Recorder()
     recorder.model = model
 
@@ -338,7 +344,7 @@ def test_per_sample_lm_loss_as_compute_loss_func_of_a_plain_trainer(tmp_path: Pa
     )
     trainer.train()
     psm.remove()
-    check_steps(recorder, base, lm_sample, 0.5)
+    check_steps(recorder, base, lm_sample, LM_CLIP)
 
 
 # -- DP-SGD ------------------------------------------------------------------------------------------------
@@ -355,25 +361,27 @@ def test_dp_sgd_without_noise_is_the_sum_of_clipped_gradients_over_the_expected_
     .grad is sum_i clip(g_i) / 2 over the samples the Poisson draw put in the step, empty micro-batches
     and an empty step included (.grad 0)."""
     base = gpt2()
-    privacy = DPConfig(max_grad_norm=0.5, noise_multiplier=0.0, delta=1e-5)
+    privacy = DPConfig(max_grad_norm=LM_CLIP, noise_multiplier=0.0, delta=1e-5)
     recorder, trainer = run(copy.deepcopy(base), lm_data(13), tmp_path, args=dp_arguments(tmp_path), privacy=privacy)
     sizes = [[b["input_ids"].shape[0] for b in step["batches"]] for step in recorder.steps]
     assert len(sizes) == 6 and all(len(s) == 2 for s in sizes)
     assert any(0 in s for s in sizes) and len({sum(s) for s in sizes}) > 2, sizes  # empty micro-batches, sizes vary
+    NORMS.clear()
     for k, step in enumerate(recorder.steps):
         n = sum(sizes[k])
-        ref = reference(base, step, lm_sample, 0.5) if n else None
+        ref = reference(base, step, lm_sample, LM_CLIP) if n else None
         for name, got in step["grads"].items():
             want = torch.zeros_like(got) if ref is None else ref[name] * n / 2
             torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, msg=f"step {k} {name}")
     assert trainer.dp.steps == 6
+    assert min(NORMS) < LM_CLIP < max(NORMS), NORMS
 
 
 def test_dp_sgd_adds_the_noise_once_per_step_and_logs_epsilon(tmp_path: Path) -> None:
     from pergrad.privacy import epsilon_of
 
     base = gpt2()
-    sigma, clip = 2.0, 0.5
+    sigma, clip = 2.0, LM_CLIP
     privacy = DPConfig(max_grad_norm=clip, noise_multiplier=sigma, delta=1e-5)
     recorder, trainer = run(
         copy.deepcopy(base), lm_data(13), tmp_path, args=dp_arguments(tmp_path, max_steps=3), privacy=privacy
@@ -403,9 +411,9 @@ def test_resume_from_a_checkpoint_gives_the_same_next_steps(tmp_path: Path, priv
     (DP-SGD's noise included) as the uninterrupted run."""
     base = gpt2()
     options: dict[str, Any] = (
-        {"privacy": DPConfig(max_grad_norm=0.5, noise_multiplier=1.0, delta=1e-5)}
+        {"privacy": DPConfig(max_grad_norm=LM_CLIP, noise_multiplier=1.0, delta=1e-5)}
         if private
-        else {"transforms": {"": transforms.clip_norm(0.5)}}
+        else {"transforms": {"": transforms.clip_norm(LM_CLIP)}}
     )
     make_args = dp_arguments if private else arguments
     args = make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
