@@ -13,8 +13,14 @@
   sizes (the last, smaller micro-batch of an epoch included);
 - DP-SGD (``privacy=DPConfig(...)``, ``pergrad.privacy``): Poisson batches with the expected size of
   the ``TrainingArguments`` (``per_device_train_batch_size * gradient_accumulation_steps * world_size``),
-  each split into ``gradient_accumulation_steps`` micro-batches, per-sample clipping, the noise added
-  once per optimizer step, the noise and the batches resumable from a checkpoint, ``epsilon`` in the logs.
+  each split into ``gradient_accumulation_steps`` micro-batches (an empty one runs no forward), flat
+  per-sample clipping with ``DPSGD``'s ``1/E[B]`` normalisation (the wrapper then uses
+  ``reduction="sum"``, ``accumulate="backward"``: each backward adds ``sum_i clip(g_i) / E[B]``), the
+  noise added once per optimizer step (``on_pre_optimizer_step``), batches and noise resumable from a
+  checkpoint (``pergrad_dp.pt`` in it), ``epsilon`` in the logs.
+
+Tested on one process (CPU). Several processes (``torchrun``: DDP, which pergrad finds at its first
+forward; the Poisson draw shared out over the ranks) are written for but not tested here.
 
 Options of ``TrainingArguments`` that would silently change these numbers are refused with a
 ``pergrad.TrainerConfigError`` (``max_grad_norm > 0`` with clipping, ``label_smoothing_factor``,
@@ -324,6 +330,11 @@ class PerSampleTrainer(Trainer):
             raise TrainerConfigError(
                 "PerSampleTrainer computes the loss from each sample's own loss: pass per_sample_loss=fn with "
                 "fn(outputs, labels) -> [B] instead of compute_loss_func (which returns one number for the batch)."
+            )
+        if not hasattr(Trainer, "loss_is_scaled_for_ga"):  # transformers < 5.24 would divide the loss again
+            raise TrainerConfigError(
+                "PerSampleTrainer needs transformers>=5.24,<5.25 (pip install 'pergrad[hf]'): it relies on Trainer's "
+                "loss_is_scaled_for_ga to keep Trainer from dividing the loss by gradient_accumulation_steps"
             )
         if token_reduction not in ("sum", "mean"):
             raise ValueError(f"token_reduction must be 'sum' or 'mean', got {token_reduction!r}")
