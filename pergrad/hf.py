@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -444,8 +445,8 @@ class PerSampleTrainer(Trainer):
             collate_fn=collate_with_empty(dataset, collate),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
-            worker_init_fn=(
-                lambda worker: seed_worker(worker, self.args.dataloader_num_workers, self.args.process_index)
+            worker_init_fn=partial(
+                seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
             ),
         )
         prepared = self.accelerator.prepare(loader)
@@ -476,8 +477,13 @@ class PerSampleTrainer(Trainer):
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Trainer's log, with DP-SGD's ``epsilon`` spent so far at ``privacy.delta`` in training logs."""
+        """Trainer's log, with DP-SGD's ``epsilon`` spent so far at ``privacy.delta`` in training logs.
+
+        With DP-SGD, Trainer's ``grad_norm`` is left out: Trainer measures it before the noise is added,
+        so it would publish the norm of the clipped sum itself. (The logged ``loss`` is the private
+        batches' loss, as in every DP-SGD library: keep training logs private.)"""
         if self.dp is not None and "loss" in logs:
+            logs.pop("grad_norm", None)
             logs["epsilon"] = self.epsilon()
         super().log(logs, start_time)
 

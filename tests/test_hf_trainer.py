@@ -401,7 +401,9 @@ def test_dp_sgd_adds_the_noise_once_per_step_and_logs_epsilon(tmp_path: Path) ->
         # ~24k draws of N(0, (sigma C / E[B])^2): the empirical std within 3% (twice the noise: +41%)
         assert noise.std().item() == pytest.approx(sigma * clip / 2, rel=0.03)
         assert abs(noise.mean().item()) < 0.03 * sigma * clip / 2
-    logged = [entry["epsilon"] for entry in trainer.state.log_history if "loss" in entry]
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert not any("grad_norm" in entry for entry in logs)  # Trainer's is measured before the noise
+    logged = [entry["epsilon"] for entry in logs]
     q = 2 / 13
     assert logged == pytest.approx([epsilon_of(sigma, q, k, 1e-5) for k in (1, 2, 3)], rel=1e-9)
     assert trainer.epsilon() == logged[-1] and logged[0] < logged[1] < logged[2]
