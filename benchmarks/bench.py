@@ -43,9 +43,13 @@ STATS = ["pergrad_stats", "pergrad_stats_trace"]  # every statistic; trace_varia
 # one training step on mean_i f_i + PENALTY * mean_i ||g_i||^2, its full gradient w.r.t. the parameters
 PENALTY = ["torch_func_penalty", "pergrad_penalty", "pergrad_penalty_norms", "backpack_penalty", "backpack_penalty_l2"]
 # PROJECT_DIM features P vec(g_i) of each sample's whole gradient (issue 25): a per-sample forward,
-# backward and features per batch; the peers' own projections, each checked against its own P
+# backward and features per batch; the peers' own projections, each checked against its own P.
+# pergrad_project_*: features AND .grad (a training step that also projects); pergrad_features_*:
+# features alone (grads=False: the weights run detached, as attribution runs them, like the peers);
+# _cached: the dense blocks drawn once and kept (cache_mb), not drawn again at every batch
 PROJECT = [
     "torch_func_project", "pergrad_project_kron", "pergrad_project_dense",
+    "pergrad_features_kron", "pergrad_features_dense", "pergrad_features_dense_cached", "pergrad_features_sjlt",
     "trak_project", "dattri_trak", "dattri_tracin", "logix_logra",
 ]  # fmt: skip
 METHODS = ["plain", *OVERHEAD, *MATERIALISE, *NORMS, *CLIP, *STATS, *PENALTY, *PROJECT]
@@ -61,6 +65,7 @@ PENALTY_WEIGHT = 1.0  # lam: as large as the loss's own gradient, so the check s
 PROJECT_DIM = 512  # k of the issue's tables (Kronecker: 16 x 32)
 QUICK_PROJECT_DIM = 64  # --quick (8 x 8): the dense rows' cost is proportional to k
 PROJECT_SEED = 0
+PROJECT_CACHE_MB = 4096  # pergrad_features_dense_cached: room for every dense block (the mlp's: 1.3 GiB in float32)
 LOGRA_RANK = 23  # LoGra's r x r features per layer: 529, the nearest square to PROJECT_DIM
 # float32 features against float64 ones of the same P, relative to the largest: round-off, as for every
 # other check here (the cnn's first conv sums 1024 positions with cancellation: torch.func's own
@@ -450,12 +455,15 @@ def setup_projection(
 
         return step, projection
 
-    if method in ("pergrad_project_kron", "pergrad_project_dense"):
+    if method.startswith(("pergrad_project_", "pergrad_features_")):
         from pergrad import PerSampleModule
 
-        kind = method.rpartition("_")[2]
+        kind = method.split("_")[2]
         psm = PerSampleModule(model, keep_grad_sample=False)
-        psm.register_projection(model, dim=dim, kind=kind, seed=PROJECT_SEED)
+        psm.register_projection(
+            model, dim=dim, kind=kind, seed=PROJECT_SEED, grads=method.startswith("pergrad_project_"),
+            cache_mb=PROJECT_CACHE_MB if method.endswith("_cached") else 0,
+        )  # fmt: skip
         box["project"] = pergrad_projectors(model, kind, dim)
 
         def step() -> None:

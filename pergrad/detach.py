@@ -86,8 +86,10 @@ class _Guard:
             f"autograd was asked for the gradient of the weight of {self.label} (torch.autograd.grad or "
             "backward(inputs=...)), but this forward ran it detached: pergrad computes its .grad itself, from "
             "the per-sample gradients (or not at all, for a projection registered with grads=False), and autograd "
-            "skips it. Pass detach_transformed=False to PerSampleModule "
-            "to keep every weight in autograd's graph, or call psm.remove() before such a forward."
+            "skips it (captum's TracInCP asks this way). Pass detach_transformed=False to PerSampleModule to keep "
+            "every weight in autograd's graph, or call psm.remove() (or leave its `with` block) before such a "
+            "forward; or read each sample's gradient from p.grad_sample after an ordinary backward "
+            "(pergrad.captum.tracin_influence and tracin_self_influence give TracInCP's scores from it)."
         )
 
 

@@ -58,7 +58,15 @@ from .removal import AfterRemoval
 from .sources import Fused, Materialized, in_parameter_dtype, no_autocast, no_grad, run_rule
 from .statistics import needs
 from .targets import Targets
-from .verify import check_partial, check_reached, check_sums, check_taps, unattributable
+from .verify import (
+    check_opacus,
+    check_opacus_stale,
+    check_partial,
+    check_reached,
+    check_sums,
+    check_taps,
+    unattributable,
+)
 from .world import World
 
 
@@ -238,6 +246,7 @@ class Engine:
         layer = kept.layer
         if state.generation is None:
             state.generation, state.batch_size, state.first_layer = kept.generation, kept.batch_size, layer.name
+            check_opacus_stale(self.grad_sample.held(kept.generation), self.param_names)
             self.grad_sample.drop_stale(kept.generation)
             self.pool.begin()
         elif kept.generation != state.generation:
@@ -506,6 +515,7 @@ class Engine:
         check_reached(state, known, self.param_names, self.layers, self.canonical)
         check_partial(state, self.targets, known, self.layers, self.canonical)
         check_taps(state, self.detacher.current, self.param_names)
+        check_opacus(batch.params, self.keep_grad_sample, self.targets, self.param_names)
         if self.verify_backwards > 0 and batch.size > 0 and batch.params:
             self.verify_backwards -= 1
             state.verified = True

@@ -54,6 +54,16 @@ class DetachedWeightError(HookStateError):
     ``backward(inputs=...)``): pergrad computes that weight's ``.grad`` itself."""
 
 
+class OpacusRouteError(PergradError, RuntimeError):
+    """Opacus's ``DPOptimizer`` steps parameters of the wrapped model (``make_private(...,
+    grad_sample_mode="no_op")``) in a way that would drop or mix what pergrad computed."""
+
+
+class CaptumError(PergradError, ValueError):
+    """``pergrad.captum`` was asked for scores it cannot compute from per-sample gradients (a loss that
+    is not one per sample, a wrapper that keeps no ``grad_sample``)."""
+
+
 class NormNotComputedError(PergradError, KeyError):
     """``per_sample_norms()[name]`` for a parameter whose norm the last backward did not compute."""
 

@@ -116,7 +116,7 @@ def watch(labels: Tensor, output: Any, warn: Callable[[str], None]) -> None:
                 f"labelled tokens ({int(counts.min())} to {int(counts.max())}): each sample's share is divided by "
                 "the whole batch's token count, so grad_sample is not the gradient of any sample's own loss and a "
                 "clipping bound moves with the other samples' lengths. Compute each sample's loss from the logits "
-                "(sum or mean of ITS token losses, see README 'Language models') and backpropagate their mean or sum."
+                "(sum or mean of ITS token losses, see docs/guides/language-models.md) and backpropagate their mean or sum."
             )
 
     loss.grad_fn.register_prehook(check)

@@ -28,7 +28,7 @@ from .errors import (
 )
 from .hooks import LayerHooks, owners
 from .loss_scale import GradScalerLike, LossScaleLike, factor_reader, loss_scale_reader
-from .projectors import Projector, Spec
+from .projectors import Budget, Projector, Spec
 from .registry import RuleRegistry, default_registry
 from .sources import Materialized
 from .statistics import Statistics, compute_statistics, requested
@@ -172,7 +172,7 @@ class PerSampleModule:
         self._engine.world = world_for(model, self._engine, accumulate)
         self._canonical = self._engine.world.canonical if self._engine.world is not None else _same
         self._targets: list[tuple[nn.Module | str, Transform]] = []  # as registered, resolved again on rebinding
-        self._projections: list[tuple[nn.Module | str, Spec, bool, bool]] = []  # likewise (grads, per_token)
+        self._projections: list[tuple[nn.Module | str, Spec, bool, bool, Budget]] = []  # likewise (grads, per_token)
         self._layers: list[HookedLayer] = []
         self._accumulators: list[Any] = []
         self._accumulate_handles: list[RemovableHandle] = []
@@ -243,7 +243,10 @@ class PerSampleModule:
         for target, transform in self._targets:
             label, params, _, _ = self._resolve(target)
             engine.targets.add(Target(label, params, transform))
-        engine.projection.targets = [self._projected(*registered) for registered in self._projections]
+        engine.projection.targets = [  # new projectors: their kept blocks counted afresh
+            self._projected(ref, spec, grads, per_token, Budget(budget.limit))
+            for ref, spec, grads, per_token, budget in self._projections
+        ]
 
     def _install_hooks(self) -> None:
         """The layers' forward hooks, for the layers and transforms as they are now."""
@@ -497,6 +500,7 @@ class PerSampleModule:
         dtype: torch.dtype | None = None,
         grads: bool = True,
         per_token: bool = False,
+        cache_mb: float = 0,
     ) -> None:
         """Compute ``P vec(g_i)``, ``dim`` features of each sample's gradient of ``target``, in every
         backward; read them with ``per_sample_projections()``.
@@ -516,8 +520,12 @@ class PerSampleModule:
           padding), Embedding and HF ``Conv1D``, and from
           the built ``g_i`` of one layer at a time for every other layer; one-dim parameters (biases,
           norm weights) get a CountSketch (``pergrad.projectors``: one pass over ``g_i``).
-        - ``kind="dense"``: a dense Gaussian ``[dim, numel]`` block per parameter, applied to the built
-          ``g_i`` of one layer at a time (drawn in chunks of 32 MiB: never held whole when large).
+        - ``kind="dense"``: a dense Rademacher ``[dim, numel]`` block per parameter (entries ``±1/sqrt(dim)``),
+          applied to the built ``g_i`` of one layer at a time, drawn again at every backward in chunks of
+          4M entries (never held whole when large) unless ``cache_mb`` MiB (for the whole target) can keep
+          it: then it is drawn once.
+        - ``kind="sjlt"``: a CountSketch of every parameter (a sparse JL transform, one nonzero per column):
+          one pass over the built ``g_i`` of one layer at a time.
 
         Features are of the raw ``g_i`` (before any transform) of each sample's own loss, in ``dtype``
         (default: the parameters'); computed in the parameters' dtype.
@@ -546,7 +554,8 @@ class PerSampleModule:
         check_request(dim, kind, dtype, per_token)
         spec = Spec(dim, kind, seed, dtype)
         label, _, _, ref = self._resolve(target)
-        projected = self._projected(ref, spec, grads, per_token)
+        budget = Budget(int(cache_mb * 2**20))
+        projected = self._projected(ref, spec, grads, per_token, budget)
         if per_token:
             check_per_token(label, projected, self._layers, self._canonical)
         if any(other.name == projected.name for other in self._engine.projection.targets):
@@ -559,7 +568,7 @@ class PerSampleModule:
                 shared = set(projected.params) & set(other.params.values())
                 if shared:
                     raise TargetError(self._gradless_overlap(other.label, projected.name, shared))
-        self._projections.append((ref, spec, grads, per_token))
+        self._projections.append((ref, spec, grads, per_token, budget))
         self._engine.projection.targets.append(projected)
         if not grads:
             self._install_hooks()  # its weights may now run detached
@@ -574,7 +583,12 @@ class PerSampleModule:
         )
 
     def _projected(
-        self, target: nn.Module | nn.Parameter | str, spec: Spec, grads: bool = True, per_token: bool = False
+        self,
+        target: nn.Module | nn.Parameter | str,
+        spec: Spec,
+        grads: bool = True,
+        per_token: bool = False,
+        budget: Budget | None = None,
     ) -> Projected:
         label, params, _, ref = self._resolve(target)
         if not params:
@@ -583,7 +597,8 @@ class PerSampleModule:
         names = self._engine.param_names
         if isinstance(self.module, DistributedDataParallel):  # named as in the model DDP holds: one process's P
             names = {p: n.removeprefix("module.") for p, n in names.items()}
-        projectors = {p: Projector(spec, names[p], tuple(p.shape)) for p in params.values()}
+        budget = Budget() if budget is None else budget
+        projectors = {p: Projector(spec, names[p], tuple(p.shape), budget) for p in params.values()}
         return Projected(name, spec, projectors, grads, per_token)
 
     def per_sample_projections(self) -> dict[str, Tensor]:

@@ -44,12 +44,24 @@ ACCOUNTANTS = ("rdp", "pld")
 # -- sampling --------------------------------------------------------------------------------------
 
 
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _seed_shared_by_ranks() -> int:
     """A fresh seed from torch's default generator; rank 0's under ``torch.distributed`` (broadcast)."""
     seed = [int(torch.randint(0, 2**62, ()))]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _world_size() > 1:
         dist.broadcast_object_list(seed, src=0)
     return seed[0]
+
+
+def _same_on_every_rank(generator: torch.Generator) -> bool:
+    """Whether ``generator``'s state is the same on every rank (one small all-gather)."""
+    state = generator.get_state().numpy().tobytes()
+    digests: list[Any] = [None] * _world_size()
+    dist.all_gather_object(digests, hashlib.sha256(state).hexdigest())
+    return len(set(digests)) == 1
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -61,11 +73,12 @@ class PoissonBatchSampler(Sampler[list[int]]):
     ``len(sampler)`` is the number of batches one pass yields: ``steps`` (default ``round(1 / q)``, one
     epoch in expectation) times ``micro_batches``. Each pass continues the generator: new draws.
 
-    Several processes (``num_replicas > 1``): every rank draws the SAME batch (the generators must
-    agree: pass ``generator=torch.Generator().manual_seed(seed)`` with one seed on every rank, or None,
-    which seeds it from rank 0 under ``torch.distributed``) and keeps the indices ``i`` with
-    ``i % num_replicas == rank``: the ranks' batches together are one Poisson sample of the dataset.
-    Every rank yields the same number of batches (some empty).
+    Several processes (``num_replicas > 1``): every rank draws the SAME batch and keeps the indices
+    ``i`` with ``i % num_replicas == rank``: the ranks' batches together are one Poisson sample of the
+    dataset. Every rank yields the same number of batches (some empty). The generators must agree: pass
+    ``generator=torch.Generator().manual_seed(SEED)`` with one SEED on every rank (checked at the first
+    pass under ``torch.distributed``), or None: one is seeded at the first pass from torch's default
+    generator, rank 0's under ``torch.distributed`` (outside it, ``num_replicas > 1`` needs a generator).
 
     ``micro_batches=k``: each step's draw is split into ``k`` consecutive micro-batches (sizes within
     one of each other, some may be empty), for gradient accumulation over ``k`` backward passes per
@@ -103,18 +116,43 @@ class PoissonBatchSampler(Sampler[list[int]]):
             raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
         self.num_samples, self.sample_rate, self.steps = num_samples, float(sample_rate), steps
         self.num_replicas, self.rank, self.micro_batches = num_replicas, rank, micro_batches
-        if generator is None:
-            generator = torch.Generator().manual_seed(_seed_shared_by_ranks())
-        self.generator = generator
+        self._generator = generator  # None: seeded at the first pass (from rank 0 under torch.distributed)
+        self._checked = False
         self.drawn = 0  # steps of the current (or last) pass drawn so far
         self._resume_at = 0
 
     def __len__(self) -> int:
         return self.steps * self.micro_batches
 
+    @property
+    def generator(self) -> torch.Generator:
+        """The generator of the draws; one seeded from torch's default generator (rank 0's under
+        ``torch.distributed``) where none was given. With ``num_replicas > 1`` under ``torch.distributed``
+        its state is checked, once, to be the same on every rank."""
+        if self._generator is None:
+            if self.num_replicas > 1 and _world_size() == 1:
+                raise PrivacyError(
+                    f"PoissonBatchSampler(num_replicas={self.num_replicas}) without a generator, outside "
+                    "torch.distributed: the ranks would draw different batches. Pass "
+                    "generator=torch.Generator().manual_seed(SEED) with the same SEED on every rank, or create the "
+                    "sampler after torch.distributed.init_process_group"
+                )
+            self._generator = torch.Generator().manual_seed(_seed_shared_by_ranks())
+            self._checked = True
+        if not self._checked and self.num_replicas > 1 and _world_size() > 1:
+            if not _same_on_every_rank(self._generator):
+                raise PrivacyError(
+                    "PoissonBatchSampler's generators differ between ranks, so the ranks' batches would not be "
+                    "shares of one Poisson draw: pass generator=torch.Generator().manual_seed(SEED) with the same "
+                    "SEED on every rank, or generator=None"
+                )
+            self._checked = True
+        return self._generator
+
     def draw(self) -> Tensor:
         """One step's Poisson sample of ``range(num_samples)`` (every rank's share), sorted."""
-        keep = torch.rand(self.num_samples, generator=self.generator, device=self.generator.device) < self.sample_rate
+        generator = self.generator
+        keep = torch.rand(self.num_samples, generator=generator, device=generator.device) < self.sample_rate
         return keep.nonzero().flatten().cpu()
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -134,6 +172,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         """Continue from ``state``: the next pass yields the steps the saved pass had not drawn (a new
         pass if it had drawn them all), with the generator where it was."""
         self.generator.set_state(state["generator"])
+        self._checked = False
         self.drawn = int(state["drawn"])
         self._resume_at = self.drawn % self.steps
 
@@ -179,10 +218,8 @@ class PrivateClip(ClipNorm):
         super().__init__(max_norm)
         self.expected_batch_size = float(expected_batch_size)
         self.psm = psm
-        self.samples = 0  # samples clipped since the last noise: this rank's share of the step's batch
 
     def factors(self, norms: Tensor | None, batch_size: int, like: Tensor) -> Tensor:
-        self.samples += batch_size
         weight = (batch_size if self.psm.reduction == "mean" else 1) / self.expected_batch_size
         factors = super().factors(norms, batch_size, like) * weight
         loss_scale = factor_reader(self.psm.loss_scale)
@@ -191,10 +228,6 @@ class PrivateClip(ClipNorm):
 
     def __repr__(self) -> str:
         return f"PrivateClip(max_norm={self.max_norm!r}, expected_batch_size={self.expected_batch_size!r})"
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class DPSGD:
@@ -223,11 +256,15 @@ class DPSGD:
     float32), ``accumulate="samples"`` with ``reduction="mean"``, FSDP2, and ``reduction="mean"`` under
     ``torch.distributed`` (use ``"sum"``: pergrad's sum runs over every rank's samples).
 
-    Several processes (DDP): every rank ends with the same ``.grad``, holding the noise once: the noise is
+    A ``loss_scale`` given as a callable is called once more per backward, by the clipping (to divide it
+    out): it must return the same value both times.
+
+    Several processes (DDP): every rank runs each backward, on an empty share of the batch too (DDP waits
+    for every rank); every rank ends with the same ``.grad``, holding the noise once: the noise is
     drawn from generators that agree on every rank (``generator=None`` seeds one from rank 0; a
     generator you pass must be seeded alike on every rank, which the first ``add_noise`` checks).
     The noise is drawn on the generator's device (``torch.Generator("cuda")`` for a model on the GPU)
-    in the parameters' dtype (at least float32), in the order of ``target.named_parameters()``.
+    in the parameters' dtype (at least float32), in the order of ``target.parameters()``.
     """
 
     def __init__(
@@ -286,6 +323,7 @@ class DPSGD:
             ) from err
         self.generator = generator
         self._checked_ranks = False
+        self._pending: Tensor | None = None  # a loaded generator state, for the generator made at the first noise
 
     # -- what is refused ---------------------------------------------------------------------------
 
@@ -364,17 +402,16 @@ class DPSGD:
     def _generator(self, like: Tensor) -> torch.Generator:
         if self.generator is None:
             self.generator = torch.Generator(like.device).manual_seed(_seed_shared_by_ranks())
-            self._checked_ranks = True
-        if not self._checked_ranks and _world_size() > 1:
-            digest = int.from_bytes(hashlib.sha256(self.generator.get_state().numpy().tobytes()).digest()[:8], "big")
-            states: list[Any] = [None] * _world_size()
-            dist.all_gather_object(states, digest)
-            if len(set(states)) > 1:
-                raise PrivacyError(
-                    "DPSGD's noise generators differ between ranks, so the ranks' .grad would differ (each rank would "
-                    "step with its own noise): pass generator=torch.Generator().manual_seed(SEED) with the same SEED on "
-                    "every rank, or generator=None (DPSGD then seeds one from rank 0)"
-                )
+            self._checked_ranks = self._pending is None
+            if self._pending is not None:
+                self.generator.set_state(self._pending)
+                self._pending = None
+        if not self._checked_ranks and _world_size() > 1 and not _same_on_every_rank(self.generator):
+            raise PrivacyError(
+                "DPSGD's noise generators differ between ranks, so the ranks' .grad would differ (each rank would "
+                "step with its own noise): pass generator=torch.Generator().manual_seed(SEED) with the same SEED on "
+                "every rank, or generator=None (DPSGD then seeds one from rank 0)"
+            )
         self._checked_ranks = True
         return self.generator
 
@@ -383,6 +420,7 @@ class DPSGD:
         expected_batch_size`` to the ``.grad`` of every parameter DPSGD covers (a ``.grad`` of None, where
         no backward reached it or the batch was empty, becomes the noise alone), and count one step."""
         self._check_distributed()
+        self._check_outside()
         params = self.params()
         std = self.noise_multiplier * self.max_grad_norm / self.expected_batch_size
         generator = self._generator(params[0]) if params else None
@@ -398,7 +436,6 @@ class DPSGD:
                 p.grad = noise
             else:
                 p.grad.add_(noise)
-        self._clip.samples = 0
         self.steps += 1
 
     # -- accounting and resuming -------------------------------------------------------------------
@@ -426,9 +463,10 @@ class DPSGD:
                 )
         self.steps = int(state["steps"])
         if state.get("generator") is not None:
-            if self.generator is None:
-                self.generator = torch.Generator()
-            self.generator.set_state(state["generator"])
+            if self.generator is None:  # made on the parameters' device at the first noise
+                self._pending = state["generator"]
+            else:
+                self.generator.set_state(state["generator"])
             self._checked_ranks = False
 
     def __repr__(self) -> str:

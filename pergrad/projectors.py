@@ -16,15 +16,19 @@ gradient (its parameters concatenated), ``k`` features whatever the number of pa
   ``s_j``, to one feature ``h_j`` (``P[h_j, j] = s_j``): inner products are unbiased, with about the
   variance of a Gaussian block's, at the cost of one pass over ``g_i`` rather than ``k`` (a dense
   ``[k, 512]`` block per bias cost as much as the layer's weight gradient).
-- ``"dense"``: one Gaussian ``[k, numel]`` block per parameter, applied to the built ``g_i``.
+- ``"dense"``: one Rademacher ``[k, numel]`` block per parameter (entries ``±1/sqrt(k)``, Achlioptas
+  2003: the Johnson-Lindenstrauss guarantee of a Gaussian block), applied to the built ``g_i``.
+- ``"sjlt"``: a CountSketch of every parameter (a sparse JL transform with one nonzero per column):
+  one pass over the built ``g_i``, no ``k`` factor at all.
 
-Entries are Gaussian with variance ``1/k`` (``1/r_row`` and ``1/r_col`` for the two factors), so
+Gaussian entries have variance ``1/r_row`` and ``1/r_col`` for the two Kronecker factors, so
 ``E[P^T P] = I`` and inner products are preserved in expectation (Johnson-Lindenstrauss). They are
-drawn on the CPU in float64 by a ``torch.Generator`` seeded from a SHA-256 of the key, then cast:
-the same on every device, thread count, process and restart. Kronecker factors and dense blocks of
-at most ``CACHED`` elements are kept by the ``Projector`` once drawn; larger dense blocks are drawn
-again at each backward, ``CHUNK`` elements (32 MiB of float64) at a time, so the whole block is never
-held: a dense projection holds one chunk and one parameter's ``g_i`` at a time.
+drawn on the CPU in float64 by a ``torch.Generator`` seeded from a SHA-256 of the key, then cast;
+signs and buckets are integers drawn the same way: the same on every device, thread count, process and
+restart. Kronecker factors, sketches and dense blocks of at most ``CACHED`` elements are kept by the
+``Projector`` once drawn; larger dense blocks are drawn again at each backward, ``CHUNK`` elements at a
+time (as ``int8`` signs: 40x cheaper than Gaussians), so the whole block is never held, unless the
+target's ``Budget`` (``register_projection(cache_mb=...)``) has room to keep them.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-KINDS = ("kron", "dense")
-CHUNK = 1 << 22  # float64 elements of a dense block drawn at once
+KINDS = ("kron", "dense", "sjlt")
+CHUNK = 1 << 22  # elements of a dense block drawn at once
 CACHED = 1 << 20  # blocks up to this many elements are drawn once per Projector, then kept
 
 
@@ -77,6 +81,8 @@ def kron_features(u: Tensor, v: Tensor) -> Tensor:
     """A Kronecker block's features from its factors at every position (a rule's ``FusedRule.factors``):
     ``vec(sum_s u_is v_is^T)`` row-major, ``u [n, s, p]``, ``v [n, s, q]`` -> ``[n, p * q]``, with no
     ``[p, q]`` tensor per position."""
+    if u.shape[1] == 1:  # one position: an outer product, cheaper broadcast than as a bmm of inner size 1
+        return (u.transpose(1, 2) * v).flatten(1)
     return torch.bmm(u.transpose(1, 2), v).flatten(1)  # nsp,nsq->npq
 
 
@@ -96,12 +102,29 @@ class Spec:
 
 
 @dataclass
+class Budget:
+    """Bytes of large dense blocks the projectors of one target may keep rather than redraw."""
+
+    limit: int = 0
+    used: int = 0
+
+    def take(self, block: Tensor) -> bool:
+        """Whether ``block`` fits in what is left (then counted as used)."""
+        size = block.numel() * block.element_size()
+        if self.used + size > self.limit:
+            return False
+        self.used += size
+        return True
+
+
+@dataclass
 class Projector:
     """The block ``P_p`` of one parameter, by its qualified name and shape."""
 
     spec: Spec
     name: str
     shape: tuple[int, ...]
+    budget: Budget = field(default_factory=Budget, repr=False)
     _kept: dict[tuple[str, int], Tensor] = field(default_factory=dict, repr=False)  # float64 CPU blocks
     _cast: dict[tuple[str, int, torch.dtype, torch.device], Tensor] = field(default_factory=dict, repr=False)
 
@@ -112,8 +135,8 @@ class Projector:
 
     @property
     def sketch(self) -> bool:
-        """Whether ``P_p`` is a CountSketch (a one-dim parameter of a Kronecker projection)."""
-        return self.spec.kind == "kron" and len(self.shape) < 2
+        """Whether ``P_p`` is a CountSketch (``kind="sjlt"``, or a one-dim parameter of a Kronecker projection)."""
+        return self.spec.kind == "sjlt" or (self.spec.kind == "kron" and len(self.shape) < 2)
 
     @property
     def numel(self) -> int:
@@ -167,27 +190,44 @@ class Projector:
         return where.to(like.device), self._like("sketch", 1, signs, like)
 
     def dense_blocks(self, like: Tensor | None = None) -> Iterator[tuple[slice, Tensor]]:
-        """The rows of a dense block ``[k, numel]``, ``CHUNK`` elements at a time: (rows, block)."""
+        """The columns of a dense block ``[k, numel]``, ``CHUNK`` elements at a time: (columns, block
+        ``[k, len(columns)]``), in the dtype and on the device of ``like`` (float64 CPU without it). By
+        columns, so that projecting reads each coordinate of ``g_i`` once."""
         k, numel = self.spec.dim, self.numel
-        step = max(1, CHUNK // numel)
-        for index, start in enumerate(range(0, k, step)):
-            stop = min(k, start + step)
-            block = self._block("dense", index, stop - start, numel, 1 / math.sqrt(k))
-            yield slice(start, stop), block if like is None else self._like("dense", index, block, like)
+        step = max(1, CHUNK // k)
+        for index, start in enumerate(range(0, numel, step)):
+            yield slice(start, min(numel, start + step)), self._signs(index, min(numel, start + step) - start, like)
 
-    def apply(self, g: Tensor) -> Tensor:
-        """``P_p vec(g_i)`` for built per-sample gradients ``g`` ``[B, *shape]`` -> ``[B, k]``."""
+    def _signs(self, index: int, cols: int, like: Tensor | None) -> Tensor:
+        """Columns ``[k, cols]`` of a dense block: ``±1/sqrt(k)`` from ``int8`` bits drawn on the CPU,
+        then made in the wanted dtype on the wanted device (exact there: ``2c - c = c``)."""
+        dtype, device = (torch.float64, torch.device("cpu")) if like is None else (like.dtype, like.device)
+        key = ("dense", index, dtype, device)
+        found = self._cast.get(key)
+        if found is None:
+            generator = _generator(self.spec.seed, *self._key("dense"), index)
+            bits = torch.randint(0, 2, (self.spec.dim, cols), generator=generator, dtype=torch.int8)
+            scale = 1 / math.sqrt(self.spec.dim)
+            found = bits.to(device).to(dtype).mul_(2 * scale).sub_(scale)
+            if found.numel() <= CACHED or self.budget.take(found):
+                self._cast[key] = found
+        return found
+
+    def apply(self, g: Tensor, total: Tensor | None = None) -> Tensor:
+        """``P_p vec(g_i)`` for built per-sample gradients ``g`` ``[B, *shape]`` -> ``[B, k]``, added into
+        ``total`` (and returned) when given."""
         n = g.shape[0]
         if self.kron:
             row, col = self.factors(g)
-            return (row @ g.reshape(n, self.shape[0], -1) @ col.T).reshape(n, -1)
+            found = (row @ g.reshape(n, self.shape[0], -1) @ col.T).reshape(n, -1)
+            return found if total is None else total.add_(found)
         flat = g.reshape(n, -1)
-        if self.sketch:  # out of place: differentiable under create_graph
+        out = flat.new_zeros((n, self.spec.dim)) if total is None else total
+        if self.sketch:
             where, signs = self.sketched(flat)
-            return flat.new_zeros((n, self.spec.dim)).index_add(1, where, flat * signs)
-        out = flat.new_empty((n, self.spec.dim))
-        for rows, block in self.dense_blocks(flat):
-            out[:, rows] = flat @ block.T
+            return out.index_add_(1, where, flat * signs)
+        for cols, block in self.dense_blocks(flat):
+            out.addmm_(flat[:, cols], block.T)
         return out
 
     def matrix(self) -> Tensor:
@@ -199,4 +239,4 @@ class Projector:
             found = torch.zeros(self.spec.dim, self.numel, dtype=torch.float64)
             found[where, torch.arange(self.numel)] = signs
             return found
-        return torch.cat([block for _, block in self.dense_blocks()])
+        return torch.cat([block for _, block in self.dense_blocks()], dim=1)

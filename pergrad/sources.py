@@ -109,9 +109,11 @@ class Materialized:
     def sum_squares(self, params: Params) -> dict[nn.Parameter, Tensor]:
         return {p: _sum_of_squares(self.grads[p]) for p in params}
 
-    def project(self, projectors: dict[nn.Parameter, Projector]) -> dict[nn.Parameter, Tensor]:
-        """``P_p vec(g_i)`` ``[B, k]`` of each parameter (of those with built ``g_i``)."""
-        return {p: proj.apply(self.grads[p]) for p, proj in projectors.items() if p in self.grads}
+    def project(self, projectors: dict[nn.Parameter, Projector], total: Tensor) -> None:
+        """Adds ``sum_p P_p vec(g_i(p))`` of the parameters with built ``g_i`` into ``total`` ``[B, k]``."""
+        for p, proj in projectors.items():
+            if p in self.grads:
+                proj.apply(self.grads[p], total)
 
     def moments(
         self, params: Params, means: dict[nn.Parameter, Tensor], squares: bool = True, dots: bool = True
@@ -336,27 +338,26 @@ class Fused:
             out.update({p: result[name] * call.scale for p, name in pairs})
         return out
 
-    def project(self, projectors: dict[nn.Parameter, Projector]) -> dict[nn.Parameter, Tensor]:
-        """``P_p vec(g_i)`` ``[B, k]`` of each parameter, call by call: a call's fused projection
+    def project(self, projectors: dict[nn.Parameter, Projector], total: Tensor) -> None:
+        """Adds ``sum_p P_p vec(g_i(p))`` into ``total`` ``[B, k]``, call by call: a call's fused projection
         (``FusedRule.project``: Kronecker blocks from ``(a, d)``, no ``g_i``) where its rule has one for
         these projectors, else its built ``g_i`` projected (shared with the other quantities as
         ``_run`` keeps them). Projections are linear, so a parameter fed by several calls (a layer
-        called twice, tied weights) gets the sum of its calls' projections."""
-        out: dict[nn.Parameter, Tensor] = {}
+        called twice, tied weights) adds each call's projection."""
         for call in self._calls_of(projectors):
             named = {name: p for name, p in self._params[call].items() if p in projectors}
             fused = call.layer.spec.fused
-            found = None
+            by_name = None
             if call.built is None and fused is not None and fused.project is not None:
                 by_name = fused.project(call.layer.module, call.a, call.d, {n: projectors[p] for n, p in named.items()})
-                if by_name is not None:
-                    found = {named[n]: f * call.scale for n, f in by_name.items()}
-            if found is None:
-                built = {self._param(call, n): g for n, g in self._run(call).items()}
-                found = {p: projectors[p].apply(g) for p, g in built.items() if p in projectors}
-            for p, f in found.items():
-                out[p] = f if p not in out else out[p] + f
-        return out
+            if by_name is not None:
+                for f in by_name.values():
+                    total.add_(f, alpha=call.scale)
+                continue
+            for name, g in self._run(call).items():
+                p = self._param(call, name)
+                if p in projectors:
+                    projectors[p].apply(g, total)
 
     def project_tokens(self, projectors: dict[nn.Parameter, Projector]) -> dict[nn.Parameter, Tensor]:
         """``P_p vec(g_it)`` ``[B, T, k]`` of each parameter, ``g_it`` the term of ``g_i`` at token ``t``

@@ -1,4 +1,4 @@
-"""Statistics of the per-sample gradients of one batch, as optimisation research uses them.
+r"""Statistics of the per-sample gradients of one batch, as optimisation research uses them.
 
 Notation: ``g_i`` the gradient of sample i's own loss (``p.grad_sample[i]``), ``B`` the batch size,
 ``g = (1/B) sum_i g_i`` the mean gradient, ``p_i = <g_i, g>``, norms and inner products over every
@@ -18,6 +18,16 @@ Whole model:
   (Bollapragada et al. 2018);
 - ``cabs_batch_size(lr, loss) = lr * trace_variance / loss`` (Balles, Romero & Hennig 2017),
   clipped to ``[16, 2048]``.
+
+In formulas, with \(\bar g = \frac{1}{B} \sum_i g_i\):
+
+$$
+\begin{aligned}
+\mathrm{variance}_j &= \frac{1}{B} \sum_{i=1}^{B} g_{ij}^2 - \bar g_j^2, \\
+\mathrm{tr}\,\Sigma &= \sum_j \mathrm{variance}_j = \frac{1}{B} \sum_{i=1}^{B} \lVert g_i \rVert^2 - \lVert \bar g \rVert^2, \\
+B_{\mathrm{CABS}} &= \mathrm{lr} \cdot \mathrm{tr}\,\Sigma \,/\, L.
+\end{aligned}
+$$
 
 The three tests need ``B >= 2`` and are NaN otherwise.
 

@@ -4,7 +4,9 @@ it cannot split into samples.
 Every backward: each parameter the backward reached got its gradient from its layers' outputs
 (``check_reached``), backward(inputs=...) named all of a transform's target or none of it
 (``check_partial``), and nothing but the layers' outputs reached a tapped parameter
-(``check_taps``, see ``pergrad.reach``). The first backward (``check_sums``):
+(``check_taps``, see ``pergrad.reach``), and a parameter Opacus's optimizer steps gets the
+``grad_sample`` it reads, untransformed and of one forward only (``check_opacus``,
+``check_opacus_stale``). The first backward (``check_sums``):
 the per-sample gradients must add up to autograd's gradient of every parameter,
 ``sum_i g_i = grad`` (``(1/B) sum_i g_i`` for a mean loss). They do unless part of the loss reaches
 a parameter other than through its layer's output: a regulariser added to the loss, or a parent
@@ -14,14 +16,14 @@ rather than drop or transform it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Container
+from collections.abc import Callable, Collection, Container, Iterable
 
 import torch
 from torch import Tensor, nn
 
 from .backward import Backward
 from .calls import HookedLayer
-from .errors import RECOMPUTED, HookStateError, TransformError
+from .errors import RECOMPUTED, HookStateError, OpacusRouteError, TransformError
 from .sources import Fused, Materialized
 from .targets import Targets
 
@@ -85,8 +87,16 @@ def unreached(
         "Such a way is a loss computed from a forward run before wrapping (or through another wrapper), a "
         "module using the parameter outside the layer's own forward (e.g. F.linear(x, self.emb.weight)), or "
         "an output of the layer that its rule does not take (a rule registered without output_dims takes "
-        "the first tensor the layer returns)."
+        "the first tensor the layer returns)." + (ROOT_FORWARD if any(layer.name == "" for layer in holders) else "")
     )
+
+
+# appended where the root module holds the parameter: its hooks run only when the module itself is called
+ROOT_FORWARD = (
+    " The root module's own hooks run only when it is called: a wrapper that calls its .forward() directly "
+    "skips them (Opacus's GradSampleModule does: pass wrap_model=False to make_private and call the model, or "
+    "the PerSampleModule, yourself)."
+)
 
 
 def unattributable(name: str, seen: str) -> str:
@@ -163,3 +173,57 @@ def check_taps(state: Backward, detached: Collection[nn.Parameter], names: dict[
                 )
                 + " Or pass verify=False to PerSampleModule if dropping that part is intended."
             )
+
+
+def stepped_by_opacus(param: nn.Parameter) -> bool:
+    """Whether Opacus's ``DPOptimizer`` steps ``param``: it gives every parameter it steps a
+    ``summed_grad`` attribute when made (``make_private``), and clips ``p.grad_sample`` into it."""
+    return "summed_grad" in vars(param)
+
+
+_NO_OP_ROUTE = (
+    "The route that keeps Opacus: PerSampleModule(model, keep_grad_sample=True) with no transform, and "
+    'make_private(..., grad_sample_mode="no_op", loss_reduction=<the same as pergrad\'s>)'
+)
+
+
+def check_opacus(
+    params: Container[nn.Parameter], keep_grad_sample: bool, targets: Targets, names: dict[nn.Parameter, str]
+) -> None:
+    """Opacus's ``DPOptimizer`` clips ``p.grad_sample`` itself and overwrites ``.grad``: a parameter it
+    steps needs ``grad_sample`` kept, and a transform of pergrad would be dropped without a word."""
+    stepped = [p for p in names if p in params and stepped_by_opacus(p)]  # in the model's order
+    if not stepped:
+        return
+    if not keep_grad_sample:
+        raise OpacusRouteError(
+            f"parameter {names[stepped[0]]!r} is stepped by Opacus's DPOptimizer (make_private), which clips "
+            "p.grad_sample, but this PerSampleModule was made with keep_grad_sample=False, so there is none. "
+            f"Pass keep_grad_sample=True. {_NO_OP_ROUTE}."
+        )
+    for target in targets:
+        mine = set(target.params.values())
+        covered = [p for p in stepped if p in mine]
+        if covered:
+            raise OpacusRouteError(
+                f"parameter {names[covered[0]]!r} is stepped by Opacus's DPOptimizer (make_private), which clips "
+                "p.grad_sample (before any transform) itself and overwrites .grad, but pergrad has a transform "
+                f"registered for {target.label}: it would be dropped. Remove the transform and let make_private's "
+                "max_grad_norm clip, or keep the transform and step a plain torch.optim optimizer (adding the noise "
+                f"yourself). {_NO_OP_ROUTE}."
+            )
+
+
+def check_opacus_stale(held: Iterable[nn.Parameter], names: dict[nn.Parameter, str]) -> None:
+    """A backward of a new forward would replace ``grad_sample`` (pergrad keeps the last forward's)
+    while Opacus's ``DPOptimizer`` has not consumed and cleared the one of the forward before: it
+    would clip only this backward's samples, not every sample since its last step."""
+    stale = [p for p in held if stepped_by_opacus(p)]
+    if stale:
+        raise OpacusRouteError(
+            f"parameter {names[stale[0]]!r} still holds the grad_sample of an earlier forward, which Opacus's "
+            "DPOptimizer has not cleared, and pergrad keeps only the last forward's grad_sample: the optimizer "
+            "would clip this backward's samples only. Call optimizer.step() and optimizer.zero_grad() after every "
+            "backward; for a logical batch larger than one forward, use Opacus's BatchMemoryManager (virtual "
+            "steps accumulate the clipped sums in the optimizer)."
+        )

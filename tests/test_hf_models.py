@@ -248,7 +248,7 @@ def test_labels_loss_over_padded_tokens_warns_once_and_is_left_alone() -> None:
             lm_loss(psm(input_ids=ids), ids).mean().backward()
             psm(input_ids=ids, labels=padded)  # a forward whose loss is not backpropagated
         with pytest.warns(
-            TokenLossWarning, match=r"mean over all 16 labelled tokens.*4 to 6.*README 'Language models'"
+            TokenLossWarning, match=r"mean over all 16 labelled tokens.*4 to 6.*docs/guides/language-models.md"
         ):
             psm(input_ids=ids, labels=padded).loss.backward()
         with warnings.catch_warnings():

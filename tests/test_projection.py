@@ -3,6 +3,7 @@ every step against the same ``P`` (regenerated) applied to torch.func's per-samp
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from reference import assert_close, clipped_mean, reference_grad_sample, run_pergrad
 from torch import Tensor, nn
 
@@ -180,7 +182,7 @@ def check_steps(
     psm.remove()
 
 
-@pytest.mark.parametrize("kind", ["kron", "dense"])
+@pytest.mark.parametrize("kind", ["kron", "dense", "sjlt"])
 @pytest.mark.parametrize("keep_grad_sample", [True, False], ids=["materialised", "fused"])
 @pytest.mark.parametrize("positions", [15, 17])  # both sides of detach.MANY
 @pytest.mark.parametrize("family", sorted(CASES))
@@ -216,7 +218,7 @@ PRINT_P = """
 import torch
 torch.set_num_threads(1)
 from pergrad.projectors import Projector, Spec
-for kind in ("kron", "dense"):
+for kind in ("kron", "dense", "sjlt"):
     p = Projector(Spec(32, kind, seed=7), "0.weight", (6, 5)).matrix()
     print(kind, p.flatten().tolist())
 """
@@ -225,7 +227,7 @@ for kind in ("kron", "dense"):
 def test_the_same_seed_gives_the_same_projection_in_a_fresh_process() -> None:
     done = subprocess.run([sys.executable, "-c", PRINT_P], capture_output=True, text=True, check=True, timeout=120)
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
-    for kind in ("kron", "dense"):
+    for kind in ("kron", "dense", "sjlt"):
         here = Projector(Spec(32, kind, seed=7), "0.weight", (6, 5)).matrix()
         there = torch.tensor(eval(lines[kind]), dtype=torch.float64).view(32, 30)
         assert torch.equal(here, there), kind
@@ -239,16 +241,59 @@ def test_a_dense_block_is_drawn_in_chunks_that_make_the_same_matrix() -> None:
     the matrix its chunks make."""
     with mock.patch("pergrad.projectors.CHUNK", 64), mock.patch("pergrad.projectors.CACHED", 0):
         proj = Projector(Spec(16, "dense", seed=1), "w", (3, 10))
-        assert sum(1 for _ in proj.dense_blocks()) == 8  # 2 rows of 30 at a time
+        assert sum(1 for _ in proj.dense_blocks()) == 8  # 4 columns of 16 at a time
         g = torch.randn(5, 3, 10, dtype=torch.float64)
         assert_close(proj.apply(g), g.flatten(1) @ proj.matrix().T, "chunked dense projection")
+
+
+def test_dense_entries_are_signs_over_sqrt_k_in_every_dtype() -> None:
+    """Rademacher blocks: exactly ``±1/sqrt(k)`` in float64 and in float32 (the same signs), about half
+    of each sign, rows nearly orthogonal (``E[P^T P] = I``)."""
+    proj = Projector(Spec(64, "dense", seed=2), "w", (40, 50))
+    p64 = proj.matrix()
+    c = 1 / math.sqrt(64)
+    assert set(p64.unique().tolist()) == {-c, c}
+    p32 = torch.cat([block for _, block in proj.dense_blocks(torch.zeros(1, dtype=torch.float32))], dim=1)
+    assert p32.dtype == torch.float32 and torch.equal(p32.sign(), p64.sign().float())
+    assert set(p32.unique().tolist()) == {float(torch.tensor(-c, dtype=torch.float32)), float(torch.tensor(c))}
+    assert abs(float((p64 > 0).double().mean()) - 0.5) < 0.02  # 2000 x 64 draws: 6 standard deviations
+    gram = p64.T @ p64  # [2000, 2000]: diagonal exactly 1, off-diagonal ~ N(0, 1/64)
+    assert torch.allclose(gram.diagonal(), torch.ones(2000, dtype=torch.float64))
+
+
+def test_a_dense_block_is_kept_within_cache_mb_and_drawn_again_without() -> None:
+    """Without ``cache_mb`` a large dense block is drawn at every backward; with room for it, once; the
+    features are the same either way."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(300, 40), nn.Tanh(), nn.Linear(40, 3)).double()  # 12000 x 64 > CACHED
+    x, y = torch.randn(5, 300, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    found = {}
+    for cache_mb in (0, 16):
+        psm = PerSampleModule(net, keep_grad_sample=False)
+        psm.register_projection(net, dim=64, kind="dense", cache_mb=cache_mb)
+        with (
+            mock.patch("pergrad.projectors.CACHED", 1000),
+            mock.patch.object(torch, "randint", wraps=torch.randint) as draws,
+        ):
+            feats = []
+            for _ in range(3):
+                psm.zero_grad()
+                F.mse_loss(psm(x), y, reduction="sum").backward()
+                feats.append(psm.per_sample_projections()[""])
+        # without a cache, the 3 blocks over CACHED entries are drawn at each of the 3 backward passes (the
+        # last bias's once); with one, each of the 4 blocks once
+        assert draws.call_count == (10 if cache_mb == 0 else 4), cache_mb
+        assert torch.equal(feats[0], feats[2])
+        found[cache_mb] = feats[0]
+        psm.remove()
+    assert torch.equal(found[0], found[16])
 
 
 def test_errors_name_the_target_and_the_fix() -> None:
     net = nn.Sequential(nn.Linear(3, 2))
     psm = PerSampleModule(net)
-    with pytest.raises(ProjectionError, match=r"unknown kind 'sjlt'; pass kind='kron' or kind='dense'"):
-        psm.register_projection(net, dim=16, kind="sjlt")
+    with pytest.raises(ProjectionError, match=r"unknown kind 'gaussian'; pass kind='kron', 'dense' or 'sjlt'"):
+        psm.register_projection(net, dim=16, kind="gaussian")
     with pytest.raises(ProjectionError, match=r"dim=12 cannot be split .* a square or twice a square .*kind='dense'"):
         psm.register_projection(net, dim=12)
     with pytest.raises(ProjectionError, match=r"dim must be a positive int, got 0"):

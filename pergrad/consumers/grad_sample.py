@@ -32,6 +32,14 @@ class GradSample:
             if generation is not None:
                 self._generation[param] = generation
 
+    def held(self, generation: int) -> list[nn.Parameter]:
+        """The parameters whose ``grad_sample`` (not cleared) belongs to another forward than ``generation``."""
+        return [
+            p
+            for p, gen in self._generation.items()
+            if gen != generation and getattr(p, "grad_sample", None) is not None
+        ]
+
     def drop_stale(self, generation: int) -> None:
         """A backward of forward ``generation`` starts: drop the ``grad_sample`` of other forwards now,
         so the rules can write into their memory instead of allocating as much again."""

@@ -71,18 +71,19 @@ class Projection:
                 found = tokens.project_tokens(reached) if reached and batch.size else {}
                 count = next(iter(found.values())).shape[1] if found else 0  # (no token reached: none)
                 total = first.new_zeros((batch.size, count, target.spec.dim))
+                for features in found.values():
+                    total = total + features
             else:
-                found = batch.source.project(reached) if reached and batch.size else {}
                 total = first.new_zeros((batch.size, target.spec.dim))  # summed in the parameters' dtype, then cast
-            for features in found.values():
-                total = total + features
+                if reached and batch.size:
+                    batch.source.project(reached, total)
             self.last[target.name] = total if target.spec.dtype is None else total.to(target.spec.dtype)
 
 
 def check_request(dim: int, kind: str, dtype: torch.dtype | None, per_token: bool) -> None:
     """Refuse a ``register_projection`` request that cannot be honoured, saying what to pass instead."""
     if kind not in KINDS:
-        raise ProjectionError(f"register_projection: unknown kind {kind!r}; pass kind='kron' or kind='dense'")
+        raise ProjectionError(f"register_projection: unknown kind {kind!r}; pass kind='kron', 'dense' or 'sjlt'")
     if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
         raise ProjectionError(f"register_projection: dim must be a positive int, got {dim!r}")
     if kind == "kron" and not splittable(dim):
