@@ -40,7 +40,7 @@ The per-sample loss of a language model
 ---------------------------------------
 DP-SGD clips the gradient of each sample's OWN loss ``f_i``. For a language model ``f_i`` must be
 computed from sample i's tokens alone: here the SUM of its token losses, padding excluded
-(``per_sample_lm_loss``: logits shifted against the next tokens, ``cross_entropy`` with
+(``pergrad.per_sample_lm_loss``: logits shifted against the next tokens, ``cross_entropy`` with
 ``reduction="none"`` and ``ignore_index=-100`` on padded positions, summed over each row), and the
 batch loss is ``sum_i f_i`` (``PerSampleModule(..., loss_reduction="sum")``). pergrad then clips
 ``g_i = grad f_i``, which is what the privacy analysis assumes.
@@ -79,7 +79,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pergrad import PerSampleModule
+from pergrad import PerSampleModule, per_sample_lm_loss
 from pergrad.privacy import DPSGD, PoissonBatchSampler, epsilon_of
 
 # the private data set: pydoc topic -> the page's title
@@ -185,24 +185,6 @@ def pad_batch(seqs: Sequences, pad_id: int) -> tuple[Tensor, Tensor]:
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
     return ids, mask
-
-
-def per_sample_lm_loss(logits: Tensor, input_ids: Tensor, attention_mask: Tensor, reduction: str = "sum") -> Tensor:
-    """Each sample's own next-token loss, ``[B]``: the sum (or mean) of ITS token losses, padding ignored.
-
-    Position t predicts token t+1; a padded target (``attention_mask == 0``) gets label -100, which
-    ``cross_entropy`` ignores. ``reduction="mean"`` divides by the sample's own number of targets.
-    """
-    labels = input_ids.masked_fill(attention_mask == 0, -100)[:, 1:]
-    token_losses = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none"
-    ).view_as(labels)
-    losses = token_losses.sum(1)
-    if reduction == "mean":
-        losses = losses / (labels != -100).sum(1).clamp(min=1)
-    elif reduction != "sum":
-        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
-    return losses
 
 
 def lm_loss(forward: Forward, seqs: Sequences, pad_id: int, reduction: str = "sum") -> Tensor:

@@ -20,9 +20,12 @@ from .errors import (
     StatisticNotTrackedError,
     TargetError,
     TokenLossWarning,
+    TrainerConfigError,
     TransformError,
     UnsupportedLayerError,
+    WrapperAttributeError,
 )
+from .lm_loss import PerSampleLMLoss, per_sample_lm_loss
 from .module import PerSampleModule
 from .registry import LayerCall, RuleRegistry, default_registry, register_rule
 
@@ -37,6 +40,7 @@ __all__ = [
     "LayerCall",
     "NormNotComputedError",
     "OpacusRouteError",
+    "PerSampleLMLoss",
     "PerSampleModule",
     "PergradError",
     "RuleRegistry",
@@ -45,9 +49,12 @@ __all__ = [
     "StatisticNotTrackedError",
     "TargetError",
     "TokenLossWarning",
+    "TrainerConfigError",
     "TransformError",
     "UnsupportedLayerError",
+    "WrapperAttributeError",
     "default_registry",
+    "per_sample_lm_loss",
     "register_rule",
     "rules",
     "transforms",

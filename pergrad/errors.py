@@ -95,6 +95,17 @@ class ProjectionError(PergradError, ValueError):
     cannot be split, or its features are read before a backward computed them."""
 
 
+class WrapperAttributeError(PergradError, AttributeError):
+    """An attribute looked up on a ``PerSampleModule`` that it does not have: it is not an ``nn.Module``
+    (``.to``, ``.config``, ``.save_pretrained``, ...); the message says to use the model itself."""
+
+
+class TrainerConfigError(PergradError, ValueError):
+    """A training framework's option (HuggingFace ``Trainer``'s ``TrainingArguments``, ...) that would
+    silently break the per-sample numbers: aggregate clipping after per-sample clipping, a loss that is
+    not a sum of per-sample losses, a data-parallel mode pergrad does not follow."""
+
+
 class PrivacyError(PergradError, ValueError):
     """DP-SGD (``pergrad.privacy``) is asked for with a setting whose noise or normalisation it cannot make
     exact (another transform on the clipped parameters, trainable parameters left unclipped, a GradScaler,

@@ -18,7 +18,14 @@ from .consumers.projection import Projected, check_per_token, check_request
 from .discover import discover, is_lazy_module, layout_of
 from .distributed import DataParallel, running_ddp, world_for
 from .engine import Engine
-from .errors import NormNotComputedError, PergradError, ProjectionError, TargetError, TransformError
+from .errors import (
+    NormNotComputedError,
+    PergradError,
+    ProjectionError,
+    TargetError,
+    TransformError,
+    WrapperAttributeError,
+)
 from .hooks import LayerHooks, owners
 from .loss_scale import GradScalerLike, LossScaleLike, factor_reader, loss_scale_reader
 from .projectors import Budget, Projector, Spec
@@ -307,6 +314,25 @@ class PerSampleModule:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        """Only reached for a name the wrapper does not have: the wrapper is not an ``nn.Module`` (its
+        parameters, ``state_dict`` keys and checkpoints are the model's own, registered once), so say
+        where the attribute is. An ``AttributeError``, so ``hasattr``/``getattr(..., default)`` work;
+        it reads nothing of ``self`` through attribute lookup (``copy``/``pickle`` call it on an
+        instance whose ``__init__`` never ran)."""
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)  # protocol lookups (__setstate__, __deepcopy__, ...): the plain answer
+        model = vars(self).get("module")
+        kind = "" if model is None else f" ({type(model).__name__})"
+        where = f" The model{kind} has it: use psm.module.{name}." if model is not None and hasattr(model, name) else ""
+        raise WrapperAttributeError(
+            f"PerSampleModule has no attribute {name!r}: it is not an nn.Module but a plain object that hooks the "
+            f"model it wraps, whose parameters, state_dict keys and checkpoints stay the model's own.{where} Call "
+            "the model's own methods on the model (psm.module.to(device), psm.module.config, "
+            "psm.module.save_pretrained(...)), and give frameworks the model, not the wrapper: for HuggingFace's "
+            "Trainer use pergrad.hf.PerSampleTrainer(model=model, ...), which wraps it."
+        )
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
@@ -419,6 +445,11 @@ class PerSampleModule:
         return {label: bad.nonzero().flatten() for label, bad in self._engine.reducer.last_dropped.items() if bad.any()}
 
     # -- transforms ------------------------------------------------------------------------------
+
+    def registered_transforms(self) -> dict[str, Transform]:
+        """``{target: transform}`` as registered, each target named as messages name it
+        (``"the whole model"``, ``"module 'encoder'"``, ``"parameter 'head.weight'"``)."""
+        return {target.label: target.transform for target in self._engine.targets}
 
     def register_transform(
         self, target: nn.Module | nn.Parameter | str, fn: Callable[[Any], Any] | Transform, *, batched: bool = False

@@ -511,7 +511,7 @@ def test_pergrad_does_not_import_privacy_nor_its_accountant() -> None:
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     for path in (ROOT / "pergrad").rglob("*.py"):
-        if path.name == "privacy.py":
+        if path.name in ("privacy.py", "lightning.py", "hf.py"):  # the framework integrations build on it
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
