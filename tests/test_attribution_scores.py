@@ -154,6 +154,26 @@ def test_top_k_equals_topk_of_the_dense_matrix(
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
+def test_top_k_breaks_ties_toward_the_smaller_index_among_scored_indices(tmp_path: Path, chunk: int) -> None:
+    """Ties cut by a block's k-th value (many rows equal to it), the lowest as the highest, over train
+    indices given in a shuffled order: the same rule, whatever the chunk."""
+    base = torch.randint(-1, 2, (5, K), generator=torch.Generator().manual_seed(5)).double()
+    phi = base[torch.arange(N) % 5]  # every score repeats about N / 5 times
+    with FeatureStore.open(tmp_path, n=N, k=K, dtype=torch.float64) as store:
+        store.write(torch.arange(N), phi)
+    q = torch.randint(-1, 2, (M, K), generator=torch.Generator().manual_seed(6)).double()
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(7))[: N - 3]
+    full = q @ phi.T
+    for largest in (True, False):
+        values, where = top_k(q, store, 6, largest=largest, chunk=chunk, indices=order)
+        sign = -1 if largest else 1
+        for j in range(M):
+            best = sorted(order.tolist(), key=lambda i: (sign * full[j, i].item(), i))[:6]
+            assert where[j].tolist() == best, (largest, j)
+            assert values[j].tolist() == [full[j, i].item() for i in best]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
 def test_top_k_breaks_ties_toward_the_smaller_index(tmp_path: Path, chunk: int) -> None:
     # every train row appears three times: rows i, i + 12, i + 24 score the same against any test sample
     # (small integers: the products are exact whatever the chunk, so the ties are exact too)

@@ -385,16 +385,37 @@ def top_k(
         indices=indices,
         progress=progress,
     ):
-        values, where = block, idx.expand(block.shape[0], -1)
+        values, where = _block_top(block, idx.expand(block.shape[0], -1), k, largest)
         if best_values is not None and best_indices is not None:
             values, where = torch.cat([best_values, values], 1), torch.cat([best_indices, where], 1)
-        # order by index, then (stably) by value: ties keep the smaller index first
-        by_index = torch.argsort(where, dim=1, stable=True)
-        values, where = values.gather(1, by_index), where.gather(1, by_index)
-        by_value = torch.argsort(values, dim=1, descending=largest, stable=True)[:, :k]
-        best_values, best_indices = values.gather(1, by_value), where.gather(1, by_value)
+        best_values, best_indices = _ordered_top(values, where, k, largest)
     assert best_values is not None and best_indices is not None
     return best_values, best_indices
+
+
+def _ordered_top(values: Tensor, where: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor]:
+    """The ``k`` best of each row, sorted, ties toward the smaller index: a stable sort by index, then a
+    stable sort by value."""
+    by_index = torch.argsort(where, dim=1, stable=True)
+    values, where = values.gather(1, by_index), where.gather(1, by_index)
+    by_value = torch.argsort(values, dim=1, descending=largest, stable=True)[:, :k]
+    return values.gather(1, by_value), where.gather(1, by_value)
+
+
+def _block_top(block: Tensor, where: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor]:
+    """The ``k`` best entries of each row of a score block (unsorted), with ``_ordered_top``'s ties: a
+    ``torch.topk`` (no sort of the block), except in rows where it may have cut a tie at its k-th value
+    (that value occurs in the row more often than among those kept): those rows are sorted."""
+    if k >= block.shape[1]:
+        return block, where
+    values, pos = torch.topk(block, k, dim=1, largest=largest, sorted=False)
+    chosen = where.gather(1, pos)
+    edge = values.min(1, keepdim=True).values if largest else values.max(1, keepdim=True).values
+    cut = (block == edge).sum(1) > (values == edge).sum(1)
+    if bool(cut.any()):
+        rows = cut.nonzero().squeeze(1)
+        values[rows], chosen[rows] = _ordered_top(block[rows], where[rows], k, largest)
+    return values, chosen
 
 
 def self_influence(
