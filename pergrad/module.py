@@ -514,7 +514,8 @@ class PerSampleModule:
         ``module.`` prefix): the features one process computes for those samples.
 
         - ``kind="kron"``: a parameter of two or more dims gets ``P_row ⊗ P_col`` with
-          ``r_row * r_col = dim`` (``dim = r^2``: ``r x r``; ``dim = 2 r^2``: ``r x 2r``; every power of
+          ``r_row * r_col = dim`` (``dim = r^2``: ``r x r``; ``dim = 2 r^2``: ``r`` and ``2r``, the ``2r`` on the
+          side of the weight with fewer entries; every power of
           two is one of these), computed without building ``g_i`` for Linear (any leading dims),
           Conv1d/2d/3d and ConvTranspose1d/2d/3d (any stride, padding, dilation, groups, output
           padding), Embedding and HF ``Conv1D``, and from

@@ -10,7 +10,8 @@ gradient (its parameters concatenated), ``k`` features whatever the number of pa
   ``[vocab, dim]``, HF ``Conv1D`` ``[in, out]``)
   gets ``P_p = P_row ⊗ P_col`` with ``P_row`` ``[r_row, R]`` and ``P_col`` ``[r_col, C * prod(rest)]``:
   ``P_p vec(g) = vec(P_row g P_col^T)``, flattened row-major (``[r_row, r_col]``), with
-  ``r_row * r_col = k`` (``split``). A layer with a Kronecker rule (``FusedRule.project``) computes it
+  ``r_row * r_col = k`` (``split``; the larger of the two on the side with fewer entries: ``ranks``). A
+  layer with a Kronecker rule (``FusedRule.project``) computes it
   from its input and output gradient without building ``g_i``. A one-dim parameter (bias, norm
   weight) gets a CountSketch (Charikar et al. 2002): coordinate ``j`` is added, with a random sign
   ``s_j``, to one feature ``h_j`` (``P[h_j, j] = s_j``): inner products are unbiased, with about the
@@ -163,11 +164,20 @@ class Projector:
             found = self._cast[key] = block.to(like.device, like.dtype)
         return found
 
+    @property
+    def ranks(self) -> tuple[int, int]:
+        """``(r_row, r_col)`` of a Kronecker block: ``split(k)``, the larger on the side with fewer entries
+        (``P_col`` of a ``[512, 784]`` weight gets 16 rows, ``P_row`` 32: projecting the wider side, the
+        larger cost, with the smaller rank)."""
+        small, large = split(self.spec.dim)
+        rows, cols = self.shape[0], self.numel // self.shape[0]
+        return (large, small) if cols > rows else (small, large)
+
     def factors(self, like: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """``P_row [r_row, R]`` and ``P_col [r_col, C * prod(rest)]`` of a Kronecker block, in the
-        dtype and on the device of ``like`` (float64 CPU without it)."""
+        """``P_row [r_row, R]`` and ``P_col [r_col, C * prod(rest)]`` of a Kronecker block (``ranks``), in
+        the dtype and on the device of ``like`` (float64 CPU without it)."""
         assert self.kron
-        r_row, r_col = split(self.spec.dim)
+        r_row, r_col = self.ranks
         rows, cols = self.shape[0], self.numel // self.shape[0]
         row = self._block("row", 0, r_row, rows, 1 / math.sqrt(r_row))
         col = self._block("col", 0, r_col, cols, 1 / math.sqrt(r_col))

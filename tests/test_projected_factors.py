@@ -113,7 +113,11 @@ def check_factors(family: str, positions: int, keep_grad_sample: bool, loss_redu
     blocks = {n: Projector(Spec(DIM, seed=SEED), n, tuple(p.shape)).factors() for n, p in weights.items()}
     recorder = Recorder(net, weights)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
-    sums = {n: [torch.zeros(2, 2, dtype=torch.float64), torch.zeros(4, 4, dtype=torch.float64), 0] for n in weights}
+    ranks = {n: Projector(Spec(DIM, seed=SEED), n, tuple(p.shape)).ranks for n, p in weights.items()}
+    sums = {
+        n: [torch.zeros(r, r, dtype=torch.float64), torch.zeros(q, q, dtype=torch.float64), 0]
+        for n, (r, q) in ranks.items()
+    }
     for step, batch in enumerate([3, 5, 4, 6]):  # the detaching shortcut starts after the first backward
         if step == 2:  # the sums start again
             psm.reset_projected_factors()

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ..calls import HookedLayer, Kept
 from ..errors import ProjectionError
-from ..projectors import Projector, split
+from ..projectors import Projector
 from . import Batch
 from .projection import Projected, Projection
 
@@ -123,7 +123,7 @@ class ProjectedFactors:
                 continue
             sums = self.sums.get(name)
             if sums is None:
-                r_row, r_col = split(projector.spec.dim)
+                r_row, r_col = projector.ranks
                 zeros = torch.zeros(r_row, r_row, dtype=torch.float64), torch.zeros(r_col, r_col, dtype=torch.float64)
                 sums = _Sums(*zeros)
             out[name] = Factors(sums.row / samples, sums.col / samples, samples, sums.positions)
