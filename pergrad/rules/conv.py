@@ -249,6 +249,7 @@ def _conv_kron(layer: nn.Module, a: Tensor, d: Tensor, weight: Projector) -> Ten
     """``conv_project``'s weight features for one group, from the factors as the convolutions lay them out:
     ``U = P_row d_i`` ``[n, p, l]`` and ``V = conv(a_i, P_col)`` ``[n, q, l]``, then ``U V^T`` (a bmm reading
     ``V`` transposed in place, where ``conv_factors``' ``[n, l, q]`` layout copies both)."""
+    assert isinstance(layer, _CONVS)
     n = a.shape[0]
     row, col = weight.factors(d)
     stride, zeros, dilation, _ = _conv_args(layer)
