@@ -44,6 +44,9 @@ EXAMPLES = [
     Example("cabs", ("examples/cabs.py",), ("examples/cabs.py",)),
     Example("saliency", ("examples/saliency.py",), ("examples/saliency.py",)),
     Example("hooks", ("examples/hooks.py",), ("examples/hooks.py",)),
+    Example("fishr", ("examples/fishr.py",), ("examples/fishr.py",)),
+    Example("attribution_lm", ("examples/attribution_lm.py",), ("examples/attribution_lm.py",)),
+    Example("dp_finetune", ("examples/dp_finetune.py",), ("examples/dp_finetune.py",)),
     Example(
         "attribution",
         ("examples/attribution.py",),
