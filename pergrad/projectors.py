@@ -43,6 +43,10 @@ import torch
 from torch import Tensor
 
 KINDS = ("kron", "dense", "sjlt")
+# the definition of P: what (seed, name, shape, kind) draws. Raised whenever that changes, so a feature store
+# written with an older P (its spec records the version) is refused rather than scored against new features.
+# 2: dense blocks Rademacher by columns, a Kronecker block's larger rank on the narrower side.
+VERSION = 2
 CHUNK = 1 << 22  # elements of a dense block drawn at once
 CACHED = 1 << 20  # blocks up to this many elements are drawn once per Projector, then kept
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data.distributed import DistributedSampler
 
+import pergrad.projectors
 from pergrad import PergradError
 from pergrad.attribution import FeatureStore, MissingFeaturesError, StoreIndexError, StoreSpecError
 
@@ -137,6 +139,26 @@ def test_reopening_with_another_spec_names_the_field(tmp_path: Path, field: str,
     with pytest.raises(StoreSpecError, match=rf"was written with {field}={stored}, this call asks for {field}=.*"):
         FeatureStore.open(tmp_path, **{**spec, field: value})  # type: ignore[arg-type]
     FeatureStore.open(tmp_path, readonly=True).close()  # fields left out are read from disk
+
+
+def test_features_of_another_projection_version_are_refused(tmp_path: Path) -> None:
+    """A store of pergrad's features records the projection's version; one written by a pergrad that drew
+    another P is refused (its features would not match new ones), a store of other features is not checked."""
+    with FeatureStore.open(tmp_path / "ours", n=4, k=8, kind="kron", seed=1) as store:
+        store.write(torch.arange(4), torch.ones(4, 8))
+    spec_path = tmp_path / "ours" / "spec.json"
+    spec = json.loads(spec_path.read_text())
+    assert spec["projection"] == pergrad.projectors.VERSION
+    spec["projection"] = pergrad.projectors.VERSION - 1
+    spec_path.write_text(json.dumps(spec))
+    with pytest.raises(
+        StoreSpecError, match=r"projection version 1; this pergrad draws version 2 .*write the features"
+    ):
+        FeatureStore.open(tmp_path / "ours", readonly=True)
+    with FeatureStore.open(tmp_path / "theirs", n=4, k=8) as store:  # no kind: features from elsewhere
+        store.write(torch.arange(4), torch.ones(4, 8))
+    assert json.loads((tmp_path / "theirs" / "spec.json").read_text())["projection"] == 0
+    FeatureStore.open(tmp_path / "theirs", readonly=True).close()
 
 
 def test_opening_errors(tmp_path: Path) -> None:

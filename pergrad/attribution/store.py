@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..projectors import VERSION as PROJECTION_VERSION
 from .errors import MissingFeaturesError, StoreIndexError, StoreSpecError
 
 SPEC_FILE = "spec.json"
@@ -67,6 +68,7 @@ class StoreSpec:
     targets: tuple[str, ...] = ()
     seed: int | None = None
     kind: str = ""
+    projection: int = 0  # pergrad.projectors.VERSION of the features, where kind says they are pergrad's
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -193,7 +195,10 @@ class FeatureStore:
                     f"feature store {str(root)!r} does not exist yet: creating it needs n= (samples) and k= "
                     "(features per sample)."
                 )
-            spec = StoreSpec(**{name: value for name, value in given.items() if value is not None})
+            spec = StoreSpec(
+                **{name: value for name, value in given.items() if value is not None},
+                projection=PROJECTION_VERSION if kind else 0,
+            )
             _check_spec(root, spec)
             root.mkdir(parents=True, exist_ok=True)
             if not _create_once(spec_path, json.dumps(spec.to_json(), indent=2) + "\n"):
@@ -204,6 +209,12 @@ class FeatureStore:
             raise StoreSpecError(
                 f"feature store {str(root)!r} has format_version {spec.format_version}; this pergrad reads "
                 f"{FORMAT_VERSION}: write the features again with this version."
+            )
+        if spec.kind and spec.projection != PROJECTION_VERSION:
+            raise StoreSpecError(
+                f"feature store {str(root)!r} holds kind={spec.kind!r} features of pergrad's projection version "
+                f"{spec.projection}; this pergrad draws version {PROJECTION_VERSION} (pergrad.projectors.VERSION), "
+                "whose features do not match them: write the features again into a new path."
             )
         if not 0 <= rank < spec.world_size:
             raise StoreSpecError(
