@@ -237,9 +237,13 @@ class Projector:
             return found if total is None else total.add_(found)
         flat = g.reshape(n, -1)
         out = flat.new_zeros((n, self.spec.dim)) if total is None else total
-        if self.sketch:
+        if self.sketch:  # the signed copy of g_i made CHUNK entries at a time, not whole
             where, signs = self.sketched(flat)
-            return out.index_add_(1, where, flat * signs)
+            step = max(1, CHUNK // max(1, n))
+            for start in range(0, flat.shape[1], step):
+                cols = slice(start, start + step)
+                out.index_add_(1, where[cols], flat[:, cols] * signs[cols])
+            return out
         for cols, block in self.dense_blocks(flat):
             out.addmm_(flat[:, cols], block.T)
         return out

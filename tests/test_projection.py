@@ -244,6 +244,8 @@ def test_a_dense_block_is_drawn_in_chunks_that_make_the_same_matrix() -> None:
         assert sum(1 for _ in proj.dense_blocks()) == 8  # 4 columns of 16 at a time
         g = torch.randn(5, 3, 10, dtype=torch.float64)
         assert_close(proj.apply(g), g.flatten(1) @ proj.matrix().T, "chunked dense projection")
+        sketch = Projector(Spec(16, "sjlt", seed=1), "w", (3, 10))  # signed copies of 12 columns at a time
+        assert_close(sketch.apply(g), g.flatten(1) @ sketch.matrix().T, "chunked CountSketch")
 
 
 def test_dense_entries_are_signs_over_sqrt_k_in_every_dtype() -> None:
