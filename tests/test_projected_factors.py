@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from pergrad import PerSampleModule
 from pergrad.errors import ProjectionError
 from pergrad.projectors import Projector, Spec
-from tests.test_projection import Tied, Twice, floats, token_ids
+from tests.test_projection import Attention, Tied, Twice, floats, token_ids
 
 DIM, SEED = 8, 4  # kron: 2 x 4
 
@@ -163,17 +163,6 @@ def test_factors_match_hand_sums_every_step(family: str, positions: int, keep_gr
 @pytest.mark.parametrize("family", ["linear", "conv1d"])
 def test_factors_are_of_each_samples_own_loss_under_a_sum_loss(family: str, keep_grad_sample: bool) -> None:
     check_factors(family, 17, keep_grad_sample, loss_reduction="sum")
-
-
-class Attention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(4, 4)
-        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.inp(x)
-        return self.attn(h, h, h, need_weights=False)[0]
 
 
 def test_errors_name_the_target_and_the_fix() -> None:

@@ -23,7 +23,7 @@ from pergrad.projectors import Projector, Spec
 transformers = pytest.importorskip("transformers")
 Conv1D = transformers.pytorch_utils.Conv1D
 
-DIM = 8  # kron: 2 x 4
+DIM = 8  # kron: ranks 2 and 4 (the 4 on the narrower side of each weight)
 
 
 class Attention(nn.Module):
