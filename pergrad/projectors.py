@@ -210,7 +210,8 @@ class Projector:
         k, numel = self.spec.dim, self.numel
         step = max(1, CHUNK // k)
         for index, start in enumerate(range(0, numel, step)):
-            yield slice(start, min(numel, start + step)), self._signs(index, min(numel, start + step) - start, like)
+            stop = min(numel, start + step)
+            yield slice(start, stop), self._signs(index, stop - start, like)
 
     def _signs(self, index: int, cols: int, like: Tensor | None) -> Tensor:
         """Columns ``[k, cols]`` of a dense block: ``±1/sqrt(k)`` from ``int8`` bits drawn on the CPU,

@@ -249,17 +249,23 @@ def _conv_kron(layer: nn.Module, a: Tensor, d: Tensor, weight: Projector) -> Ten
     """``conv_project``'s weight features for one group, from the factors as the convolutions lay them out:
     ``U = P_row d_i`` ``[n, p, l]`` and ``V = conv(a_i, P_col)`` ``[n, q, l]``, then ``U V^T`` (a bmm reading
     ``V`` transposed in place, where ``conv_factors``' ``[n, l, q]`` layout copies both)."""
-    assert isinstance(layer, _CONVS)
     n = a.shape[0]
     row, col = weight.factors(d)
-    stride, zeros, dilation, _ = _conv_args(layer)
-    x, padding = _input_and_padding(layer, a)
-    kernel = col.reshape(col.shape[0], *layer.weight.shape[1:])
-    v = torch.ops.aten.convolution(x, kernel, None, stride, padding, dilation, False, zeros, 1).reshape(
-        n, col.shape[0], -1
-    )
+    v = _projected_patches(layer, a, col).reshape(n, col.shape[0], -1)
     u = torch.matmul(row, d.reshape(n, d.shape[1], -1))  # [p, O] @ [n, O, l]
     return torch.bmm(u, v.transpose(1, 2)).flatten(1)
+
+
+def _projected_patches(layer: nn.Module, a: Tensor, col: Tensor) -> Tensor:
+    """``P_col`` applied to every patch of each group: the convolution of ``a`` with ``P_col`` as a
+    ``[q, C/g, *kernel]`` weight repeated once per group, ``[n, g*q, *out_positions]``."""
+    assert isinstance(layer, _CONVS)
+    stride, zeros, dilation, groups = _conv_args(layer)
+    x, padding = _input_and_padding(layer, a)
+    kernel = col.reshape(col.shape[0], *layer.weight.shape[1:])
+    if groups > 1:
+        kernel = kernel.repeat(groups, *([1] * (x.dim() - 1)))
+    return torch.ops.aten.convolution(x, kernel, None, stride, padding, dilation, False, zeros, groups)
 
 
 def conv_factors(
@@ -279,11 +285,7 @@ def conv_factors(
         return None
     n, groups = a.shape[0], layer.groups
     row, col = weight.factors(d)
-    stride, zeros, dilation, _ = _conv_args(layer)
-    x, padding = _input_and_padding(layer, a)
-    kernel = col.reshape(col.shape[0], *layer.weight.shape[1:]).repeat(groups, *([1] * (x.dim() - 1)))
-    y = torch.ops.aten.convolution(x, kernel, None, stride, padding, dilation, False, zeros, groups)
-    v = y.reshape(n, groups, col.shape[0], -1).transpose(2, 3)  # [n, g, l, q]
+    v = _projected_patches(layer, a, col).reshape(n, groups, col.shape[0], -1).transpose(2, 3)  # [n, g, l, q]
     u = torch.einsum("pgo,ngol->nglp", row.reshape(row.shape[0], groups, -1), d.reshape(n, groups, -1, v.shape[2]))
     return {"weight": (u.reshape(n, -1, row.shape[0]), v.reshape(n, -1, col.shape[0]))}
 
