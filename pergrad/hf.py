@@ -49,6 +49,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from .errors import TrainerConfigError
 from .lm_loss import IGNORE_INDEX, per_sample_lm_loss
 from .module import PerSampleModule
+from .privacy import DPSGD, PoissonBatchSampler, collate_with_empty
 from .transforms import Transform
 
 PerSampleLoss = Callable[[Any, Any], Tensor]  # (outputs, labels) -> [B]: each sample's own loss
@@ -237,8 +238,6 @@ class PoissonMicroBatches(Sampler[list[int]]):
         return self.steps * self.micro_batches
 
     def __iter__(self) -> Iterator[list[int]]:
-        from .privacy import PoissonBatchSampler
-
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         yield from PoissonBatchSampler(
             self.num_samples,
@@ -380,8 +379,6 @@ class PerSampleTrainer(Trainer):
         return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
 
     def _make_dp(self, privacy: DPConfig) -> Any:
-        from .privacy import DPSGD
-
         dataset = self.train_dataset
         if dataset is None or not hasattr(dataset, "__len__"):
             raise TrainerConfigError(
@@ -419,8 +416,6 @@ class PerSampleTrainer(Trainer):
             return super().get_train_dataloader()
         from transformers.trainer_utils import seed_worker
         from transformers.utils import is_datasets_available
-
-        from .privacy import collate_with_empty
 
         dataset, collate = self.train_dataset, self.data_collator
         assert dataset is not None
