@@ -66,11 +66,15 @@ class ModuleHook:
     """A module hook owned by one ``LayerHooks``. Copying or pickling the model copies no pergrad
     state: the copy gets a ``_Inert`` hook in its place."""
 
-    def __init__(self, owner: LayerHooks, fn: Callable[..., Any]) -> None:
-        self.owner, self.fn = owner, fn
+    def __init__(self, owner: LayerHooks, fn: Callable[..., Any], aside: bool = False) -> None:
+        self.owner, self.fn, self.aside = owner, fn, aside
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
+    def __call__(self, *args: Any) -> Any:
+        if self.aside:  # a layer's hook: pergrad's own ops are not the model's (``Provenance.aside``)
+            following = self.owner.following()
+            if following is not None:
+                return following.aside(self.fn, *args)
+        return self.fn(*args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Inert:
         return _Inert()
@@ -301,13 +305,16 @@ class LayerHooks:
                 raw.setdefault(layer.module if layer.host is None else layer.host, []).append(layer)
                 continue
             batch_dim = 0 if self._batch_first or layer.spec.batch_dim_fixed else 1
-            enter = ModuleHook(self, self._direct_call([layer.name], batch_dim))
+            enter = ModuleHook(self, self._direct_call([layer.name], batch_dim), aside=True)
             self._handles.append(layer.module.register_forward_pre_hook(enter, with_kwargs=True))
             spec = layer.spec
             detachable = not (spec.all_inputs or spec.subtree or spec.parametrized)
             if self._to_detach is not None and detachable and (self._may_detach is None or self._may_detach(layer)):
                 # before the keeper: the output it keeps is the one with the probe added
-                pre, post = ModuleHook(self, self._detacher(layer)), ModuleHook(self, self._reattacher(layer))
+                pre, post = (
+                    ModuleHook(self, self._detacher(layer), True),
+                    ModuleHook(self, self._reattacher(layer), True),
+                )
                 self._handles.append(layer.module.register_forward_pre_hook(pre))
                 self._handles.append(layer.module.register_forward_hook(post, always_call=True))
             if (
@@ -316,12 +323,12 @@ class LayerHooks:
                 and (self._may_tap is None or self._may_tap(layer))
             ):
                 # after the detacher: a weight detached for the call is not tapped
-                pre, post = ModuleHook(self, self._tapper), ModuleHook(self, self._untapper)
+                pre, post = ModuleHook(self, self._tapper, True), ModuleHook(self, self._untapper, True)
                 self._handles.append(layer.module.register_forward_pre_hook(pre))
                 self._handles.append(layer.module.register_forward_hook(post, always_call=True))
             if layer.spec.parametrized:
                 self._capture(layer)
-            hook = ModuleHook(self, self._keeper(layer))
+            hook = ModuleHook(self, self._keeper(layer), aside=True)
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
         for module, own in raw.items():
             enter = ModuleHook(self, self._direct_call([layer.name for layer in own], 0 if self._batch_first else 1))
@@ -389,6 +396,14 @@ class LayerHooks:
         view.grad_fn.register_prehook(catch)
         self._follow((view, *args[1:]), kwargs)
         return (view, *args[1:]), kwargs
+
+    def following(self) -> Provenance | None:
+        """The running forward's ``Provenance`` where it is the innermost torch function mode (a layer's
+        hooks then run aside from it), else None."""
+        if not self._provenance:
+            return None
+        found = self._provenance[-1]
+        return found if found.on_top() else None
 
     def _follow(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Follow, for this forward, which tensors carry the batch (``pergrad.shared.Provenance``),
@@ -509,7 +524,13 @@ class LayerHooks:
             if not isinstance(output, Tensor):  # the forward raised: the keeper will not run
                 self._detached.pop(layer.name)
                 return None
-            return output + found.anchor if found.on_output else None
+            if not found.on_output:
+                return None
+            anchored = output + found.anchor  # (computed aside from the forward's Provenance: marked here)
+            following = self._provenance[-1] if self._provenance else None
+            if following is not None and following.carries(output):
+                following.mark(anchored)
+            return anchored
 
         return reattach
 

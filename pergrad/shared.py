@@ -684,6 +684,8 @@ class Provenance(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
+        if result is not None and not isinstance(result, Tensor | tuple | list):
+            return result  # x.dim(), x.numel(), x.shape, x.item(): nothing to mark
         name = getattr(func, "__name__", "")
         if name == "__get__":  # an attribute: x.T, x.data, x.shape (the last not a tensor)
             if isinstance(result, Tensor) and args and isinstance(args[0], Tensor) and self._carries(args[0]):
@@ -701,6 +703,21 @@ class Provenance(TorchFunctionMode):
         for t in _tensors((result, *(out if isinstance(out, tuple | list) else (out,)))):
             self.mark(t)
         return result
+
+    def aside(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` with this mode off the stack of torch function modes (it must be on top):
+        pergrad's own work in a hook of a layer, whose ops would otherwise each pass through the mode.
+        What such work returns into the forward must be marked by hand (``mark``)."""
+        torch._C._pop_torch_function_stack()
+        try:
+            return fn(*args)
+        finally:
+            torch._C._push_on_torch_function_stack(self)
+
+    def on_top(self) -> bool:
+        """Whether this mode is the innermost torch function mode (no other entered inside it)."""
+        stack = torch._C._len_torch_function_stack()
+        return bool(stack) and torch._C._get_function_stack_at(stack - 1) is self
 
     def __enter__(self) -> Provenance:
         super().__enter__()
