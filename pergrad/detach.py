@@ -93,6 +93,31 @@ class _Guard:
         )
 
 
+class _Anchored(torch.autograd.Function):
+    """``x`` itself (marked as written in place: no copy), tied to the scalar ``anchor``: in the
+    backward, ``x``'s gradient passes and ``anchor`` gets a zero (see ``anchor_output``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, anchor: Tensor) -> Tensor:
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        return grad, grad.new_zeros(())
+
+
+def anchor_output(output: Tensor, anchor: Tensor) -> Tensor:
+    """A call's ``output`` tied to a probe ``anchor`` (``Detached.on_output``): a backward through the
+    output runs the anchor's ``AccumulateGrad``. In place, at no pass over the output, unless the output
+    is a view or a leaf (then ``output + anchor``: adding 0 changes no value)."""
+    if output._is_view() or (output.requires_grad and output.grad_fn is None):
+        return output + anchor
+    found = _Anchored.apply(output, anchor)
+    assert isinstance(found, Tensor)
+    return found
+
+
 def touch(x: Tensor, params: tuple[Tensor, ...], zero: Tensor | None, guard: _Guard | None = None) -> Tensor:
     """``x``, tied to ``params`` so that a backward through it runs their ``AccumulateGrad`` with
     ``zero`` expanded to their shapes (no memory of their size until autograd stores it), or with no
@@ -271,6 +296,9 @@ class Detacher:
         if trainable_bias:
             assert isinstance(bias, nn.Parameter)
             return Detached(bias, (weight,), tuple(swaps))
+        if type(module) is nn.Embedding:  # no bias: the probe is added to the output (which the weight alone
+            # makes: without the probe, a detached lookup would leave the output outside the graph)
+            return Detached(self.probe(weight), (weight,), tuple(swaps), probe=True, on_output=True)
         if bias is None and isinstance(module, nn.Linear):  # the probe as a zero bias: addmm adds it
             probe = self.probe(weight)
             swaps.append(("bias", None, probe.expand(module.out_features)))

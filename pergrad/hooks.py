@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from . import lm_loss
 from .calls import Detached, HookedLayer, Kept
 from .coupling import refuse_batch_statistics
+from .detach import anchor_output
 from .errors import RECOMPUTED, BatchMixingError, BatchSizeError, SharedInputError, module_label
 from .layout import batch_to_front
 from .parametrized import Capture, Computed, parametrizations_of, sites
@@ -526,9 +527,9 @@ class LayerHooks:
                 return None
             if not found.on_output:
                 return None
-            anchored = output + found.anchor  # (computed aside from the forward's Provenance: marked here)
+            anchored = anchor_output(output, found.anchor)  # (aside from the forward's Provenance: marked here)
             following = self._provenance[-1] if self._provenance else None
-            if following is not None and following.carries(output):
+            if anchored is not output and following is not None and following.carries(output):
                 following.mark(anchored)
             return anchored
 

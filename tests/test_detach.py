@@ -200,3 +200,51 @@ def test_the_zero_a_touched_weight_gets_is_recognised_without_reading_it() -> No
     assert not detacher.is_touch_zero(arrived[-1])
     assert torch.equal(arrived[-1], torch.full((3, 2), 2.0, dtype=torch.float64))
     assert not detacher.is_touch_zero(torch.zeros((), dtype=torch.float64).expand(3, 2))  # another zero
+
+
+class Embedded(nn.Module):
+    """Token and position embeddings (the position ids shared by the batch) before a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(11, 6, padding_idx=0), nn.Embedding(8, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        return self.head(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_embeddings_run_detached_after_the_first_step_and_stay_exact(keep: bool) -> None:
+    """An embedding has no bias to anchor its call: pergrad's probe is added to its output instead,
+    so a clipped embedding's weight gradient is pergrad's alone from the second backward on, over
+    batches of changing sizes and lengths, with padding and position ids shared by the batch."""
+    torch.manual_seed(3)
+    model = Embedded().double()
+    embeddings = {"tok.weight", "pos.weight"}
+    by_autograd: list[str] = []
+    nodes = {name: get_gradient_edge(p).node for name, p in model.named_parameters()}
+    for name, node in nodes.items():
+        node.register_prehook(lambda g, name=name: by_autograd.append(name) if g[0] is not None else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    with PerSampleModule(model, keep_grad_sample=keep) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.4))
+        for step, (batch, length) in enumerate([(4, 5), (3, 8), (5, 2), (2, 5)]):
+            ids = torch.randint(0, 11, (batch, length))
+            ids[0, -1] = 0  # a padding token
+            y = torch.randint(0, 3, (batch,))
+            ref = reference_grad_sample(model, ids, y, loss=lambda out, t: F.cross_entropy(out, t, reduction="sum"))
+            expected = clipped_mean(ref, 0.4)
+            by_autograd.clear()
+            optimizer.zero_grad()
+            F.cross_entropy(psm(ids), y).backward()
+            for name, p in model.named_parameters():
+                assert_close(p.grad, expected[name], f"step {step}: .grad of {name}")
+                if keep:
+                    assert_close(p.grad_sample, ref[name], f"step {step}: grad_sample of {name}")
+            assert embeddings.isdisjoint(by_autograd) == (step > 0), f"step {step}: autograd computed {by_autograd}"
+            optimizer.step()
+        ids = torch.randint(1, 11, (2, 3))
+        with pytest.raises(DetachedWeightError, match="Pass detach_transformed=False"):
+            torch.autograd.grad(psm(ids).sum(), [model.tok.weight])

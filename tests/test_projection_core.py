@@ -56,7 +56,7 @@ GRADLESS = {
     "linear": ["0.weight"],  # its bias anchors the call (pergrad.detach): autograd's .grad, exact
     "conv1d": ["0.weight", "0.bias"],  # a convolution's bias goes with its weight
     "hf_conv1d": ["0.weight"],
-    "embedding": [],  # no detaching form: autograd's .grad, exact
+    "embedding": ["0.weight"],  # no bias: pergrad's probe added to its output anchors the call
 }
 
 
