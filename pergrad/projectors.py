@@ -82,13 +82,19 @@ def gaussian(rows: int, cols: int, seed: int, *key: object) -> Tensor:
     return torch.randn(rows, cols, generator=_generator(seed, *key), dtype=torch.float64)
 
 
-def kron_features(u: Tensor, v: Tensor) -> Tensor:
-    """A Kronecker block's features from its factors at every position (a rule's ``FusedRule.factors``):
-    ``vec(sum_s u_is v_is^T)`` row-major, ``u [n, s, p]``, ``v [n, s, q]`` -> ``[n, p * q]``, with no
-    ``[p, q]`` tensor per position."""
+def add_kron_features(total: Tensor, u: Tensor, v: Tensor, alpha: float = 1.0) -> None:
+    """Adds a Kronecker block's features, from its factors at every position (a rule's
+    ``FusedRule.factors``), into ``total`` ``[n, p * q]`` (contiguous): ``total += alpha vec(sum_s u_is
+    v_is^T)`` row-major, ``u [n, s, p]``, ``v [n, s, q]``, in place (no ``[n, p, q]`` temporary)."""
+    n, p, q = u.shape[0], u.shape[2], v.shape[2]
+    if u.dtype != total.dtype:  # (a target over parameters of several dtypes: summed in the first's)
+        total.add_(torch.bmm(u.transpose(1, 2), v).flatten(1), alpha=alpha)
+        return
+    out = total.view(n, p, q)
     if u.shape[1] == 1:  # one position: an outer product, cheaper broadcast than as a bmm of inner size 1
-        return (u.transpose(1, 2) * v).flatten(1)
-    return torch.bmm(u.transpose(1, 2), v).flatten(1)  # nsp,nsq->npq
+        out.addcmul_(u.reshape(n, p, 1), v, value=alpha)
+    else:
+        out.baddbmm_(u.transpose(1, 2), v, alpha=alpha)  # nsp,nsq->npq
 
 
 def kron_token_features(u: Tensor, v: Tensor) -> Tensor:
@@ -228,25 +234,31 @@ class Projector:
                 self._cast[key] = found
         return found
 
-    def apply(self, g: Tensor, total: Tensor | None = None) -> Tensor:
-        """``P_p vec(g_i)`` for built per-sample gradients ``g`` ``[B, *shape]`` -> ``[B, k]``, added into
-        ``total`` (and returned) when given."""
+    def apply(self, g: Tensor, total: Tensor | None = None, alpha: float = 1.0) -> Tensor:
+        """``alpha P_p vec(g_i)`` for built per-sample gradients ``g`` ``[B, *shape]`` -> ``[B, k]``, added
+        into ``total`` (and returned) when given."""
         n = g.shape[0]
         if self.kron:
             row, col = self.factors(g)
             found = (row @ g.reshape(n, self.shape[0], -1) @ col.T).reshape(n, -1)
-            return found if total is None else total.add_(found)
+            if total is None:
+                return found if alpha == 1 else found.mul_(alpha)
+            return total.add_(found, alpha=alpha)
         flat = g.reshape(n, -1)
         out = flat.new_zeros((n, self.spec.dim)) if total is None else total
         if self.sketch:  # the signed copy of g_i made CHUNK entries at a time, not whole
             where, signs = self.sketched(flat)
+            if alpha != 1:  # (index_add_'s own alpha costs a second pass over the signed copy)
+                signs = signs * alpha
+            if flat.shape[1] <= CHUNK // max(1, n):
+                return out.index_add_(1, where, flat * signs)
             step = max(1, CHUNK // max(1, n))
             for start in range(0, flat.shape[1], step):
                 cols = slice(start, start + step)
                 out.index_add_(1, where[cols], flat[:, cols] * signs[cols])
             return out
         for cols, block in self.dense_blocks(flat):
-            out.addmm_(flat[:, cols], block.T)
+            out.addmm_(flat[:, cols], block.T, alpha=alpha)
         return out
 
     def matrix(self) -> Tensor:

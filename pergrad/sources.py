@@ -347,13 +347,10 @@ class Fused:
         for call in self._calls_of(projectors):
             named = {name: p for name, p in self._params[call].items() if p in projectors}
             fused = call.layer.spec.fused
-            by_name = None
             if call.built is None and fused is not None and fused.project is not None:
-                by_name = fused.project(call.layer.module, call.a, call.d, {n: projectors[p] for n, p in named.items()})
-            if by_name is not None:
-                for f in by_name.values():
-                    total.add_(f, alpha=call.scale)
-                continue
+                by_name = {n: projectors[p] for n, p in named.items()}
+                if fused.project(call.layer.module, call.a, call.d, by_name, total, call.scale):
+                    continue
             for name, g in self._run(call).items():
                 p = self._param(call, name)
                 if p in projectors:

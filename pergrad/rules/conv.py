@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layout import new_buffer, owned, recorded
-from ..projectors import Projector, kron_features
+from ..projectors import Projector, add_kron_features
 from ..registry import FusedRule, default_registry
 from .linear import gram_is_cheaper, outer_sq_norms
 
@@ -224,36 +224,40 @@ def conv_builds(layer: nn.Module, a: Tensor, d: Tensor) -> bool:
     return not gram_is_cheaper(positions, channels * kernel, d.shape[1] // layer.groups)
 
 
-def conv_project(layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector]) -> dict[str, Tensor] | None:
-    """``P vec(g_i) = sum_{g,l} (P_row[:, g] d_i[g, :, l]) (P_col patch_i[g, l])^T`` for the weight
+def conv_project(
+    layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector], total: Tensor, scale: float
+) -> bool:
+    """``total += scale P vec(g_i)``, ``P vec(g_i) = sum_{g,l} (P_row[:, g] d_i[g, :, l]) (P_col patch_i[g, l])^T`` for the weight
     ``[O, C/g, *kernel]`` (``P_row [p, O]``, ``P_col [q, C/g * k]``), with nothing unfolded: ``P_col``
     applied to every patch is the convolution of ``a`` with ``P_col`` as a ``[q, C/g, *kernel]`` weight
     (the layer's stride, padding, dilation; repeated once per group, so group g's input meets it),
     ``P_row d`` a contraction over each group's output channels (the factors: ``conv_factors``). The
-    bias's block is applied to ``sum_l d_i[:, l]``. None if the weight's block is dense (``g_i`` must
-    be built)."""
+    bias's block is applied to ``sum_l d_i[:, l]``. False, adding nothing, if the weight's block is dense
+    (``g_i`` must be built)."""
     weight = projectors.get("weight")
     if weight is not None and weight.kron and layer.groups == 1:  # channels first throughout: nothing transposed
-        out = {"weight": _conv_kron(layer, a, d, weight)}
+        _conv_kron(layer, a, d, weight, total, scale)
     else:
         factors = conv_factors(layer, a, d, projectors)
         if factors is None:
-            return None
-        out = {name: kron_features(u, v) for name, (u, v) in factors.items()}
+            return False
+        for u, v in factors.values():
+            add_kron_features(total, u, v, scale)
     if "bias" in projectors:
-        out["bias"] = projectors["bias"].apply(d.flatten(2).sum(2))
-    return out
+        projectors["bias"].apply(d.flatten(2).sum(2), total, scale)
+    return True
 
 
-def _conv_kron(layer: nn.Module, a: Tensor, d: Tensor, weight: Projector) -> Tensor:
-    """``conv_project``'s weight features for one group, from the factors as the convolutions lay them out:
-    ``U = P_row d_i`` ``[n, p, l]`` and ``V = conv(a_i, P_col)`` ``[n, q, l]``, then ``U V^T`` (a bmm reading
-    ``V`` transposed in place, where ``conv_factors``' ``[n, l, q]`` layout copies both)."""
+def _conv_kron(layer: nn.Module, a: Tensor, d: Tensor, weight: Projector, total: Tensor, scale: float) -> None:
+    """Adds ``conv_project``'s weight features for one group into ``total``, from the factors as the
+    convolutions lay them out: ``U = P_row d_i`` ``[n, p, l]`` and ``V = conv(a_i, P_col)`` ``[n, q, l]``,
+    then ``U V^T`` (a bmm reading ``V`` transposed in place, where ``conv_factors``' ``[n, l, q]`` layout
+    copies both)."""
     n = a.shape[0]
     row, col = weight.factors(d)
     v = _projected_patches(layer, a, col).reshape(n, col.shape[0], -1)
     u = torch.matmul(row, d.reshape(n, d.shape[1], -1))  # [p, O] @ [n, O, l]
-    return torch.bmm(u, v.transpose(1, 2)).flatten(1)
+    total.view(n, row.shape[0], col.shape[0]).baddbmm_(u, v.transpose(1, 2), alpha=scale)
 
 
 def _projected_patches(layer: nn.Module, a: Tensor, col: Tensor) -> Tensor:
@@ -403,24 +407,21 @@ def conv_transpose_builds(layer: nn.Module, a: Tensor, d: Tensor) -> bool:
 
 
 def conv_transpose_project(
-    layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector]
-) -> dict[str, Tensor] | None:
-    """``P vec(g_i)`` of the weight ``[C_in, C_out/g, *kernel]`` as the twin convolution's (``conv_project``
+    layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector], total: Tensor, scale: float
+) -> bool:
+    """``total += scale P vec(g_i)`` of the weight ``[C_in, C_out/g, *kernel]`` as the twin convolution's (``conv_project``
     with the window of ``d`` as its input and ``a`` as its output gradient: ``P_row`` over ``C_in``,
     ``P_col`` applied to every patch of the window by one convolution); the bias's block applied to
-    ``sum_l d_i[:, l]``. None if the weight's block is dense (``g_i`` must be built)."""
+    ``sum_l d_i[:, l]``. False, adding nothing, if the weight's block is dense (``g_i`` must be built)."""
     assert isinstance(layer, _ConvTransposeNd)
     weight = projectors.get("weight")
     if weight is not None and not weight.kron:
-        return None
-    out = {}
+        return False
     if weight is not None:
-        found = conv_project(_twin(layer), _window(layer, d), a, {"weight": weight})
-        assert found is not None
-        out["weight"] = found["weight"]
+        conv_project(_twin(layer), _window(layer, d), a, {"weight": weight}, total, scale)
     if "bias" in projectors:
-        out["bias"] = projectors["bias"].apply(_bias_sums(d))
-    return out
+        projectors["bias"].apply(_bias_sums(d), total, scale)
+    return True
 
 
 default_registry.register_fused(

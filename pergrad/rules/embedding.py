@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from ..errors import UnsupportedLayerError
 from ..layout import new_buffer
-from ..projectors import Projector, kron_features, kron_token_features
+from ..projectors import Projector, add_kron_features, kron_token_features
 from ..registry import FusedRule, LayerCall, default_registry
 
 
@@ -102,13 +102,18 @@ def embedding_sum_squares(layer: nn.Module, idx: Tensor, d: Tensor) -> dict[str,
 
 
 def embedding_project(
-    layer: nn.Module, idx: Tensor, d: Tensor, projectors: dict[str, Projector]
-) -> dict[str, Tensor] | None:
-    """``P vec(g_i) = sum_t P_row[:, idx_it] (P_col d_it)^T`` from the factors (``embedding_factors``):
-    ``P_row`` of a one-hot row is a column lookup (``P_row [p, vocab]``, ``P_col [q, e]``); padding
-    tokens contribute nothing. None if the block is dense (``g_i`` must be built)."""
+    layer: nn.Module, idx: Tensor, d: Tensor, projectors: dict[str, Projector], total: Tensor, scale: float
+) -> bool:
+    """``total += scale P vec(g_i)``, ``P vec(g_i) = sum_t P_row[:, idx_it] (P_col d_it)^T`` from the factors
+    (``embedding_factors``): ``P_row`` of a one-hot row is a column lookup (``P_row [p, vocab]``, ``P_col
+    [q, e]``); padding tokens contribute nothing. False, adding nothing, if the block is dense (``g_i``
+    must be built)."""
     factors = embedding_factors(layer, idx, d, projectors)
-    return None if factors is None else {name: kron_features(u, v) for name, (u, v) in factors.items()}
+    if factors is None:
+        return False
+    for u, v in factors.values():
+        add_kron_features(total, u, v, scale)
+    return True
 
 
 def embedding_factors(

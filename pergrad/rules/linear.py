@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layout import new_buffer, owned, recorded, rows
-from ..projectors import Projector, kron_features, kron_token_features
+from ..projectors import Projector, add_kron_features, kron_token_features
 from ..registry import FusedRule, Moments, default_registry
 
 
@@ -142,19 +142,27 @@ def linear_moments(
 
 
 def linear_project(
-    layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector], *, transposed: bool = False
-) -> dict[str, Tensor] | None:
-    """``P vec(g_i)``: the weight's Kronecker block as ``sum_s (P_row d_is)(P_col a_is)^T`` from its factors
-    (``linear_factors``; with ``transposed=True``, a weight stored ``[in, out]``: ``sum_s (P_row a_is)(P_col
-    d_is)^T``); the bias's block applied to ``sum_s d_is``. None if the weight's block is dense (``g_i``
-    must be built)."""
+    layer: nn.Module,
+    a: Tensor,
+    d: Tensor,
+    projectors: dict[str, Projector],
+    total: Tensor,
+    scale: float,
+    *,
+    transposed: bool = False,
+) -> bool:
+    """``total += scale P vec(g_i)``: the weight's Kronecker block as ``sum_s (P_row d_is)(P_col a_is)^T``
+    from its factors (``linear_factors``; with ``transposed=True``, a weight stored ``[in, out]``: ``sum_s
+    (P_row a_is)(P_col d_is)^T``); the bias's block applied to ``sum_s d_is``. False, adding nothing, if
+    the weight's block is dense (``g_i`` must be built)."""
     factors = linear_factors(layer, a, d, projectors, transposed=transposed)
     if factors is None:
-        return None
-    out = {name: kron_features(u, v) for name, (u, v) in factors.items()}
+        return False
+    for u, v in factors.values():
+        add_kron_features(total, u, v, scale)
     if "bias" in projectors:
-        out["bias"] = projectors["bias"].apply(d if d.dim() == 2 else rows(d).sum(1))
-    return out
+        projectors["bias"].apply(d if d.dim() == 2 else rows(d).sum(1), total, scale)
+    return True
 
 
 def linear_factors(
