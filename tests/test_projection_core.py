@@ -205,6 +205,27 @@ def test_conv_transpose_features_build_no_per_sample_gradient(case: str) -> None
     psm.remove()
 
 
+@pytest.mark.parametrize(
+    ("channels", "outputs"),
+    [(1, 16), (4, 3)],  # U V^T with U = P_row d_i (16 outputs); P_row (d_i V^T) (3 outputs: fewer flops)
+)
+def test_conv_features_by_either_order_of_the_contraction(channels: int, outputs: int) -> None:
+    """A one-group convolution's Kronecker features contract ``d_i`` with ``P_row`` first or with
+    ``V = conv(a_i, P_col)`` first, whichever costs fewer flops: both exact, every step."""
+    torch.manual_seed(2)
+    net = nn.Sequential(nn.Conv2d(channels, outputs, 3, padding=1), nn.Flatten(), nn.Linear(outputs * 36, 2)).double()
+    psm = PerSampleModule(net, keep_grad_sample=False, verify=False)
+    psm.register_projection(net, dim=32, seed=5, grads=False)
+    for batch in BATCHES:
+        x = torch.randn(batch, channels, 6, 6, dtype=torch.float64)
+        y = _target_like(net, x)
+        ref = reference_grad_sample(net, x, y)
+        with mock.patch.object(pergrad.sources, "run_rule", side_effect=AssertionError("a rule built g_i")):
+            run_pergrad(psm, x, y)
+        assert_close(psm.per_sample_projections()[""], _features(ref, net, Spec(32, seed=5)), f"batch {batch}")
+    psm.remove()
+
+
 # -- 3. per-token features ----------------------------------------------------------------------------
 
 

@@ -252,12 +252,18 @@ def _conv_kron(layer: nn.Module, a: Tensor, d: Tensor, weight: Projector, total:
     """Adds ``conv_project``'s weight features for one group into ``total``, from the factors as the
     convolutions lay them out: ``U = P_row d_i`` ``[n, p, l]`` and ``V = conv(a_i, P_col)`` ``[n, q, l]``,
     then ``U V^T`` (a bmm reading ``V`` transposed in place, where ``conv_factors``' ``[n, l, q]`` layout
-    copies both)."""
+    copies both), or ``P_row (d_i V^T)`` where that costs fewer flops (few output channels: no ``U``)."""
     n = a.shape[0]
     row, col = weight.factors(d)
-    v = _projected_patches(layer, a, col).reshape(n, col.shape[0], -1)
-    u = torch.matmul(row, d.reshape(n, d.shape[1], -1))  # [p, O] @ [n, O, l]
-    total.view(n, row.shape[0], col.shape[0]).baddbmm_(u, v.transpose(1, 2), alpha=scale)
+    (p, channels), q = row.shape, col.shape[0]
+    v = _projected_patches(layer, a, col).reshape(n, q, -1)
+    flat = d.reshape(n, channels, -1)
+    out = total.view(n, p, q)
+    positions = flat.shape[2]
+    if positions * channels * q + channels * p * q < positions * p * (channels + q):
+        out.baddbmm_(row.expand(n, p, channels), torch.bmm(flat, v.transpose(1, 2)), alpha=scale)  # [n, O, q]
+    else:
+        out.baddbmm_(torch.matmul(row, flat), v.transpose(1, 2), alpha=scale)  # U: [p, O] @ [n, O, l]
 
 
 def _projected_patches(layer: nn.Module, a: Tensor, col: Tensor) -> Tensor:
