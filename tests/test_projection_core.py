@@ -207,11 +207,14 @@ def test_conv_transpose_features_build_no_per_sample_gradient(case: str) -> None
 
 @pytest.mark.parametrize(
     ("channels", "outputs"),
-    [(1, 16), (4, 3)],  # U V^T with U = P_row d_i (16 outputs); P_row (d_i V^T) (3 outputs: fewer flops)
+    # U V^T with U = P_row d_i (16 outputs); P_row (d_i V^T) (3 outputs: fewer flops); V by a convolution
+    # rather than unfold + matmul (8 input channels: conv._projected_patches)
+    [(1, 16), (4, 3), (8, 3)],
 )
 def test_conv_features_by_either_order_of_the_contraction(channels: int, outputs: int) -> None:
     """A one-group convolution's Kronecker features contract ``d_i`` with ``P_row`` first or with
-    ``V = conv(a_i, P_col)`` first, whichever costs fewer flops: both exact, every step."""
+    ``V = conv(a_i, P_col)`` first, whichever costs fewer flops, ``V`` by unfolding few input channels or
+    by a convolution of more: every way exact, every step."""
     torch.manual_seed(2)
     net = nn.Sequential(nn.Conv2d(channels, outputs, 3, padding=1), nn.Flatten(), nn.Linear(outputs * 36, 2)).double()
     psm = PerSampleModule(net, keep_grad_sample=False, verify=False)
