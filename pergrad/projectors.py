@@ -250,8 +250,6 @@ class Projector:
             where, signs = self.sketched(flat)
             if alpha != 1:  # (index_add_'s own alpha costs a second pass over the signed copy)
                 signs = signs * alpha
-            if flat.shape[1] <= CHUNK // max(1, n):
-                return out.index_add_(1, where, flat * signs)
             step = max(1, CHUNK // max(1, n))
             for start in range(0, flat.shape[1], step):
                 cols = slice(start, start + step)

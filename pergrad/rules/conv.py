@@ -20,6 +20,9 @@ from ..registry import FusedRule, default_registry
 from .linear import gram_is_cheaper, outer_sq_norms
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# below this many input channels per group (an RGB stem), unfolding the input beats a convolution over it on
+# the CPU: for the batch-as-groups weight gradient and for P_col of the Kronecker features (benchmarks/README.md)
+FEW_CHANNELS = 8
 
 
 def conv_padding(layer: nn.Module) -> list[int]:
@@ -112,7 +115,7 @@ def _batch_as_groups_is_faster(layer: nn.Module, a: Tensor, d: Tensor) -> bool:
     assert isinstance(layer, _CONVS)
     channels = a.shape[1] // layer.groups
     positions = math.prod(d.shape[2:])
-    return a.dim() >= 4 and channels >= 8 and positions >= 4 * channels
+    return a.dim() >= 4 and channels >= FEW_CHANNELS and positions >= 4 * channels
 
 
 def _batch_as_groups(layer: nn.Module, a: Tensor, d: Tensor) -> Tensor:
@@ -256,7 +259,7 @@ def _conv_kron(layer: nn.Module, a: Tensor, d: Tensor, weight: Projector, total:
     n = a.shape[0]
     row, col = weight.factors(d)
     (p, channels), q = row.shape, col.shape[0]
-    v = _projected_patches(layer, a, col).reshape(n, q, -1)
+    v = _projected_patches(layer, a, col)  # [n, q, l]
     flat = d.reshape(n, channels, -1)
     out = total.view(n, p, q)
     positions = flat.shape[2]
@@ -267,26 +270,21 @@ def _conv_kron(layer: nn.Module, a: Tensor, d: Tensor, weight: Projector, total:
 
 
 def _projected_patches(layer: nn.Module, a: Tensor, col: Tensor) -> Tensor:
-    """``P_col`` applied to every patch of each group: the convolution of ``a`` with ``P_col`` as a
-    ``[q, C/g, *kernel]`` weight repeated once per group, ``[n, g*q, *out_positions]``."""
+    """``P_col`` applied to every patch of each group, ``[n, g*q, l]`` (l output positions, flattened): the
+    convolution of ``a`` with ``P_col`` as a ``[q, C/g, *kernel]`` weight repeated once per group, or, for
+    a 2-D input with few channels (``FEW_CHANNELS``; one group), ``P_col`` times the unfolded patches
+    (measured 5.1 vs 9.3 ms for 3 -> 32 channels on ``[64, 3, 32, 32]``)."""
     assert isinstance(layer, _CONVS)
-    stride, zeros, dilation, groups = _conv_args(layer)
+    n, groups = a.shape[0], layer.groups
+    if groups == 1 and a.dim() == 4 and a.shape[1] < FEW_CHANNELS:
+        return torch.matmul(col, im2col(layer, a))  # [q, C*k] @ [n, C*k, l]
+    stride, zeros, dilation, _ = _conv_args(layer)
     x, padding = _input_and_padding(layer, a)
-    if groups == 1 and x.dim() == 4 and x.shape[1] < 8:
-        # few input channels (an RGB stem): unfold + matmul beats a convolution with q outputs on the CPU
-        # (measured 5.1 vs 9.3 ms for 3 -> 32 channels on [64, 3, 32, 32]), as for the weight gradient
-        unfolded = F.unfold(
-            x, layer.kernel_size, dilation=tuple(dilation), padding=tuple(padding), stride=tuple(stride)
-        )
-        rows, cols = (
-            (size + 2 * pad - dil * (k - 1) - 1) // st + 1
-            for size, pad, dil, k, st in zip(x.shape[2:], padding, dilation, layer.kernel_size, stride)
-        )
-        return torch.matmul(col, unfolded).view(x.shape[0], col.shape[0], rows, cols)
     kernel = col.reshape(col.shape[0], *layer.weight.shape[1:])
     if groups > 1:
         kernel = kernel.repeat(groups, *([1] * (x.dim() - 1)))
-    return torch.ops.aten.convolution(x, kernel, None, stride, padding, dilation, False, zeros, groups)
+    y = torch.ops.aten.convolution(x, kernel, None, stride, padding, dilation, False, zeros, groups)
+    return y.reshape(n, groups * col.shape[0], -1)
 
 
 def conv_factors(
