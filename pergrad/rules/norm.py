@@ -13,7 +13,8 @@ from ..registry import default_registry
 
 def affine_grads(layer: nn.Module, x_hat: Tensor, d: Tensor, sum_dims: tuple[int, ...]) -> dict[str, Tensor]:
     """``g_i(w) = sum_{dims} d_i * x_hat_i``, ``g_i(b) = sum_{dims} d_i``, summed over ``sum_dims``
-    (every axis the affine parameters are broadcast along, except the batch)."""
+    (every axis the affine parameters are broadcast along, except the batch). ``x_hat`` is the caller's
+    temporary, given up: it may be overwritten."""
     out: dict[str, Tensor] = {}
     weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
     if isinstance(weight, nn.Parameter) and weight.requires_grad:
@@ -24,13 +25,16 @@ def affine_grads(layer: nn.Module, x_hat: Tensor, d: Tensor, sum_dims: tuple[int
 
 
 def _dot(d: Tensor, x: Tensor, dims: tuple[int, ...]) -> Tensor:
-    """``(d * x).sum(dims)``; over trailing dims of contiguous tensors as one batched dot product
-    (a bmm), without the product's temporary."""
+    """``(d * x).sum(dims)``, ``x`` a temporary it may overwrite; over trailing dims of contiguous tensors
+    as one batched dot product (a bmm), without the product's temporary."""
     if not dims:
         return d * x
     trailing = dims == tuple(range(d.dim() - len(dims), d.dim()))
     if not (trailing and d.is_contiguous() and x.is_contiguous()):
-        return (d * x).sum(dims)
+        # the product in x's memory where autograd need not see it: a second temporary of x's size
+        # alive beside it makes the allocator hand fresh pages back and forth (a page fault per 4 KiB)
+        inplace = x.shape == d.shape and x.dtype == d.dtype and not (x.requires_grad or d.requires_grad)
+        return (x.mul_(d) if inplace else d * x).sum(dims)
     length = math.prod(d.shape[i] for i in dims)
     lhs, rhs = d.reshape(-1, 1, length), x.reshape(-1, length, 1)
     return torch.bmm(lhs, rhs).view(d.shape[: d.dim() - len(dims)])
