@@ -160,7 +160,7 @@ class Wrapper(Protocol):
     def transformed(self) -> set[nn.Parameter]: ...
 
     @property
-    def gradless(self) -> set[nn.Parameter]: ...  # of projections registered with grads=False
+    def gradless(self) -> frozenset[nn.Parameter]: ...  # of projections registered with grads=False
 
     def canonical(self, p: nn.Parameter) -> nn.Parameter: ...
 
@@ -269,7 +269,8 @@ class Detacher:
         if decided is False:
             return None
         engine, module = self.engine, layer.module
-        weight, bias = getattr(module, "weight", None), getattr(module, "bias", "absent")
+        # (read where the swap writes; a plain attribute named weight is not a parameter to detach)
+        weight, bias = module._parameters.get("weight"), module._parameters.get("bias", "absent")
         if not self._ok(weight):
             return None
         assert isinstance(weight, nn.Parameter)
@@ -330,8 +331,8 @@ class Detacher:
         def tied(x: Tensor) -> Tensor:
             return touch(x, params, zero, guard)
 
-        if found.on_output:
-            return replace(found, anchor=tied(found.anchor))
+        if found.on_output:  # (built directly: dataclasses.replace costs as much as the rest, at every call)
+            return Detached(tied(found.anchor), found.params, found.swaps, found.probe, found.on_output)
         swaps = list(found.swaps)
         index = next(i for i, (name, _, _) in enumerate(swaps) if name == "bias") if found.probe else None
         if index is None:  # the layer's own bias is the anchor: swap in a touched view of it (of its tap)
@@ -340,7 +341,7 @@ class Detacher:
         else:
             name, original, replacement = swaps[index]
             swaps[index] = (name, original, tied(replacement))
-        return replace(found, swaps=tuple(swaps))
+        return Detached(found.anchor, found.params, tuple(swaps), found.probe, found.on_output)
 
     def _zero(self, like: Tensor) -> Tensor:
         """The scalar zero ``touch`` expands for parameters of ``like``'s dtype and device."""

@@ -150,7 +150,7 @@ class Engine:
         return self.targets.transformed
 
     @property
-    def gradless(self) -> set[nn.Parameter]:
+    def gradless(self) -> frozenset[nn.Parameter]:
         """The parameters of projections registered with ``grads=False``: where their weight runs
         detached, their ``.grad`` is left as it is."""
         return self.projection.gradless

@@ -306,7 +306,7 @@ class LayerHooks:
                 raw.setdefault(layer.module if layer.host is None else layer.host, []).append(layer)
                 continue
             batch_dim = 0 if self._batch_first or layer.spec.batch_dim_fixed else 1
-            enter = ModuleHook(self, self._direct_call([layer.name], batch_dim), aside=True)
+            enter = ModuleHook(self, self._direct_call([layer.name], batch_dim))  # (no op of its own in a model call)
             self._handles.append(layer.module.register_forward_pre_hook(enter, with_kwargs=True))
             spec = layer.spec
             detachable = not (spec.all_inputs or spec.subtree or spec.parametrized)

@@ -40,12 +40,18 @@ class Projection:
         self.canonical = canonical
         self.targets: list[Projected] = []
         self.last: dict[str, Tensor] = {}  # the last backward's, by target name
+        self._gradless: tuple[tuple[Projected, ...], frozenset[nn.Parameter]] = ((), frozenset())
 
     @property
-    def gradless(self) -> set[nn.Parameter]:
+    def gradless(self) -> frozenset[nn.Parameter]:
         """The parameters of targets registered with ``grads=False``: pergrad does not write their ``.grad``
-        where their weight runs detached (``pergrad.detach``)."""
-        return {p for t in self.targets if not t.grads for p in t.params}
+        where their weight runs detached (``pergrad.detach``). (Asked at every layer call: kept until
+        the targets change.)"""
+        targets, found = self._gradless
+        if len(targets) != len(self.targets) or any(a is not b for a, b in zip(targets, self.targets)):
+            found = frozenset(p for t in self.targets if not t.grads for p in t.params)
+            self._gradless = (tuple(self.targets), found)
+        return found
 
     def reads(self, kept: Kept) -> bool:
         return any(self.canonical(p) in t.params for t in self.targets for _, p in kept.layer.trainable())
