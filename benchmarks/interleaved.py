@@ -6,15 +6,22 @@ step descheduled by other jobs keeps its CPU time), each as a ratio to the plain
 ``bench.py`` checks the same methods.
 
     python benchmarks/interleaved.py --threads 1 --methods plain pergrad_hooks pergrad_project_kron
+    python benchmarks/interleaved.py --workloads seq --rounds 200 --json benchmarks/results/seq.json
+
+``--json`` saves the command, the commit and one row per workload and method (``min_ms``, ``ratio_min``,
+``median_ms``, ``min_cpu_ms``, ``ratio_min_cpu``): the rows of ``project-kron-*-run.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -31,9 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=["plain", "pergrad_hooks", "pergrad_project_kron"])
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="also save the rows here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     methods = ["plain", *[m for m in args.methods if m != "plain"]]
+    rows: list[dict[str, Any]] = []
     for w in args.workloads:
         steps = {}
         for m in methods:
@@ -51,12 +60,34 @@ def main(argv: list[str] | None = None) -> int:
                 cpu[m].append(time.process_time() - cpu_start)
         plain, plain_cpu = min(wall["plain"]), min(cpu["plain"])
         for m in methods:
+            rows.append(
+                {
+                    "workload": w,
+                    "threads": args.threads,
+                    "method": m,
+                    "min_ms": round(min(wall[m]) * 1e3, 2),
+                    "ratio_min": round(min(wall[m]) / plain, 3),
+                    "median_ms": round(statistics.median(wall[m]) * 1e3, 2),
+                    "min_cpu_ms": round(min(cpu[m]) * 1e3, 2),
+                    "ratio_min_cpu": round(min(cpu[m]) / plain_cpu, 3),
+                }
+            )
             print(
                 f"{w} threads={args.threads} {m:22s} min {min(wall[m]) * 1e3:7.1f} ms ({min(wall[m]) / plain:.2f}x)  "
                 f"median {statistics.median(wall[m]) * 1e3:7.1f} ms  "
                 f"min cpu {min(cpu[m]) * 1e3:7.1f} ms ({min(cpu[m]) / plain_cpu:.2f}x)",
                 flush=True,
             )
+    if args.json is not None:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
+        report = {
+            "command": " ".join(["python", "benchmarks/interleaved.py", *(sys.argv[1:] if argv is None else argv)]),
+            "commit": commit.stdout.strip() or None,
+            "rounds": args.rounds,
+            "rows": rows,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -235,3 +235,18 @@ def test_quick_scoring_benchmark_is_correct_and_bounded(tmp_path: Path) -> None:
         assert r.get("correct") is True, r
         assert r["checked_test_samples"] == 64
     assert "| chunk | time (s) |" in proc.stdout
+
+
+def test_interleaved_saves_a_row_per_workload_and_method(tmp_path: Path) -> None:
+    out = tmp_path / "interleaved.json"
+    methods = ["plain", "pergrad_hooks", "pergrad_features_kron"]
+    proc = run_script(
+        "interleaved.py", "--workloads", "mlp", "--rounds", "2", "--methods", *methods, "--json", str(out)
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("python benchmarks/interleaved.py --workloads mlp")
+    assert [(r["workload"], r["method"]) for r in report["rows"]] == [("mlp", m) for m in methods]
+    plain = report["rows"][0]
+    assert plain["ratio_min"] == 1.0 and plain["ratio_min_cpu"] == 1.0
+    assert all(r["min_ms"] > 0 and r["median_ms"] >= r["min_ms"] for r in report["rows"])
