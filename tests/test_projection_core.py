@@ -143,6 +143,10 @@ TRANSPOSED: dict[str, Callable[[int], tuple[nn.Module, Callable[[int], Tensor]]]
         ),
         lambda b: torch.randn(b, 2, p, 1, dtype=torch.float64),
     ),
+    "2d_one_channel": lambda p: (  # its twin runs 1 -> 8 channels: P_row g_i(W) by batch-as-groups (conv._conv_kron)
+        nn.Sequential(nn.ConvTranspose2d(8, 1, (3, 1), stride=(2, 1), padding=(1, 0), output_padding=(1, 0))),
+        lambda b: torch.randn(b, 8, p, 1, dtype=torch.float64),
+    ),
     "3d": lambda p: (
         nn.Sequential(
             nn.ConvTranspose3d(2, 3, (1, 2, 3), stride=(1, 1, 2), padding=(0, 0, 1), output_padding=(0, 0, 1))
@@ -206,21 +210,24 @@ def test_conv_transpose_features_build_no_per_sample_gradient(case: str) -> None
 
 
 @pytest.mark.parametrize(
-    ("channels", "outputs"),
-    # U V^T with U = P_row d_i (16 outputs); P_row (d_i V^T) (3 outputs: fewer flops); V by a convolution
-    # rather than unfold + matmul (8 input channels: conv._projected_patches)
-    [(1, 16), (4, 3), (8, 3)],
+    ("channels", "outputs", "size"),
+    # (conv._conv_kron, by flops; 3x3 kernel, no padding: size 3 gives one position, 6 gives 16)
+    # U V^T with U = P_row d_i: one position, V by unfold + matmul (1 input channel) or by a convolution (8);
+    # P_row g_i(W) by batch-as-groups, then P_col^T (1 input channel, 16 positions);
+    # P_row (d_i V^T): 3 outputs, V by unfold (4 input channels) or by a convolution (8)
+    [(1, 16, 3), (8, 16, 3), (1, 16, 6), (4, 3, 6), (8, 3, 6)],
 )
-def test_conv_features_by_either_order_of_the_contraction(channels: int, outputs: int) -> None:
-    """A one-group convolution's Kronecker features contract ``d_i`` with ``P_row`` first or with
-    ``V = conv(a_i, P_col)`` first, whichever costs fewer flops, ``V`` by unfolding few input channels or
-    by a convolution of more: every way exact, every step."""
+def test_conv_features_by_each_contraction(channels: int, outputs: int, size: int) -> None:
+    """A one-group convolution's Kronecker features contract ``d_i`` with ``P_row`` first, or with
+    ``V = conv(a_i, P_col)`` first, or take ``P_row g_i(W)`` by batch-as-groups, whichever costs fewest
+    flops, ``V`` by unfolding few input channels or by a convolution of more: every way exact, every step."""
     torch.manual_seed(2)
-    net = nn.Sequential(nn.Conv2d(channels, outputs, 3, padding=1), nn.Flatten(), nn.Linear(outputs * 36, 2)).double()
+    positions = (size - 2) ** 2
+    net = nn.Sequential(nn.Conv2d(channels, outputs, 3), nn.Flatten(), nn.Linear(outputs * positions, 2)).double()
     psm = PerSampleModule(net, keep_grad_sample=False, verify=False)
     psm.register_projection(net, dim=32, seed=5, grads=False)
     for batch in BATCHES:
-        x = torch.randn(batch, channels, 6, 6, dtype=torch.float64)
+        x = torch.randn(batch, channels, size, size, dtype=torch.float64)
         y = _target_like(net, x)
         ref = reference_grad_sample(net, x, y)
         with mock.patch.object(pergrad.sources, "run_rule", side_effect=AssertionError("a rule built g_i")):

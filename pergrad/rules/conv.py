@@ -122,18 +122,19 @@ def _batch_as_groups(layer: nn.Module, a: Tensor, d: Tensor) -> Tensor:
     """``g_i(W)`` for every sample at once, ``[n, O, C/g, *kernel]``: the weight gradient of ONE
     convolution over the whole batch folded into the channels, ``[1, n*C, ...] -> [1, n*O, ...]``
     with ``n*g`` groups, so that no group mixes two samples. Computed by the convolution's own
-    weight backward, with no unfolded copy of the input.
+    weight backward, with no unfolded copy of the input. (One group: ``d`` may have any number of
+    channels, e.g. ``P_row d_i``: then ``P_row g_i(W)``.)
     """
     assert isinstance(layer, _CONVS)
-    n, groups = a.shape[0], layer.groups
+    n, groups, outputs = a.shape[0], layer.groups, d.shape[1]  # (outputs: any number, for one group)
     stride, zeros, dilation, _ = _conv_args(layer)
     x, padding = _input_and_padding(layer, a)
-    shape = (n * layer.out_channels, *layer.weight.shape[1:])
+    shape = (n * outputs, *layer.weight.shape[1:])
     _, grad_w, _ = torch.ops.aten.convolution_backward(
-        d.reshape(1, n * d.shape[1], *d.shape[2:]), x.reshape(1, n * x.shape[1], *x.shape[2:]),
+        d.reshape(1, n * outputs, *d.shape[2:]), x.reshape(1, n * x.shape[1], *x.shape[2:]),
         x.new_empty(shape), None, stride, padding, dilation, False, zeros, n * groups, [False, True, False],
     )  # fmt: skip
-    return owned(grad_w.view(n, *layer.weight.shape))
+    return owned(grad_w.view(n, outputs, *layer.weight.shape[1:]))
 
 
 # -- fused: a convolution is the Linear layout [batch * groups, positions, patch] -------------------
@@ -252,18 +253,32 @@ def conv_project(
 
 
 def _conv_kron(layer: nn.Module, a: Tensor, d: Tensor, weight: Projector, total: Tensor, scale: float) -> None:
-    """Adds ``conv_project``'s weight features for one group into ``total``, from the factors as the
-    convolutions lay them out: ``U = P_row d_i`` ``[n, p, l]`` and ``V = conv(a_i, P_col)`` ``[n, q, l]``,
-    then ``U V^T`` (a bmm reading ``V`` transposed in place, where ``conv_factors``' ``[n, l, q]`` layout
-    copies both), or ``P_row (d_i V^T)`` where that costs fewer flops (few output channels: no ``U``)."""
+    """Adds ``conv_project``'s weight features for one group into ``total`` by whichever of three
+    contractions costs the fewest flops (per sample; l positions, O outputs, w = C*k the patch width):
+
+    - ``U V^T``, ``U = P_row d_i`` ``[n, p, l]``, ``V = conv(a_i, P_col)`` ``[n, q, l]`` (a bmm reading ``V``
+      transposed in place, where ``conv_factors``' ``[n, l, q]`` layout copies both): ``l (w q + p (O + q))``;
+    - ``P_row (d_i V^T)`` (few output channels: no ``U``): ``l (w q + O q) + O p q``;
+    - ``(P_row g_i(W)) P_col^T``, ``P_row g_i(W)`` the weight gradient of ``U_i`` ``[n, p, w]`` by
+      batch-as-groups (few input channels, an RGB stem: ``V`` would cost more than the gradient):
+      ``l (O p + p w) + p w q``.
+    """
     n = a.shape[0]
     row, col = weight.factors(d)
-    (p, channels), q = row.shape, col.shape[0]
-    v = _projected_patches(layer, a, col)  # [n, q, l]
+    (p, channels), (q, width) = row.shape, col.shape
     flat = d.reshape(n, channels, -1)
     out = total.view(n, p, q)
     positions = flat.shape[2]
-    if positions * channels * q + channels * p * q < positions * p * (channels + q):
+    by_u = positions * (width * q + p * (channels + q))
+    by_dv = positions * (width * q + channels * q) + channels * p * q
+    by_gradient = positions * p * (channels + width) + p * width * q
+    if by_gradient < min(by_u, by_dv):
+        u = torch.matmul(row, flat).view(n, p, *d.shape[2:])
+        z = _batch_as_groups(layer, a, u).view(n, p, width)
+        out.baddbmm_(z, col.T.expand(n, width, q), alpha=scale)
+        return
+    v = _projected_patches(layer, a, col)  # [n, q, l]
+    if by_dv < by_u:
         out.baddbmm_(row.expand(n, p, channels), torch.bmm(flat, v.transpose(1, 2)), alpha=scale)  # [n, O, q]
     else:
         out.baddbmm_(torch.matmul(row, flat), v.transpose(1, 2), alpha=scale)  # U: [p, O] @ [n, O, l]
