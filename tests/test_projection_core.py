@@ -12,6 +12,8 @@ from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call, jacrev, vmap
@@ -21,6 +23,7 @@ from pergrad import PerSampleModule, TargetError, transforms
 from pergrad.errors import ProjectionError
 from pergrad.projectors import Projector, Spec
 from tests.reference import assert_close, clipped_mean, reference_grad_sample, run_pergrad
+from tests.strategies import conv_layers
 from tests.test_distributed import Pool, make_model
 from tests.test_projection import CASES, DIM, Attention, Tied
 
@@ -233,6 +236,26 @@ def test_conv_features_by_each_contraction(channels: int, outputs: int, size: in
         with mock.patch.object(pergrad.sources, "run_rule", side_effect=AssertionError("a rule built g_i")):
             run_pergrad(psm, x, y)
         assert_close(psm.per_sample_projections()[""], _features(ref, net, Spec(32, seed=5)), f"batch {batch}")
+    psm.remove()
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), dim=st.sampled_from([2, 8, 32, 128]), wide=st.booleans())
+def test_conv_features_of_any_convolution_every_step(data: st.DataObject, dim: int, wide: bool) -> None:
+    """Any convolution (1-3-D, groups, stride, dilation, every padding mode) and any dim: ``_conv_kron``'s
+    choice among its contractions moves with the shapes and the ranks; the features are exact every step
+    (the first attached, then detached), with no ``g_i`` built."""
+    layer, shape = data.draw(conv_layers(wide=wide))
+    net = nn.Sequential(layer)
+    psm = PerSampleModule(net, keep_grad_sample=False, verify=False)
+    psm.register_projection(net, dim=dim, seed=3, grads=False)
+    for batch in (shape[0], shape[0] + 2, shape[0] + 1):
+        x = torch.randn(batch, *shape[1:], dtype=torch.float64)
+        y = _target_like(net, x)
+        ref = reference_grad_sample(net, x, y)
+        with mock.patch.object(pergrad.sources, "run_rule", side_effect=AssertionError("a rule built g_i")):
+            run_pergrad(psm, x, y)
+        assert_close(psm.per_sample_projections()[""], _features(ref, net, Spec(dim, seed=3)), f"batch {batch}")
     psm.remove()
 
 
