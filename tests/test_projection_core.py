@@ -243,8 +243,8 @@ def test_conv_features_by_each_contraction(channels: int, outputs: int, size: in
 @given(data=st.data(), dim=st.sampled_from([2, 8, 32, 128]), wide=st.booleans())
 def test_conv_features_of_any_convolution_every_step(data: st.DataObject, dim: int, wide: bool) -> None:
     """Any convolution (1-3-D, groups, stride, dilation, every padding mode) and any dim: ``_conv_kron``'s
-    choice among its contractions moves with the shapes and the ranks; the features are exact every step
-    (the first attached, then detached), with no ``g_i`` built."""
+    choice among its contractions moves with the shapes and the ranks; the features are exact at every step
+    (the weights run detached from the first: ``verify=False``), with no ``g_i`` built."""
     layer, shape = data.draw(conv_layers(wide=wide))
     net = nn.Sequential(layer)
     psm = PerSampleModule(net, keep_grad_sample=False, verify=False)

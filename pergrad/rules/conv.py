@@ -232,12 +232,11 @@ def conv_project(
     layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector], total: Tensor, scale: float
 ) -> bool:
     """``total += scale P vec(g_i)``, ``P vec(g_i) = sum_{g,l} (P_row[:, g] d_i[g, :, l]) (P_col patch_i[g, l])^T`` for the weight
-    ``[O, C/g, *kernel]`` (``P_row [p, O]``, ``P_col [q, C/g * k]``), with nothing unfolded: ``P_col``
-    applied to every patch is the convolution of ``a`` with ``P_col`` as a ``[q, C/g, *kernel]`` weight
-    (the layer's stride, padding, dilation; repeated once per group, so group g's input meets it),
-    ``P_row d`` a contraction over each group's output channels (the factors: ``conv_factors``). The
-    bias's block is applied to ``sum_l d_i[:, l]``. False, adding nothing, if the weight's block is dense
-    (``g_i`` must be built)."""
+    ``[O, C/g, *kernel]`` (``P_row [p, O]``, ``P_col [q, C/g * k]``): for one group by the cheapest of
+    ``_conv_kron``'s contractions; for several, from the factors (``conv_factors``: ``P_col`` applied to every
+    patch as a convolution of ``a`` with ``P_col`` as a ``[q, C/g, *kernel]`` weight repeated once per group,
+    ``P_row d`` a contraction over each group's output channels). The bias's block is applied to
+    ``sum_l d_i[:, l]``. False, adding nothing, if the weight's block is dense (``g_i`` must be built)."""
     weight = projectors.get("weight")
     if weight is not None and weight.kron and layer.groups == 1:  # channels first throughout: nothing transposed
         _conv_kron(layer, a, d, weight, total, scale)
