@@ -6,7 +6,8 @@ state (``pergrad.backward``):
 1. each hooked layer call's output gradient ``d`` (``on_output_grad``): with ``keep_grad_sample`` its
    rule turns ``(kept input, d)`` into per-sample gradients at once, summed per sample over every
    call of the layer and every layer sharing a parameter; otherwise ``(a, d)`` are kept for the end,
-   where a consumer reads them, and let go otherwise;
+   where a consumer reads them, but projected at once where the projection alone reads them
+   (``Projection.project_now``: let go while the backward goes on), and let go where none does;
 2. each parameter's ``AccumulateGrad`` node (it runs only in ``.backward()``, not in
    ``torch.autograd.grad``) is pre-hooked (``on_accumulate``): a parameter a transform covers gets a
    zero there (its ``.grad`` is written at the end); any other keeps autograd's own sum, rescaled
@@ -129,7 +130,7 @@ class Engine:
         self.norms = Norms(self.track_norms, self.targets)
         self.projection = Projection(self.canonical)
         self.factors = ProjectedFactors(self.projection, self.canonical)
-        self.reducer = Reduction(self.targets, reduction, self.canonical)
+        self.reducer = Reduction(self.targets, reduction, self.canonical, lambda: self.projection.gradless)
         self.consumers: list[Consumer] = [self.statistics, self.norms, self.projection, self.factors, self.reducer]
         if keep_grad_sample:
             self.consumers.insert(0, self.grad_sample)
@@ -292,14 +293,19 @@ class Engine:
         """Turn one call's output gradient into per-sample gradients (or keep it for the end)."""
         layer, arrived = kept.layer, state.arrived
         if not self.keep_grad_sample:
-            if not self._read_at_end(kept):  # nothing will read its (a, d): let them go now
+            readers = [consumer for consumer in self.consumers if consumer.reads(kept)]
+            if not (readers or self.verify_backwards > 0 or layer.spec.parametrized):  # no one reads (a, d)
                 arrived.passed.update((self.canonical(p), None) for _, p in layer.trainable())
                 return
             built = None
             if layer.spec.parametrized and kept.batch_size > 0:  # it needs the forward's graph: now, not at the end
                 with self._buffers(state):
                     built = run_rule(layer, kept.a, d, scale)
-            arrived.calls.append(Call(layer, kept.a, d, scale, built))
+            call = Call(layer, kept.a, d, scale, built)
+            if readers == [self.projection] and self._projects_now(state, kept, call):  # (a, d) let go now
+                arrived.passed.update((self.canonical(p), None) for _, p in layer.trainable())
+                return
+            arrived.calls.append(call)
             return
         if kept.batch_size == 0:  # an empty batch: no rule needs to run
             like = d if isinstance(d, Tensor) else next(g for g in d if g is not None)
@@ -320,12 +326,15 @@ class Engine:
         if self.factors.reads(kept) or (kept.batch_size > 0 and self.projection.reads_tokens(kept)):
             arrived.calls.append(Call(layer, kept.a, d, scale, per_sample))
 
-    def _read_at_end(self, kept: Kept) -> bool:
-        """Whether the end of the backward reads this call's ``(a, d)`` (without ``grad_sample``): for
-        the first backward's check, a rule that ran already (parametrized), or a consumer."""
-        if self.verify_backwards > 0 or kept.layer.spec.parametrized:
-            return True
-        return any(consumer.reads(kept) for consumer in self.consumers)
+    def _projects_now(self, state: Backward, kept: Kept, call: Call) -> bool:
+        """Project a call that only the projection reads as its ``d`` arrives (``Projection.project_now``),
+        unless the end of the backward needs its ``(a, d)``: the first backward's check, a backward
+        with ``create_graph=True``, an empty batch."""
+        d = call.d
+        if self.verify_backwards > 0 or state.create_graph or kept.batch_size == 0 or not isinstance(d, Tensor):
+            return False
+        with no_autocast(d.device.type), self._buffers(state):
+            return self.projection.project_now(call, kept.batch_size, state.arrived.projected)
 
     def on_input_grad(self, generation: int, d: Tensor) -> None:
         """The gradient reaching the model's input (``keep_activation_grads=True``)."""

@@ -15,6 +15,7 @@ Both answer the same questions, so the engine computes transforms and statistics
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -198,6 +199,34 @@ def run_rule(layer: HookedLayer, a: Any, d: Tensor | OutputGrads, scale: float =
     return {name: g.mul_(scale) if id(g) in own else g * scale for name, g in built.items()}
 
 
+def project_call(
+    call: Call,
+    projectors: dict[nn.Parameter, tuple[str, Projector]],
+    shape: tuple[int, ...],
+    like: Tensor,
+    built: Callable[[], dict[nn.Parameter, Tensor]],
+) -> dict[nn.Parameter, Tensor]:
+    """``P_p vec(g_i(p))`` ``[B, k]`` (``shape``, in ``like``'s dtype and device) of each parameter ``p`` of one call, its
+    projector given with the name the layer's rule gives it: by the layer's fused projection where it
+    has one for the block (``FusedRule.project``: Kronecker blocks from ``(a, d)``, no ``g_i``), else
+    from the call's ``g_i`` (``built``, asked once). Each parameter is projected alone into its own
+    zeros, so its features are the same numbers whether a call is projected as its output gradient
+    arrives or at the end of the backward (``pergrad.consumers.projection``)."""
+    fused = call.layer.spec.fused
+    project = None if fused is None or call.built is not None else fused.project
+    grads: dict[nn.Parameter, Tensor] | None = None
+    out: dict[nn.Parameter, Tensor] = {}
+    for p, (name, projector) in projectors.items():
+        features = like.new_zeros(shape)
+        if project is None or not project(call.layer.module, call.a, call.d, {name: projector}, features, call.scale):
+            if grads is None:
+                grads = built()
+            if p in grads:
+                projector.apply(grads[p], features)
+        out[p] = features
+    return out
+
+
 class Fused:
     """Quantities computed from the kept ``(a, d)`` of every call, building ``g_i`` only where needed."""
 
@@ -339,22 +368,22 @@ class Fused:
         return out
 
     def project(self, projectors: dict[nn.Parameter, Projector], total: Tensor) -> None:
-        """Adds ``sum_p P_p vec(g_i(p))`` into ``total`` ``[B, k]``, call by call: a call's fused projection
-        (``FusedRule.project``: Kronecker blocks from ``(a, d)``, no ``g_i``) where its rule has one for
-        these projectors, else its built ``g_i`` projected (shared with the other quantities as
-        ``_run`` keeps them). Projections are linear, so a parameter fed by several calls (a layer
-        called twice, tied weights) adds each call's projection."""
+        """Adds ``sum_p P_p vec(g_i(p))`` into ``total`` ``[B, k]``, in the order of ``projectors``, each
+        parameter's features ``project_call``'s of each of its calls, summed (projections are linear: a
+        parameter fed by several calls, a layer called twice or tied weights, adds each call's)."""
+        features: dict[nn.Parameter, Tensor] = {}
         for call in self._calls_of(projectors):
-            named = {name: p for name, p in self._params[call].items() if p in projectors}
-            fused = call.layer.spec.fused
-            if call.built is None and fused is not None and fused.project is not None:
-                by_name = {n: projectors[p] for n, p in named.items()}
-                if fused.project(call.layer.module, call.a, call.d, by_name, total, call.scale):
-                    continue
-            for name, g in self._run(call).items():
-                p = self._param(call, name)
-                if p in projectors:
-                    projectors[p].apply(g, total)
+            named = {p: (name, projectors[p]) for name, p in self._params[call].items() if p in projectors}
+            built = functools.partial(self._built_by_param, call)
+            for p, f in project_call(call, named, total.shape, total, built).items():
+                features[p] = f if p not in features else features[p].add_(f)
+        for p in projectors:
+            if p in features:
+                total.add_(features[p])
+
+    def _built_by_param(self, call: Call) -> dict[nn.Parameter, Tensor]:
+        """The call's ``g_i`` by parameter (shared with the other quantities as ``_run`` keeps them)."""
+        return {self._param(call, name): g for name, g in self._run(call).items()}
 
     def project_tokens(self, projectors: dict[nn.Parameter, Projector]) -> dict[nn.Parameter, Tensor]:
         """``P_p vec(g_it)`` ``[B, T, k]`` of each parameter, ``g_it`` the term of ``g_i`` at token ``t``

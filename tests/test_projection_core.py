@@ -5,6 +5,7 @@ torch.func (or one-sample-at-a-time autograd), with ``P`` regenerated from the p
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -462,3 +463,74 @@ def test_ddp_features_of_each_rank_are_one_process_features_of_its_samples(pool2
             assert_close(feats[whole], _features(ref, model, Spec(DIM, seed=9)), f"rank {rank} step {step}")
             dense = _features(ref, model, Spec(16, "dense", seed=9), "2.")
             assert_close(feats[part], dense, f"rank {rank} step {step}: dense features of layer 2")
+
+
+# -- 5. projected as each output gradient arrives -------------------------------------------------------
+
+
+@pytest.mark.parametrize("grads", [True, False])
+@pytest.mark.parametrize("kind", ["kron", "dense", "sjlt"])
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_features_are_the_same_numbers_at_the_end_of_the_backward_or_as_each_gradient_arrives(
+    family: str, kind: str, grads: bool
+) -> None:
+    """The first backward (its check reads every call at the end) and the later ones (a call only the
+    projection reads is projected as its output gradient arrives) give the same batch the same features,
+    bit for bit, and those of torch.func."""
+    torch.manual_seed(0)
+    net, batch_of, out_shape = CASES[family](17)
+    net = net.double()
+    x, y = batch_of(4), torch.randn(4, *out_shape, dtype=torch.float64)
+    psm = PerSampleModule(net, keep_grad_sample=False)
+    psm.register_projection(net, dim=DIM, kind=kind, seed=3, grads=grads)
+    found = []
+    for _ in range(3):
+        psm.zero_grad()
+        run_pergrad(psm, x, y)
+        found.append(psm.per_sample_projections()[""])
+    assert_close(found[0], _features(reference_grad_sample(net, x, y), net, Spec(DIM, kind, seed=3)), "torch.func")
+    for step in (1, 2):
+        assert torch.equal(found[step], found[0]), f"step {step}"
+    psm.remove()
+
+
+@pytest.mark.parametrize("grads", [True, False])
+def test_a_projected_call_lets_its_output_gradient_go_before_the_backward_ends(grads: bool) -> None:
+    """What only the projection reads is not held to the end of the backward: the last layer's output
+    gradient is freed before the backward reaches the model's input."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    psm = PerSampleModule(net, keep_grad_sample=False)
+    psm.register_projection(net, dim=DIM, seed=3, grads=grads)
+    caught: list[weakref.ref[Tensor]] = []
+    alive: list[bool] = []
+    for step in range(3):
+        caught.clear()
+        alive.clear()
+        x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+        out = psm(x)
+        out.register_hook(lambda g: caught.append(weakref.ref(g)))
+        x.register_hook(lambda g: alive.append(caught[0]() is not None))
+        out.pow(2).sum().backward()
+        del out
+        assert alive == [step == 0], f"step {step}: the output gradient alive at the input: {alive}"  # (0: the check)
+    psm.remove()
+
+
+def test_a_backward_that_reaches_part_of_a_layer_gets_the_features_of_that_part() -> None:
+    """``backward(inputs=[bias])``: the call is projected as it arrives, but only the parameters the
+    backward accumulates into count (the weight's features are left out)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    psm = PerSampleModule(net, keep_grad_sample=False)
+    spec = Spec(DIM, seed=3)
+    psm.register_projection(net, dim=DIM, seed=3, grads=False)
+    for step in range(3):
+        x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+        ref = reference_grad_sample(net, x, y)
+        inputs = [net[2].bias] if step else None
+        ((psm(x) - y).pow(2).sum() / 5).backward(inputs=inputs)
+        found = psm.per_sample_projections()[""]
+        want = _features(ref, net, spec, "2.bias") if step else _features(ref, net, spec)
+        assert_close(found, want, f"step {step}")
+    psm.remove()

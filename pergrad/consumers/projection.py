@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..calls import HookedLayer, Kept
+from ..calls import Call, HookedLayer, Kept
 from ..errors import ProjectionError
 from ..projectors import KINDS, Projector, Spec, splittable
-from ..sources import Fused
+from ..sources import Fused, project_call, run_rule
 from . import Batch
 
 
@@ -62,11 +62,42 @@ class Projection:
             self.canonical(p) in t.params for t in self.targets if t.per_token for _, p in kept.layer.trainable()
         )
 
+    def project_now(self, call: Call, size: int, into: dict[str, dict[nn.Parameter, Tensor]]) -> bool:
+        """Project ``call`` (``size`` samples) as its output gradient arrives, so that its ``(a, d)`` are
+        let go at once, read while still in cache: ``P_p vec(g_i(p))`` of each parameter ``p`` of each
+        target it feeds (``sources.project_call``), added into ``into[target name][p]`` ``[B, k]``. Kept
+        per parameter: only those the backward reaches count, known at its end (``consume``). False,
+        adding nothing, where a per-token target reads the call (at the end)."""
+        named = {self.canonical(p): name for name, p in call.layer.trainable()}
+        if any(t.per_token and not named.keys().isdisjoint(t.params) for t in self.targets):
+            return False
+        grads: dict[nn.Parameter, Tensor] = {}
+
+        def built() -> dict[nn.Parameter, Tensor]:
+            if not grads:
+                found = call.built if call.built is not None else run_rule(call.layer, call.a, call.d, call.scale)
+                module, own = call.layer.module, dict(call.layer.trainable())
+                grads.update(
+                    {self.canonical(own[k] if k in own else module.get_parameter(k)): g for k, g in found.items()}
+                )
+            return grads
+
+        for target in self.targets:
+            wanted = {p: (name, target.params[p]) for p, name in named.items() if p in target.params}
+            if not wanted:
+                continue
+            shape, like = (size, target.spec.dim), next(iter(target.params))  # in the parameters' dtype
+            by_param = into.setdefault(target.name, {})
+            for p, features in project_call(call, wanted, shape, like, built).items():
+                by_param[p] = features if p not in by_param else by_param[p].add_(features)
+        return True
+
     def consume(self, batch: Batch) -> None:
         if not self.targets:
             return
         self.last = {}
         tokens: Fused | None = None
+        eager = batch.state.arrived.projected
         for target in self.targets:
             reached = {p: proj for p, proj in target.params.items() if p in batch.params}
             first = next(iter(target.params))
@@ -81,8 +112,14 @@ class Projection:
                     total = total + features
             else:
                 total = first.new_zeros((batch.size, target.spec.dim))  # summed in the parameters' dtype, then cast
-                if reached and batch.size:
-                    batch.source.project(reached, total)
+                projected = eager.get(target.name, {})
+                for p in reached:
+                    if p in projected:
+                        total.add_(projected[p])
+                calls = batch.source.uses if isinstance(batch.source, Fused) else {}
+                rest = {p: proj for p, proj in reached.items() if p not in projected or p in calls}
+                if rest and batch.size:
+                    batch.source.project(rest, total)
             self.last[target.name] = total if target.spec.dtype is None else total.to(target.spec.dtype)
 
 

@@ -46,13 +46,27 @@ def _check_differentiable(label: str, per_sample: dict[str, Tensor], result: dic
 class Reduction:
     """Writes the ``.grad`` of every parameter a target covers, and of the detached weights."""
 
-    def __init__(self, targets: Targets, reduction: str, canonical: Callable[[nn.Parameter], nn.Parameter]) -> None:
+    def __init__(
+        self,
+        targets: Targets,
+        reduction: str,
+        canonical: Callable[[nn.Parameter], nn.Parameter],
+        gradless: Callable[[], frozenset[nn.Parameter]],
+    ) -> None:
         self.targets, self.reduction, self.canonical = targets, reduction, canonical
+        self.gradless = gradless  # the parameters of projections registered with grads=False: .grad left as it is
         self.last_dropped: dict[str, Tensor] = {}  # target label -> [B] mask of the samples left out
 
     def reads(self, kept: Kept) -> bool:
+        """A call of a layer a transform covers, or one that ran a weight detached whose ``.grad`` pergrad writes."""
         transformed = self.targets.transformed
-        return kept.detached is not None or any(self.canonical(p) in transformed for _, p in kept.layer.trainable())
+        if any(self.canonical(p) in transformed for _, p in kept.layer.trainable()):
+            return True
+        detached = kept.detached
+        if detached is None:
+            return False
+        gradless = self.gradless()
+        return any(self.canonical(p) not in gradless for p in detached.params)
 
     def consume(self, batch: Batch) -> None:
         self.last_dropped = {}
