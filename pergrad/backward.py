@@ -34,8 +34,9 @@ class Arrivals:
     grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # built as they arrive (keep_grad_sample)
     calls: list[Call] = field(default_factory=list)  # each call's (a, d), read at the end (keep_grad_sample=False)
     passed: dict[nn.Parameter, None] = field(default_factory=dict)  # of calls whose (a, d) no one reads
-    # features of the calls projected as their d arrived (``Projection.project_now``): target name -> param -> [B, k]
-    projected: dict[str, dict[nn.Parameter, Tensor]] = field(default_factory=dict)
+    # by target name: the features [B, k] of the calls projected as their d arrived (``Projection.project_now``),
+    # and the parameters they cover
+    projected: dict[str, tuple[Tensor, set[nn.Parameter]]] = field(default_factory=dict)
     outputs: dict[int, tuple[Kept, list[Tensor | None]]] = field(default_factory=dict)  # id(kept): each output's d
     activation_grads: dict[str, Tensor] = field(default_factory=dict)
     detached: list[Detached] = field(default_factory=list)  # of the calls whose output gradient arrived

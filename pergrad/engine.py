@@ -134,6 +134,7 @@ class Engine:
         self.consumers: list[Consumer] = [self.statistics, self.norms, self.projection, self.factors, self.reducer]
         if keep_grad_sample:
             self.consumers.insert(0, self.grad_sample)
+        self.accumulators: dict[nn.Parameter, Any] = {}  # each parameter's hooked AccumulateGrad node (the wrapper's)
 
     # -- what the rest of the wrapper asks -------------------------------------------------------
 
@@ -293,8 +294,9 @@ class Engine:
         """Turn one call's output gradient into per-sample gradients (or keep it for the end)."""
         layer, arrived = kept.layer, state.arrived
         if not self.keep_grad_sample:
-            readers = [consumer for consumer in self.consumers if consumer.reads(kept)]
-            if not (readers or self.verify_backwards > 0 or layer.spec.parametrized):  # no one reads (a, d)
+            projected = self.projection.reads(kept)
+            others = any(consumer.reads(kept) for consumer in self.consumers if consumer is not self.projection)
+            if not (projected or others or self.verify_backwards > 0 or layer.spec.parametrized):  # no one reads
                 arrived.passed.update((self.canonical(p), None) for _, p in layer.trainable())
                 return
             built = None
@@ -302,7 +304,7 @@ class Engine:
                 with self._buffers(state):
                     built = run_rule(layer, kept.a, d, scale)
             call = Call(layer, kept.a, d, scale, built)
-            if readers == [self.projection] and self._projects_now(state, kept, call):  # (a, d) let go now
+            if projected and not others and self._projects_now(state, kept, call):  # (a, d) let go now
                 arrived.passed.update((self.canonical(p), None) for _, p in layer.trainable())
                 return
             arrived.calls.append(call)
@@ -333,8 +335,24 @@ class Engine:
         d = call.d
         if self.verify_backwards > 0 or state.create_graph or kept.batch_size == 0 or not isinstance(d, Tensor):
             return False
+        if self.world is not None and not self.world.touches:  # FSDP2: detached weights are reached by anchor
+            return False
+        if not self._accumulates(kept.layer):  # only the parameters it reaches count: told at the end
+            return False
         with no_autocast(d.device.type), self._buffers(state):
             return self.projection.project_now(call, kept.batch_size, state.arrived.projected)
+
+    def _accumulates(self, layer: HookedLayer) -> bool:
+        """Whether the running backward runs the ``AccumulateGrad`` node (hooked: ``on_accumulate``) of every
+        trainable parameter of ``layer``: not in ``torch.autograd.grad``, nor for the parameters that
+        ``backward(inputs=...)`` leaves out."""
+        nodes, will_run = self.accumulators, torch._C._will_engine_execute_node
+        try:
+            return all(
+                (node := nodes.get(self.canonical(p))) is not None and will_run(node) for _, p in layer.trainable()
+            )
+        except RuntimeError:  # asked of a leaf that torch.autograd.grad captures
+            return False
 
     def on_input_grad(self, generation: int, d: Tensor) -> None:
         """The gradient reaching the model's input (``keep_activation_grads=True``)."""

@@ -261,6 +261,7 @@ class PerSampleModule:
         params = [p for p in self._engine.param_names if not is_lazy(p)]
         # AccumulateGrad nodes are cached weakly by their parameter: hold them so hooks stay on them.
         self._accumulators = [get_gradient_edge(p).node for p in params]
+        self._engine.accumulators = dict(zip(params, self._accumulators))
         self._accumulate_handles = [
             node.register_prehook(self._accumulate_hook(p)) for p, node in zip(params, self._accumulators)
         ]

@@ -202,29 +202,24 @@ def run_rule(layer: HookedLayer, a: Any, d: Tensor | OutputGrads, scale: float =
 def project_call(
     call: Call,
     projectors: dict[nn.Parameter, tuple[str, Projector]],
-    shape: tuple[int, ...],
-    like: Tensor,
+    total: Tensor,
     built: Callable[[], dict[nn.Parameter, Tensor]],
-) -> dict[nn.Parameter, Tensor]:
-    """``P_p vec(g_i(p))`` ``[B, k]`` (``shape``, in ``like``'s dtype and device) of each parameter ``p`` of one call, its
-    projector given with the name the layer's rule gives it: by the layer's fused projection where it
-    has one for the block (``FusedRule.project``: Kronecker blocks from ``(a, d)``, no ``g_i``), else
-    from the call's ``g_i`` (``built``, asked once). Each parameter is projected alone into its own
-    zeros, so its features are the same numbers whether a call is projected as its output gradient
-    arrives or at the end of the backward (``pergrad.consumers.projection``)."""
+) -> None:
+    """Adds ``sum_p P_p vec(g_i(p))`` of one call's parameters ``p`` into ``total`` ``[B, k]`` (each
+    projector given with the name the layer's rule gives its parameter): by the layer's fused
+    projection where it has one for these blocks (``FusedRule.project``: Kronecker blocks from
+    ``(a, d)``, no ``g_i``), else from the call's ``g_i`` (``built``). The same numbers whether a call
+    is projected as its output gradient arrives or at the end of the backward
+    (``pergrad.consumers.projection``)."""
     fused = call.layer.spec.fused
-    project = None if fused is None or call.built is not None else fused.project
-    grads: dict[nn.Parameter, Tensor] | None = None
-    out: dict[nn.Parameter, Tensor] = {}
-    for p, (name, projector) in projectors.items():
-        features = like.new_zeros(shape)
-        if project is None or not project(call.layer.module, call.a, call.d, {name: projector}, features, call.scale):
-            if grads is None:
-                grads = built()
-            if p in grads:
-                projector.apply(grads[p], features)
-        out[p] = features
-    return out
+    if call.built is None and fused is not None and fused.project is not None:
+        by_name = dict(projectors.values())
+        if fused.project(call.layer.module, call.a, call.d, by_name, total, call.scale):
+            return
+    grads = built()
+    for p, (_, projector) in projectors.items():
+        if p in grads:
+            projector.apply(grads[p], total)
 
 
 class Fused:
@@ -368,18 +363,14 @@ class Fused:
         return out
 
     def project(self, projectors: dict[nn.Parameter, Projector], total: Tensor) -> None:
-        """Adds ``sum_p P_p vec(g_i(p))`` into ``total`` ``[B, k]``, in the order of ``projectors``, each
-        parameter's features ``project_call``'s of each of its calls, summed (projections are linear: a
-        parameter fed by several calls, a layer called twice or tied weights, adds each call's)."""
-        features: dict[nn.Parameter, Tensor] = {}
-        for call in self._calls_of(projectors):
+        """Adds ``sum_p P_p vec(g_i(p))`` into ``total`` ``[B, k]``, call by call in the order they arrived, as
+        ``Projection.project_now`` adds them (``project_call``; built ``g_i`` shared with the other quantities
+        as ``_run`` keeps them). Projections are linear, so a parameter fed by several calls (a layer
+        called twice, tied weights) adds each call's projection."""
+        for call in self.calls:
             named = {p: (name, projectors[p]) for name, p in self._params[call].items() if p in projectors}
-            built = functools.partial(self._built_by_param, call)
-            for p, f in project_call(call, named, total.shape, total, built).items():
-                features[p] = f if p not in features else features[p].add_(f)
-        for p in projectors:
-            if p in features:
-                total.add_(features[p])
+            if named:
+                project_call(call, named, total, functools.partial(self._built_by_param, call))
 
     def _built_by_param(self, call: Call) -> dict[nn.Parameter, Tensor]:
         """The call's ``g_i`` by parameter (shared with the other quantities as ``_run`` keeps them)."""

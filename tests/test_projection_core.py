@@ -517,20 +517,24 @@ def test_a_projected_call_lets_its_output_gradient_go_before_the_backward_ends(g
     psm.remove()
 
 
-def test_a_backward_that_reaches_part_of_a_layer_gets_the_features_of_that_part() -> None:
-    """``backward(inputs=[bias])``: the call is projected as it arrives, but only the parameters the
-    backward accumulates into count (the weight's features are left out)."""
+def test_a_backward_that_reaches_part_of_the_model_gets_the_features_of_that_part() -> None:
+    """Only the parameters a backward accumulates into count: ``backward(inputs=[bias])`` gives the
+    bias's features (not its weight's, though the layer's output gradient arrived), and
+    ``torch.autograd.grad`` of the input (a saliency map) none; the ordinary backward after each gets
+    every parameter's."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
     psm = PerSampleModule(net, keep_grad_sample=False)
     spec = Spec(DIM, seed=3)
     psm.register_projection(net, dim=DIM, seed=3, grads=False)
-    for step in range(3):
-        x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
-        ref = reference_grad_sample(net, x, y)
-        inputs = [net[2].bias] if step else None
-        ((psm(x) - y).pow(2).sum() / 5).backward(inputs=inputs)
-        found = psm.per_sample_projections()[""]
-        want = _features(ref, net, spec, "2.bias") if step else _features(ref, net, spec)
-        assert_close(found, want, f"step {step}")
+    for step in range(4):
+        x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+        y = torch.randn(5, 3, dtype=torch.float64)
+        ref = reference_grad_sample(net, x.detach(), y)
+        ((psm(x) - y).pow(2).sum() / 5).backward(inputs=[net[2].bias])
+        assert_close(psm.per_sample_projections()[""], _features(ref, net, spec, "2.bias"), f"step {step}: inputs=")
+        torch.autograd.grad((psm(x) - y).pow(2).sum() / 5, x)
+        assert not psm.per_sample_projections()[""].any(), f"step {step}: torch.autograd.grad reached a parameter"
+        ((psm(x) - y).pow(2).sum() / 5).backward()
+        assert_close(psm.per_sample_projections()[""], _features(ref, net, spec), f"step {step}: every parameter")
     psm.remove()

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ..calls import Call, HookedLayer, Kept
-from ..errors import ProjectionError
+from ..errors import HookStateError, ProjectionError
 from ..projectors import KINDS, Projector, Spec, splittable
 from ..sources import Fused, project_call, run_rule
 from . import Batch
@@ -62,18 +62,19 @@ class Projection:
             self.canonical(p) in t.params for t in self.targets if t.per_token for _, p in kept.layer.trainable()
         )
 
-    def project_now(self, call: Call, size: int, into: dict[str, dict[nn.Parameter, Tensor]]) -> bool:
+    def project_now(self, call: Call, size: int, into: dict[str, tuple[Tensor, set[nn.Parameter]]]) -> bool:
         """Project ``call`` (``size`` samples) as its output gradient arrives, so that its ``(a, d)`` are
-        let go at once, read while still in cache: ``P_p vec(g_i(p))`` of each parameter ``p`` of each
-        target it feeds (``sources.project_call``), added into ``into[target name][p]`` ``[B, k]``. Kept
-        per parameter: only those the backward reaches count, known at its end (``consume``). False,
-        adding nothing, where a per-token target reads the call (at the end)."""
+        let go at once, read while still in cache: ``sum_p P_p vec(g_i(p))`` of its parameters ``p`` in
+        each target (``sources.project_call``), added into that target's ``into[name]`` features
+        ``[B, k]``, whose parameters are recorded beside them. The caller makes sure the backward reaches
+        every parameter of the call. False, adding nothing, where a per-token target reads the call (at
+        the end)."""
         named = {self.canonical(p): name for name, p in call.layer.trainable()}
         if any(t.per_token and not named.keys().isdisjoint(t.params) for t in self.targets):
             return False
         grads: dict[nn.Parameter, Tensor] = {}
 
-        def built() -> dict[nn.Parameter, Tensor]:
+        def built() -> dict[nn.Parameter, Tensor]:  # (asked once per target at most: kept)
             if not grads:
                 found = call.built if call.built is not None else run_rule(call.layer, call.a, call.d, call.scale)
                 module, own = call.layer.module, dict(call.layer.trainable())
@@ -86,10 +87,11 @@ class Projection:
             wanted = {p: (name, target.params[p]) for p, name in named.items() if p in target.params}
             if not wanted:
                 continue
-            shape, like = (size, target.spec.dim), next(iter(target.params))  # in the parameters' dtype
-            by_param = into.setdefault(target.name, {})
-            for p, features in project_call(call, wanted, shape, like, built).items():
-                by_param[p] = features if p not in by_param else by_param[p].add_(features)
+            if target.name not in into:  # summed in the parameters' dtype, as at the end
+                into[target.name] = (next(iter(target.params)).new_zeros((size, target.spec.dim)), set())
+            total, covered = into[target.name]
+            project_call(call, wanted, total, built)
+            covered.update(wanted)
         return True
 
     def consume(self, batch: Batch) -> None:
@@ -111,13 +113,20 @@ class Projection:
                 for features in found.values():
                     total = total + features
             else:
-                total = first.new_zeros((batch.size, target.spec.dim))  # summed in the parameters' dtype, then cast
-                projected = eager.get(target.name, {})
-                for p in reached:
-                    if p in projected:
-                        total.add_(projected[p])
-                calls = batch.source.uses if isinstance(batch.source, Fused) else {}
-                rest = {p: proj for p, proj in reached.items() if p not in projected or p in calls}
+                projected = eager.get(target.name)
+                if projected is None:
+                    total = first.new_zeros((batch.size, target.spec.dim))  # summed in the parameters' dtype, then cast
+                else:
+                    total, covered = projected
+                    if not covered.issubset(reached):  # (asked only where the backward runs every AccumulateGrad)
+                        missed = sorted(batch.names[p] for p in covered - reached.keys())
+                        raise HookStateError(
+                            f"the features of the projection {target.name!r} include {missed}, projected as their "
+                            "output gradients arrived in a backward that then did not accumulate into them: a pergrad "
+                            "bug, please report it with the model and the backward call"
+                        )
+                calls = batch.source.uses if isinstance(batch.source, Fused) else reached
+                rest = {p: proj for p, proj in reached.items() if p in calls}  # those whose calls were kept
                 if rest and batch.size:
                     batch.source.project(rest, total)
             self.last[target.name] = total if target.spec.dtype is None else total.to(target.spec.dtype)

@@ -60,7 +60,7 @@ class Reduction:
     def reads(self, kept: Kept) -> bool:
         """A call of a layer a transform covers, or one that ran a weight detached whose ``.grad`` pergrad writes."""
         transformed = self.targets.transformed
-        if any(self.canonical(p) in transformed for _, p in kept.layer.trainable()):
+        if transformed and any(self.canonical(p) in transformed for _, p in kept.layer.trainable()):
             return True
         detached = kept.detached
         if detached is None:
