@@ -54,10 +54,14 @@ def check_statistics(stats: pergrad.statistics.Statistics, ref: dict[str, torch.
     if mean_sq <= 1e-20 * flat_norms(ref).square().mean():
         # the mean gradient is zero up to round-off: the three tests divide by it and are meaningless
         expected = {"trace_variance": expected["trace_variance"]}
+    # the tests divide by the squared mean: the round-off of sum_i ||g_i||^2 grows by ||g_i||^2 / ||mean||^2
+    # (7e7 for a mean of 3e-4 beside per-sample gradients of norm 2.6: an RMSNorm over one feature)
+    conditioning = float(flat_norms(ref).square().mean() / mean_sq) if mean_sq > 0 else 0.0
     for key, value in expected.items():
         # compare squares: a test near 0 is the sqrt of a cancellation, which magnifies round-off
+        atol = 1e-9 if key == "trace_variance" else max(1e-9, 1e-13 * conditioning)
         torch.testing.assert_close(
-            getattr(stats, key).square(), value.square(), rtol=1e-7, atol=1e-9, equal_nan=True, msg=key
+            getattr(stats, key).square(), value.square(), rtol=1e-7, atol=atol, equal_nan=True, msg=key
         )
 
 
