@@ -15,7 +15,6 @@ Both answer the same questions, so the engine computes transforms and statistics
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -199,29 +198,6 @@ def run_rule(layer: HookedLayer, a: Any, d: Tensor | OutputGrads, scale: float =
     return {name: g.mul_(scale) if id(g) in own else g * scale for name, g in built.items()}
 
 
-def project_call(
-    call: Call,
-    projectors: dict[nn.Parameter, tuple[str, Projector]],
-    total: Tensor,
-    built: Callable[[], dict[nn.Parameter, Tensor]],
-) -> None:
-    """Adds ``sum_p P_p vec(g_i(p))`` of one call's parameters ``p`` into ``total`` ``[B, k]`` (each
-    projector given with the name the layer's rule gives its parameter): by the layer's fused
-    projection where it has one for these blocks (``FusedRule.project``: Kronecker blocks from
-    ``(a, d)``, no ``g_i``), else from the call's ``g_i`` (``built``). The same numbers whether a call
-    is projected as its output gradient arrives or at the end of the backward
-    (``pergrad.consumers.projection``)."""
-    fused = call.layer.spec.fused
-    if call.built is None and fused is not None and fused.project is not None:
-        by_name = dict(projectors.values())
-        if fused.project(call.layer.module, call.a, call.d, by_name, total, call.scale):
-            return
-    grads = built()
-    for p, (_, projector) in projectors.items():
-        if p in grads:
-            projector.apply(grads[p], total)
-
-
 class Fused:
     """Quantities computed from the kept ``(a, d)`` of every call, building ``g_i`` only where needed."""
 
@@ -363,18 +339,25 @@ class Fused:
         return out
 
     def project(self, projectors: dict[nn.Parameter, Projector], total: Tensor) -> None:
-        """Adds ``sum_p P_p vec(g_i(p))`` into ``total`` ``[B, k]``, call by call in the order they arrived, as
-        ``Projection.project_now`` adds them (``project_call``; built ``g_i`` shared with the other quantities
-        as ``_run`` keeps them). Projections are linear, so a parameter fed by several calls (a layer
-        called twice, tied weights) adds each call's projection."""
+        """Adds ``sum_p P_p vec(g_i(p))`` into ``total`` ``[B, k]``, call by call in the order they arrived (as
+        ``Projection.project_now`` adds them, one call at a time: the same numbers either way): a call's fused
+        projection (``FusedRule.project``: Kronecker blocks from ``(a, d)``, no ``g_i``) where its rule has one
+        for these projectors, else its built ``g_i`` projected (shared with the other quantities as ``_run``
+        keeps them). Projections are linear, so a parameter fed by several calls (a layer called twice, tied
+        weights) adds each call's projection."""
         for call in self.calls:
-            named = {p: (name, projectors[p]) for name, p in self._params[call].items() if p in projectors}
-            if named:
-                project_call(call, named, total, functools.partial(self._built_by_param, call))
-
-    def _built_by_param(self, call: Call) -> dict[nn.Parameter, Tensor]:
-        """The call's ``g_i`` by parameter (shared with the other quantities as ``_run`` keeps them)."""
-        return {self._param(call, name): g for name, g in self._run(call).items()}
+            named = {name: p for name, p in self._params[call].items() if p in projectors}
+            if not named:
+                continue
+            fused = call.layer.spec.fused
+            if call.built is None and fused is not None and fused.project is not None:
+                by_name = {n: projectors[p] for n, p in named.items()}
+                if fused.project(call.layer.module, call.a, call.d, by_name, total, call.scale):
+                    continue
+            for name, g in self._run(call).items():
+                p = self._param(call, name)
+                if p in projectors:
+                    projectors[p].apply(g, total)
 
     def project_tokens(self, projectors: dict[nn.Parameter, Projector]) -> dict[nn.Parameter, Tensor]:
         """``P_p vec(g_it)`` ``[B, T, k]`` of each parameter, ``g_it`` the term of ``g_i`` at token ``t``

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from ..calls import Call, HookedLayer, Kept
 from ..errors import HookStateError, ProjectionError
 from ..projectors import KINDS, Projector, Spec, splittable
-from ..sources import Fused, project_call, run_rule
+from ..sources import Fused
 from . import Batch
 
 
@@ -65,32 +65,22 @@ class Projection:
     def project_now(self, call: Call, size: int, into: dict[str, tuple[Tensor, set[nn.Parameter]]]) -> bool:
         """Project ``call`` (``size`` samples) as its output gradient arrives, so that its ``(a, d)`` are
         let go at once, read while still in cache: ``sum_p P_p vec(g_i(p))`` of its parameters ``p`` in
-        each target (``sources.project_call``), added into that target's ``into[name]`` features
-        ``[B, k]``, whose parameters are recorded beside them. The caller makes sure the backward reaches
-        every parameter of the call. False, adding nothing, where a per-token target reads the call (at
-        the end)."""
-        named = {self.canonical(p): name for name, p in call.layer.trainable()}
-        if any(t.per_token and not named.keys().isdisjoint(t.params) for t in self.targets):
+        each target, by a source of this call alone (``Fused.project``, as the end of the backward
+        projects), added into that target's ``into[name]`` features ``[B, k]``, whose parameters are
+        recorded beside them. The caller makes sure the backward reaches every parameter of the call.
+        False, adding nothing, where a per-token target reads the call (at the end)."""
+        source = Fused([call], self.canonical)
+        params = source.uses.keys()
+        if any(t.per_token and not params.isdisjoint(t.params) for t in self.targets):
             return False
-        grads: dict[nn.Parameter, Tensor] = {}
-
-        def built() -> dict[nn.Parameter, Tensor]:  # (asked once per target at most: kept)
-            if not grads:
-                found = call.built if call.built is not None else run_rule(call.layer, call.a, call.d, call.scale)
-                module, own = call.layer.module, dict(call.layer.trainable())
-                grads.update(
-                    {self.canonical(own[k] if k in own else module.get_parameter(k)): g for k, g in found.items()}
-                )
-            return grads
-
         for target in self.targets:
-            wanted = {p: (name, target.params[p]) for p, name in named.items() if p in target.params}
+            wanted = {p: target.params[p] for p in params if p in target.params}
             if not wanted:
                 continue
             if target.name not in into:  # summed in the parameters' dtype, as at the end
                 into[target.name] = (next(iter(target.params)).new_zeros((size, target.spec.dim)), set())
             total, covered = into[target.name]
-            project_call(call, wanted, total, built)
+            source.project(wanted, total)
             covered.update(wanted)
         return True
 
