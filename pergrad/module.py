@@ -174,7 +174,6 @@ class PerSampleModule:
         self._targets: list[tuple[nn.Module | str, Transform]] = []  # as registered, resolved again on rebinding
         self._projections: list[tuple[nn.Module | str, Spec, bool, bool, Budget]] = []  # likewise (grads, per_token)
         self._layers: list[HookedLayer] = []
-        self._accumulators: list[Any] = []
         self._accumulate_handles: list[RemovableHandle] = []
         self._hooks: LayerHooks | None = None
         self._bind()  # raises for unsupported layers before any hook is installed
@@ -259,12 +258,9 @@ class PerSampleModule:
             handle.remove()
         # a lazy module's parameters get theirs once materialised (``_after_call``)
         params = [p for p in self._engine.param_names if not is_lazy(p)]
-        # AccumulateGrad nodes are cached weakly by their parameter: hold them so hooks stay on them.
-        self._accumulators = [get_gradient_edge(p).node for p in params]
-        self._engine.accumulators = dict(zip(params, self._accumulators))
-        self._accumulate_handles = [
-            node.register_prehook(self._accumulate_hook(p)) for p, node in zip(params, self._accumulators)
-        ]
+        # AccumulateGrad nodes are cached weakly by their parameter: the engine holds them so hooks stay on them.
+        nodes = self._engine.accumulators = {p: get_gradient_edge(p).node for p in params}
+        self._accumulate_handles = [node.register_prehook(self._accumulate_hook(p)) for p, node in nodes.items()]
 
     def _sync(self) -> None:
         """At every call of the model: if its parameters are no longer the ones the wrapper was built
@@ -729,7 +725,7 @@ class PerSampleModule:
         for handle in self._accumulate_handles:
             handle.remove()
         self._accumulate_handles.clear()
-        self._accumulators.clear()
+        self._engine.accumulators.clear()
 
     def remove(self) -> None:
         """Remove every hook and every ``grad_sample``: the model is as it was before wrapping."""
