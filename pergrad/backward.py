@@ -16,7 +16,7 @@ recomputed its segment.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,3 +145,14 @@ class Backwards:
 def queue_at_end(callback: Callable[[], Any]) -> None:
     """Run ``callback`` when the running backward's graph has run (after callbacks queued before it)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def will_accumulate(nodes: Iterable[Any]) -> bool:
+    """Whether the running backward runs every one of these ``AccumulateGrad`` nodes: not in
+    ``torch.autograd.grad`` (which captures its inputs' gradients instead), nor for the parameters that
+    ``backward(inputs=...)`` leaves out."""
+    will_run = torch._C._will_engine_execute_node
+    try:
+        return all(will_run(node) for node in nodes)
+    except RuntimeError:  # asked of a leaf that torch.autograd.grad captures
+        return False

@@ -39,7 +39,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from .backward import Backward, Backwards, queue_at_end
+from .backward import Backward, Backwards, queue_at_end, will_accumulate
 from .calls import Call, HookedLayer, Kept
 from .consumers import Batch, Consumer
 from .consumers.factors import ProjectedFactors
@@ -343,16 +343,10 @@ class Engine:
             return self.projection.project_now(call, kept.batch_size, state.arrived.projected)
 
     def _accumulates(self, layer: HookedLayer) -> bool:
-        """Whether the running backward runs the ``AccumulateGrad`` node (hooked: ``on_accumulate``) of every
-        trainable parameter of ``layer``: not in ``torch.autograd.grad``, nor for the parameters that
-        ``backward(inputs=...)`` leaves out."""
-        nodes, will_run = self.accumulators, torch._C._will_engine_execute_node
-        try:
-            return all(
-                (node := nodes.get(self.canonical(p))) is not None and will_run(node) for _, p in layer.trainable()
-            )
-        except RuntimeError:  # asked of a leaf that torch.autograd.grad captures
-            return False
+        """Whether the running backward runs the hooked ``AccumulateGrad`` node (``on_accumulate``) of every
+        trainable parameter of ``layer`` (``backward.will_accumulate``)."""
+        nodes = [self.accumulators.get(self.canonical(p)) for _, p in layer.trainable()]
+        return None not in nodes and will_accumulate(nodes)
 
     def on_input_grad(self, generation: int, d: Tensor) -> None:
         """The gradient reaching the model's input (``keep_activation_grads=True``)."""

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
-from .backward import queue_at_end
+from .backward import queue_at_end, will_accumulate
 from .calls import Call, Kept
 from .sources import Fused, in_parameter_dtype, no_autocast, no_grad
 
@@ -31,11 +31,7 @@ class AfterRemoval:
         """The output gradient of a call that ran with its weight detached (``kept.detached``)."""
         detached = kept.detached
         assert detached is not None
-        try:
-            runs = all(torch._C._will_engine_execute_node(get_gradient_edge(p).node) for p in detached.params)
-        except RuntimeError:  # asked of a leaf in torch.autograd.grad: no .grad to write
-            runs = False
-        if not runs:  # torch.autograd.grad, or backward(inputs=...) naming other tensors
+        if not will_accumulate(get_gradient_edge(p).node for p in detached.params):  # no .grad to write
             return
         task = torch._C._current_graph_task_id()
         if task not in self._calls:
