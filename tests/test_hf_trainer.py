@@ -352,6 +352,63 @@ def test_per_sample_lm_loss_as_compute_loss_func_of_a_plain_trainer(tmp_path: Pa
     check_steps(recorder, base, lm_sample, LM_CLIP)
 
 
+# -- projected per-sample gradients (training-data attribution during training) --------------------------------
+
+
+class Projecting(Recording):
+    """Records, beside each micro-batch, the features its backward gave (``per_sample_projections()``)."""
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.recorder.steps[-1]["batches"][-1]["features"] = {
+            name: f.detach().clone() for name, f in self.psm.per_sample_projections().items()
+        }
+        return loss
+
+
+@pytest.mark.parametrize("case", ["clip", "clip+reentrant"])
+def test_gpt2_features_of_every_micro_batch_are_of_each_samples_own_gradient(tmp_path: Path, case: str) -> None:
+    """``projections=`` in a clipping run with 2 micro-batches per step: after every micro-batch's backward,
+    ``per_sample_projections()`` holds ``P vec(g_i)`` of that micro-batch's samples, each run alone at the step's
+    parameters (the raw ``g_i``, before clipping, of the sample's own loss), for a Kronecker projection of the
+    whole model and a dense one of one block; and every step's ``.grad`` is still the clipped mean."""
+    from pergrad.projectors import Projector, Spec
+
+    base = gpt2()
+    specs = {"": Spec(16, "kron", 5, None), "transformer.h.1.mlp": Spec(8, "dense", 2, None)}
+    overrides: dict[str, Any] = {}
+    if case.endswith("reentrant"):
+        overrides = {"activation_checkpointing": True, "activation_checkpointing_kwargs": {"use_reentrant": True}}
+    recorder, _ = run(
+        copy.deepcopy(base),
+        lm_data(13),
+        tmp_path,
+        args=arguments(tmp_path, **overrides),
+        trainer_cls=Projecting,
+        transforms={"": transforms.clip_norm(LM_CLIP)},
+        projections={t: {"dim": s.dim, "kind": s.kind, "seed": s.seed} for t, s in specs.items()},
+    )
+    assert check_steps(recorder, base, lm_sample, LM_CLIP) == [[3, 3], [3, 3], [1], [3, 3]]
+    shapes = {n: tuple(p.shape) for n, p in base.named_parameters()}
+    blocks = {t: {n: Projector(s, n, shapes[n]).matrix() for n in shapes if n.startswith(t)} for t, s in specs.items()}
+    assert len(blocks[""]) == len(shapes) and len(blocks["transformer.h.1.mlp"]) == 4
+    for k, step in enumerate(recorder.steps):
+        model = copy.deepcopy(base)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(step["params"][n])
+        params = dict(model.named_parameters())
+        for m, batch in enumerate(step["batches"]):
+            assert set(batch["features"]) == set(specs)
+            for i in range(batch["input_ids"].shape[0]):
+                grads = dict(zip(params, torch.autograd.grad(lm_sample(model, batch, i), list(params.values()))))
+                for target, found in batch["features"].items():
+                    want = sum(grads[n].flatten() @ block.T for n, block in blocks[target].items())
+                    torch.testing.assert_close(
+                        found[i], want, rtol=TOL, atol=TOL, msg=f"step {k} micro-batch {m} sample {i} {target!r}"
+                    )
+
+
 # -- DP-SGD ------------------------------------------------------------------------------------------------
 
 
