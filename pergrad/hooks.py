@@ -14,6 +14,7 @@ output (``output.grad_fn``), not by a full module backward hook:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -703,27 +704,32 @@ class LayerHooks:
                 shared=True,
             )
         produced = _producer(output)
-        node, index, shape = produced.grad_fn, produced.output_nr, output.shape
+        node, index, shape, a_shape = produced.grad_fn, produced.output_nr, output.shape, tuple(a.shape)
         assert node is not None
+        # The hook holds the origin weakly: the origin holds the alias, whose graph holds ``node``, and a
+        # cycle through an autograd node is one Python's gc cannot collect (every step's call would stay).
+        # An origin gone by the time its output's gradient arrives was met by no op of this graph.
+        delivered_to = weakref.ref(origin)
 
         def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
             d = grad_outputs[index]
             if d is None or pulling():
                 return
             if group.state == "shared":
-                if origin.delivered == 0:
+                met = delivered_to()
+                if met is None or met.delivered == 0:
                     raise SharedInputError(
                         f"the output of {layer.label} is shared by the batch (its input has no batch dim: shape "
-                        f"{tuple(a.shape)}), but its gradient reached the loss without meeting the batch in an op that "
+                        f"{a_shape}), but its gradient reached the loss without meeting the batch in an op that "
                         "broadcasts it over the samples, so it cannot be split per sample. If the layer's input folds "
                         "the batch into another dim, keep the batch on its own dim."
                         + (RECOMPUTED if task is not None else "")
                     )
-                origin.delivered = 0
+                met.delivered = 0
                 return
             if group.state == "maybe":
                 raise SharedInputError(
-                    f"{layer.label} got an input of shape {tuple(a.shape)} created inside the forward (not computed "
+                    f"{layer.label} got an input of shape {a_shape} created inside the forward (not computed "
                     f"from the model's inputs) with {size} on the batch dim {dim}, and its output reached the loss "
                     "without meeting a tensor computed from the model's inputs in an op that shows whether that dim "
                     "is the batch. If that input is the same for every sample, give it a batch dim of size 1 "
