@@ -717,16 +717,21 @@ class LayerHooks:
                 return
             if group.state == "shared":
                 met = delivered_to()
-                if met is None or met.delivered == 0:
+                if met is not None and met.delivered:
+                    met.delivered = 0
+                    return
+                if task is not None:
                     raise SharedInputError(
-                        f"the output of {layer.label} is shared by the batch (its input has no batch dim: shape "
-                        f"{a_shape}), but its gradient reached the loss without meeting the batch in an op that "
-                        "broadcasts it over the samples, so it cannot be split per sample. If the layer's input folds "
-                        "the batch into another dim, keep the batch on its own dim."
-                        + (RECOMPUTED if task is not None else "")
+                        f"{layer.label}, computed again inside the backward, took its input (shape {a_shape}) for one "
+                        "shared by the batch, and its output's gradient reached the loss without meeting the batch in "
+                        "an op that splits it per sample." + RECOMPUTED
                     )
-                met.delivered = 0
-                return
+                raise SharedInputError(
+                    f"the output of {layer.label} is shared by the batch (its input has no batch dim: shape "
+                    f"{a_shape}), but its gradient reached the loss without meeting the batch in an op that "
+                    "broadcasts it over the samples, so it cannot be split per sample. If the layer's input folds "
+                    "the batch into another dim, keep the batch on its own dim."
+                )
             if group.state == "maybe":
                 raise SharedInputError(
                     f"{layer.label} got an input of shape {a_shape} created inside the forward (not computed "

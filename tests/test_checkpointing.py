@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pergrad import HookStateError, PerSampleModule, transforms
+from pergrad import HookStateError, PerSampleModule, SharedInputError, transforms
 from tests.reference import assert_close, clipped_mean, reference_grad_sample
 
 CLIP = 0.5
@@ -81,6 +81,52 @@ def test_checkpointed_model_is_exact_on_every_step(reentrant: bool, whole: bool,
                 assert_close(p.grad_sample, ref[name], f"grad_sample of {name} at B={b} T={t}")
         opt.step()
     psm.remove()
+
+
+class Positions(nn.Module):
+    """Position embeddings without a batch dim (``wpe(torch.arange(T))``) added inside a segment,
+    checkpointed (reentrant or not) or run plainly (``reentrant=None``)."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp, self.wpe, self.mlp = nn.Linear(5, 6), nn.Embedding(24, 6), nn.Linear(6, 3)
+
+    def segment(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mlp(h + self.wpe(torch.arange(h.shape[1]))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.segment(h) if self.reentrant is None else checkpoint(self.segment, h, use_reentrant=self.reentrant)
+
+
+def test_positions_inside_a_checkpointed_segment() -> None:
+    """Non-reentrant: exact on every step, on both sides of 16 positions (the recomputation is a
+    forward pergrad follows). Reentrant: the segment is computed again inside the backward, where
+    pergrad cannot tell the positions from the batch: refused, saying what to change."""
+    torch.manual_seed(0)
+    model = Positions(reentrant=False).double()
+    plain = Positions(None).double()
+    with PerSampleModule(model, keep_grad_sample=True) as psm:
+        psm.register_transform(model, transforms.clip_norm(CLIP))
+        for b, t in [(3, 4), (2, 17), (4, 16), (1, 5)]:
+            plain.load_state_dict(model.state_dict())
+            x, y = torch.randn(b, t, 5, dtype=torch.float64), torch.randn(b, t, 3, dtype=torch.float64)
+            ref = reference_grad_sample(plain, x, y)
+            psm.zero_grad()
+            ((psm(x) - y) ** 2).flatten(1).sum(1).mean().backward()
+            for name, p in model.named_parameters():
+                assert_close(p.grad_sample, ref[name], f"grad_sample of {name} at B={b} T={t}")
+                assert_close(p.grad, clipped_mean(ref, CLIP)[name], f".grad of {name} at B={b} T={t}")
+    refused = Positions(reentrant=True).double()
+    with PerSampleModule(refused) as psm:
+        out = psm(torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True))
+        with pytest.raises(
+            SharedInputError,
+            match=r"layer 'mlp' \(Linear\), computed again inside the backward, took its input \(shape \(3, 4, 6\)\) "
+            r"for one shared by the batch.*checkpoint this segment with use_reentrant=False",
+        ):
+            out.sum().backward()
 
 
 transformers = pytest.importorskip("transformers")
