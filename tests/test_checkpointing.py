@@ -84,20 +84,26 @@ def test_checkpointed_model_is_exact_on_every_step(reentrant: bool, whole: bool,
 
 
 class Positions(nn.Module):
-    """Position embeddings without a batch dim (``wpe(torch.arange(T))``) added inside a segment,
-    checkpointed (reentrant or not) or run plainly (``reentrant=None``)."""
+    """Position embeddings without a batch dim (``wpe(torch.arange(T))``) added inside a segment
+    (``inside``) or before it; the segment checkpointed (reentrant or not) or run plainly (``reentrant=None``),
+    then a head outside it."""
 
-    def __init__(self, reentrant: bool | None) -> None:
+    def __init__(self, reentrant: bool | None, inside: bool = True) -> None:
         super().__init__()
-        self.reentrant = reentrant
-        self.inp, self.wpe, self.mlp = nn.Linear(5, 6), nn.Embedding(24, 6), nn.Linear(6, 3)
+        self.reentrant, self.inside = reentrant, inside
+        self.inp, self.wpe, self.mlp = nn.Linear(5, 6), nn.Embedding(24, 6), nn.Linear(6, 4)
+        self.head = nn.Linear(4, 3)
+
+    def positions(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.wpe(torch.arange(h.shape[1]))
 
     def segment(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.mlp(h + self.wpe(torch.arange(h.shape[1]))))
+        return torch.tanh(self.mlp(self.positions(h) if self.inside else h))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        return self.segment(h) if self.reentrant is None else checkpoint(self.segment, h, use_reentrant=self.reentrant)
+        h = self.inp(x) if self.inside else self.positions(self.inp(x))
+        out = self.segment(h) if self.reentrant is None else checkpoint(self.segment, h, use_reentrant=self.reentrant)
+        return self.head(out)
 
 
 def test_positions_inside_a_checkpointed_segment() -> None:

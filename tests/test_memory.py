@@ -17,7 +17,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from pergrad import PerSampleModule, transforms
 from pergrad.pool import SLACK, BufferPool
@@ -228,41 +227,22 @@ def test_pool_never_lends_memory_in_use_and_keeps_within_its_limit(
 # -- nothing of a step outlives it ------------------------------------------------------------------------
 
 
-class CheckpointedGPT(nn.Module):
-    """Positions without a batch dim (a layer whose input the batch shares), inside a checkpointed block
-    (non-reentrant) or before it (reentrant checkpointing recomputes outside the forward pergrad follows)."""
-
-    def __init__(self, reentrant: bool) -> None:
-        super().__init__()
-        self.reentrant = reentrant
-        self.wte, self.wpe = nn.Embedding(VOCAB, 6), nn.Embedding(24, 6)
-        self.mlp, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
-
-    def block(self, h: torch.Tensor) -> torch.Tensor:
-        if not self.reentrant:
-            h = h + self.wpe(torch.arange(h.shape[1]))
-        return torch.tanh(self.mlp(h))
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.wte(idx)
-        if self.reentrant:
-            h = h + self.wpe(torch.arange(idx.shape[1]))
-        return self.head(checkpoint(self.block, h, use_reentrant=self.reentrant))
-
-
 def leak_models() -> dict[str, tuple[nn.Module, torch.Tensor]]:
+    from tests.test_checkpointing import Positions
     from tests.test_projection import Attention
     from tests.test_shared import Buckets, NanoGPT, RawParameters
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (3, 18), generator=gen)
     floats = torch.randn(3, 18, 4, generator=gen, dtype=torch.float64)
+    wider = torch.randn(3, 18, 5, generator=gen, dtype=torch.float64)
     return {
         "shared positions, tied head": (NanoGPT(vocab=VOCAB), ids),
         "relative position buckets": (Buckets(), floats),
         "raw parameters": (RawParameters(), floats),
-        "shared positions, reentrant checkpointing": (CheckpointedGPT(reentrant=True), ids),
-        "shared positions, checkpointing": (CheckpointedGPT(reentrant=False), ids),
+        # (reentrant checkpointing computes its segment again outside the forward pergrad follows: positions before it)
+        "shared positions, reentrant checkpointing": (Positions(reentrant=True, inside=False), wider),
+        "shared positions, checkpointing": (Positions(reentrant=False), wider),
         "multi-head attention": (Attention(), floats),
     }
 
