@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
 from .calls import Detached, HookedLayer
 from .errors import DetachedWeightError
@@ -67,20 +68,27 @@ class _Touch(torch.autograd.Function):
 class _Guard:
     """Tells, in the backward, whether autograd itself is asked for a detached weight's gradient.
 
-    The weights and a sentinel (a view of pergrad's probe, which nothing but an ordinary
-    ``.backward()`` of the whole graph accumulates into) are tied into the graph through views:
-    ``torch._C._will_engine_execute_node`` says whether a view's node runs in this backward. A weight's
-    runs while the sentinel's does not: ``torch.autograd.grad`` or ``backward(inputs=...)`` names the
-    weight, whose gradient autograd does not compute (the call ran with it detached)."""
+    The weights and a sentinel (pergrad's probe, which nothing but an ordinary ``.backward()`` of the
+    whole graph accumulates into) are touched with the call's anchor (``touch``), so their
+    ``AccumulateGrad`` nodes are in the graph: ``torch._C._will_engine_execute_node`` says whether one
+    runs in this backward. A weight's runs (or ``torch.autograd.grad`` captures it: asking that of a
+    leaf raises) while the sentinel's does not: ``torch.autograd.grad`` or ``backward(inputs=...)`` names
+    the weight, whose gradient autograd does not compute (the call ran with it detached). One guard
+    serves every call of its layer (the nodes are the parameters' own)."""
 
-    def __init__(self, label: str, sentinel: Tensor, views: tuple[Tensor, ...]) -> None:
-        self.label = label
-        assert sentinel.grad_fn is not None
-        self.sentinel, self.nodes = sentinel.grad_fn, [v.grad_fn for v in views]
+    def __init__(self, label: str, sentinel: Tensor, params: tuple[Tensor, ...]) -> None:
+        self.label, self.params = label, params
+        self.sentinel, self.nodes = get_gradient_edge(sentinel).node, [get_gradient_edge(p).node for p in params]
 
     def check(self) -> None:
         will_run = torch._C._will_engine_execute_node
-        if will_run(self.sentinel) or not any(node is not None and will_run(node) for node in self.nodes):
+        if will_run(self.sentinel):
+            return
+        try:
+            asked = any(will_run(node) for node in self.nodes)
+        except RuntimeError:  # asked of a leaf that torch.autograd.grad captures: the weight is asked for
+            asked = True
+        if not asked:
             return
         raise DetachedWeightError(
             f"autograd was asked for the gradient of the weight of {self.label} (torch.autograd.grad or "
@@ -178,6 +186,7 @@ class Detacher:
         self._generation = -1
         self._decided: dict[str, bool] = {}  # layer name -> did its first call in this forward detach
         self.current: set[nn.Parameter] = set()  # the parameters detached in this forward
+        self._guards: dict[str, _Guard] = {}  # layer name -> the guard of its calls
 
     def candidates(self, layers: list[HookedLayer], model: nn.Module) -> None:
         """Record which parameters may ever run detached: those the model holds once, in a layer
@@ -223,6 +232,7 @@ class Detacher:
     def reset(self) -> None:
         """Forget the running forward's decisions (the hooks are being installed again)."""
         self._generation, self._decided, self.current = -1, {}, set()
+        self._guards = {}
 
     def _ok(self, p: Any) -> bool:
         if not (isinstance(p, nn.Parameter) and p.requires_grad):
@@ -254,7 +264,7 @@ class Detacher:
         first = self._decided.get(layer.name)
         found = self._detach(layer, a, batch_dim, decided=first)
         if found is not None and engine.world is None:
-            found = self._touched(found, self._guard(layer.label, found.params), generation)
+            found = self._touched(found, self._guard(layer, found.params), generation)
         elif found is not None and engine.world is not None:
             if engine.world.touches:  # DDP: its reducer waits for every parameter
                 found = self._touched(found, None, generation)
@@ -306,12 +316,13 @@ class Detacher:
             return Detached(probe, (weight,), tuple(swaps), probe=True)
         return None  # a frozen bias, or one the module does not keep as `bias`
 
-    def _guard(self, label: str, params: tuple[nn.Parameter, ...]) -> tuple[_Guard, tuple[Tensor, ...]]:
-        """A guard for a call whose ``params`` run detached, and what to touch with it: the views of
-        the parameters and of the sentinel it watches (see ``_Guard``)."""
-        views = tuple(p.view_as(p) for p in params)
-        sentinel = self.probe(params[0]).view_as(self.probe(params[0]))
-        return _Guard(label, sentinel, views), (sentinel, *views)
+    def _guard(self, layer: HookedLayer, params: tuple[nn.Parameter, ...]) -> tuple[_Guard, tuple[Tensor, ...]]:
+        """The guard of ``layer``'s calls whose ``params`` run detached, and what to touch with it: the
+        sentinel and the parameters (see ``_Guard``); made once per layer and parameters."""
+        found = self._guards.get(layer.name)
+        if found is None or len(found.params) != len(params) or any(a is not b for a, b in zip(found.params, params)):
+            found = self._guards[layer.name] = _Guard(layer.label, self.probe(params[0]), params)
+        return found, (self.probe(params[0]), *params)
 
     def _touched(self, found: Detached, guarded: tuple[_Guard, tuple[Tensor, ...]] | None, generation: int) -> Detached:
         """``found`` with its anchor touched by the detached parameters: where the anchor stands in as
