@@ -33,6 +33,8 @@ class Arrivals:
 
     grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # built as they arrive (keep_grad_sample)
     calls: list[Call] = field(default_factory=list)  # each call's (a, d), read at the end (keep_grad_sample=False)
+    # the calls that arrived at an autograd node holding saved tensors, with that node (``Engine._let_go``)
+    reached: list[tuple[Kept, Any]] = field(default_factory=list)
     passed: dict[nn.Parameter, None] = field(default_factory=dict)  # of calls whose (a, d) no one reads
     # by target name: the features [B, k] of the calls projected as their d arrived (``Projection.project_now``),
     # and the parameters they cover
@@ -145,6 +147,45 @@ class Backwards:
 def queue_at_end(callback: Callable[[], Any]) -> None:
     """Run ``callback`` when the running backward's graph has run (after callbacks queued before it)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+_SAVED: dict[type, tuple[str, ...]] = {}  # by type of autograd node: the attributes that hold its saved tensors
+
+
+def holds_saved(node: Any) -> bool:
+    """Whether the autograd ``node`` holds a tensor saved for its backward (or what a saved-tensors hook
+    packed for it), read without unpacking anything. A backward that ran it without ``retain_graph=True``
+    frees them, and autograd then refuses to run it again: ``holds_saved`` true before and false after
+    tells that backward apart from one that retained the graph."""
+    if node is None:
+        return False
+    kind = type(node)
+    names = _SAVED.get(kind)
+    if names is None:
+        names = tuple(name for name in dir(kind) if name.startswith("_raw_saved_"))
+        _SAVED[kind] = names
+    for name in names:
+        try:
+            found = getattr(node, name)
+        except RuntimeError:  # a custom Function's, freed
+            return False
+        for saved in found if isinstance(found, tuple | list) else (found,):
+            if saved is not None and (saved.data is not None or saved.unpack_hook is not None):
+                return True
+    return False
+
+
+def saving(node: Any, depth: int = 2) -> Any:
+    """``node``, or the first node within ``depth`` steps after it in the backward (the rest of the same
+    layer's backward: a Linear on sequences is caught at the reshape after its matmul), that holds saved
+    tensors (``holds_saved``); None if none does."""
+    level = [node]
+    for _ in range(depth + 1):
+        for found in level:
+            if holds_saved(found):
+                return found
+        level = [fn for found in level if found is not None for fn, _ in found.next_functions if fn is not None]
+    return None
 
 
 def will_accumulate(nodes: Iterable[Any]) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import weakref
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from pergrad import PerSampleModule, transforms
+from pergrad import HookStateError, PerSampleModule, transforms
 from pergrad.pool import SLACK, BufferPool
 from tests.reference import assert_close, held_bytes, reference_grad_sample
 from tests.test_every_step import expected_grads
@@ -298,3 +299,73 @@ def test_no_step_leaves_tensors_behind(name: str, mode: str) -> None:
             if step in (1, 7):  # (a scan of every object: twice)
                 counts.append(sum(id(t) not in known for t in live_tensors()))
     assert counts[0] == counts[1], f"{counts[1] - counts[0]} more tensors alive after 6 more steps"
+
+
+class Mixed(nn.Module):
+    """Tokens -> embedding -> Linear -> LayerNorm -> Conv1d over the positions -> Linear ([B, T] -> [B, T, 3]):
+    every way pergrad holds a call (a bias or pergrad's zero standing in as the anchor, or added to the output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 6)
+        self.inp = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8, 3, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.tanh(self.inp(self.emb(idx))))
+        return self.head(torch.tanh(self.conv(h.transpose(1, 2)).transpose(1, 2)))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "grad_sample", "norms", "clip", "features", "features and grads"])
+def test_a_loop_that_keeps_its_loss_keeps_no_layer_input(mode: str) -> None:
+    """A training loop keeps its ``loss`` (and with it the autograd graph) until the next step's is
+    made, after that step's forward. Autograd lets go of what the graph saved as the backward runs;
+    pergrad lets go of each layer's input as well (it would otherwise stay alive through the next
+    forward, doubling what the forward holds). Every step, first and later (layers run detached from
+    the second), both sides of 16 positions."""
+    torch.manual_seed(0)
+    model = Mixed().double()
+    psm = PerSampleModule(model, keep_grad_sample=mode == "grad_sample", track_norms=mode == "norms")
+    if mode == "clip":
+        psm.register_transform(model, transforms.clip_norm(0.5))
+    if mode.startswith("features"):
+        psm.register_projection(model, dim=8, grads=mode == "features and grads")
+    inputs: list[weakref.ref[torch.Tensor]] = []
+    handles = [
+        layer.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0])))
+        for layer in (model.inp, model.norm, model.conv, model.head)  # (the embedding's are the loop's own ids)
+    ]
+    loss = None
+    for step, length in enumerate([5, 20, 3, 17]):
+        ids = torch.randint(0, VOCAB, (4, length))
+        inputs.clear()
+        loss = psm(ids).square().sum()
+        loss.backward()
+        gc.collect()
+        alive = [i for i, ref in enumerate(inputs) if ref() is not None]
+        assert not alive, f"step {step}: the inputs of calls {alive} are alive after the backward"
+    assert loss is not None
+    for handle in handles:
+        handle.remove()
+
+
+def test_a_second_backward_through_a_freed_graph_is_refused() -> None:
+    """A second backward through a call whose node the first freed (no ``retain_graph=True``): autograd
+    would refuse at that node; pergrad refuses first (it let go of the call's input), saying what to do.
+    With ``retain_graph=True`` the second backward adds the same again, as autograd does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with PerSampleModule(model) as psm:
+        for _ in range(2):  # the first backward (checked against autograd) and a later one (weights detached)
+            psm.zero_grad()
+            out = psm(x)
+            out.sum().backward(retain_graph=True)
+            once = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
+            out.sum().backward()
+            for n, p in model.named_parameters():
+                assert_close(p.grad_sample, 2 * once[n], n)
+            with pytest.raises(HookStateError, match=r"layer '2' \(Linear\).*Pass retain_graph=True"):
+                out.sum().backward()  # (sum's node saves nothing: the first node it reaches is the layer's)
