@@ -137,7 +137,8 @@ def test_the_projection_check_tells_exact_features_from_wrong_ones(kind: str) ->
 def test_what_pergrad_holds_between_steps(tmp_path: Path) -> None:
     """``benchmarks/held.py``: after three steps, hooks alone hold nothing (the first backward's
     check built per-sample tensors; they are released), materialising holds ``grad_sample`` alone
-    (no scaled copies of output gradients), fused clipping a small part of it."""
+    (no scaled copies of output gradients), fused clipping a small part of it; and the graph of the
+    last step, kept after its backward, holds no more than plain autograd's (no layer input)."""
     out = tmp_path / "held.json"
     proc = run_script("held.py", "--quick", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -145,6 +146,8 @@ def test_what_pergrad_holds_between_steps(tmp_path: Path) -> None:
         assert held["hooks"] == 0, workload
         assert held["analytic"] <= held["materialise"] <= 1.1 * held["analytic"], (workload, held)
         assert held["clip"] <= 0.5 * held["analytic"], (workload, held)
+        for mode in ["hooks", "materialise", "clip", "norms", "stats"]:
+            assert held[f"{mode} graph"] <= held["plain graph"], (workload, mode, held)
 
 
 def test_the_benchmark_refuses_a_device_it_does_not_have() -> None:
