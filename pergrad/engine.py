@@ -222,8 +222,9 @@ class Engine:
     def _arrived(self, kept: Kept, d: Tensor, part: int | None) -> None:
         state = self.backwards.state()
         self._let_go(state)
-        # the node whose pre-hook delivers d (it runs next), or one of the call's own after it
-        node = saving(torch._C._current_autograd_node())
+        # the node whose pre-hook delivers d (it runs next), or one of the call's own after it; not for a
+        # call on a shared input, delivered at each of its meetings with the batch (``pergrad.shared``)
+        node = None if kept.shared else saving(torch._C._current_autograd_node())
         if node is not None:
             state.arrived.reached.append((kept, node))
         if state.through_second_order:
