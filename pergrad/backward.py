@@ -176,9 +176,10 @@ def holds_saved(node: Any) -> bool:
 
 
 def saving(node: Any, depth: int = 2) -> Any:
-    """``node``, or the first node within ``depth`` steps after it in the backward (the rest of the same
-    layer's backward: a Linear on sequences is caught at the reshape after its matmul), that holds saved
-    tensors (``holds_saved``); None if none does."""
+    """``node``, or the first node within ``depth`` steps after it in the backward that holds saved tensors
+    (``holds_saved``); None if none does. Mostly the rest of the same layer's backward: a Linear on
+    sequences is caught at the reshape after its matmul, a convolution run detached at pergrad's zero
+    added to its output. Any such node that has run tells whether its backward retained the graph."""
     level = [node]
     for _ in range(depth + 1):
         for found in level:
