@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from .calls import Call, Detached, Kept
 from .loss_scale import on_device
+from .registry import LayerCall
 
 
 @dataclass
@@ -33,7 +34,7 @@ class Arrivals:
 
     grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # built as they arrive (keep_grad_sample)
     calls: list[Call] = field(default_factory=list)  # each call's (a, d), read at the end (keep_grad_sample=False)
-    # the calls that arrived at an autograd node holding saved tensors, with that node (``Engine._let_go``)
+    # the calls that arrived at an autograd node holding saved tensors, with that node (``let_go``)
     reached: list[tuple[Kept, Any]] = field(default_factory=list)
     passed: dict[nn.Parameter, None] = field(default_factory=dict)  # of calls whose (a, d) no one reads
     # by target name: the features [B, k] of the calls projected as their d arrived (``Projection.project_now``),
@@ -42,6 +43,22 @@ class Arrivals:
     outputs: dict[int, tuple[Kept, list[Tensor | None]]] = field(default_factory=dict)  # id(kept): each output's d
     activation_grads: dict[str, Tensor] = field(default_factory=dict)
     detached: list[Detached] = field(default_factory=list)  # of the calls whose output gradient arrived
+
+    def let_go(self, final: bool = False) -> None:
+        """Let go of the input of every call of this backward whose node has run and freed the tensors it
+        saved (``holds_saved``: the backward runs without ``retain_graph=True``), as autograd lets go of
+        them: the graph may outlive the backward (the loss a training loop keeps until the next step),
+        and a layer input held by it would stay alive through the next forward. Autograd refuses to run
+        such a node again, so no later backward needs the input. A call whose ``(a, d)`` the end of the
+        backward reads holds its own reference (``Call``) until then; one whose rule takes every output's
+        gradient is read from its ``Kept`` at the end (``final``)."""
+        waiting = []
+        for kept, node in self.reached:
+            if not final and isinstance(kept.a, LayerCall) and kept.a.output_dims:
+                waiting.append((kept, node))
+            elif not holds_saved(node):
+                kept.a = None
+        self.reached[:] = waiting
 
 
 @dataclass

@@ -39,7 +39,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from .backward import Backward, Backwards, holds_saved, queue_at_end, saving, will_accumulate
+from .backward import Backward, Backwards, queue_at_end, saving, will_accumulate
 from .calls import Call, HookedLayer, Kept
 from .consumers import Batch, Consumer
 from .consumers.factors import ProjectedFactors
@@ -55,7 +55,6 @@ from .layout import allocating_from
 from .loss_scale import LossScale, on_device
 from .pool import BufferPool
 from .reach import Taps
-from .registry import LayerCall
 from .removal import AfterRemoval
 from .sources import Fused, Materialized, in_parameter_dtype, no_autocast, no_grad, run_rule
 from .statistics import needs
@@ -199,7 +198,7 @@ class Engine:
     def on_output_grad(self, kept: Kept, d: Tensor, part: int | None = None) -> None:
         """The gradient ``d`` of a layer call's output (of its output tensor number ``part``, for a rule
         that takes every output: see ``RuleSpec.output_dims``), batch on dim 0."""
-        if kept.a is None:  # let go after a backward that freed the call's node (``_let_go``)
+        if kept.a is None:  # let go after a backward that freed the call's node (``Arrivals.let_go``)
             raise HookStateError(
                 f"the output gradient of {kept.layer.label} arrived in a backward through a graph an earlier "
                 "backward had already run and freed (it ran without retain_graph=True): pergrad let go of the "
@@ -221,7 +220,7 @@ class Engine:
 
     def _arrived(self, kept: Kept, d: Tensor, part: int | None) -> None:
         state = self.backwards.state()
-        self._let_go(state)
+        state.arrived.let_go()
         # the node whose pre-hook delivers d (it runs next), or one of the call's own after it; not for a
         # call on a shared input, delivered at each of its meetings with the batch (``pergrad.shared``)
         node = None if kept.shared else saving(torch._C._current_autograd_node())
@@ -256,23 +255,6 @@ class Engine:
             grads[part] = d if previous is None else previous + d
             return
         self._use(state, kept, d, scale)
-
-    @staticmethod
-    def _let_go(state: Backward, final: bool = False) -> None:
-        """Let go of the input of every call of this backward whose node has run and freed the tensors it
-        saved (``backward.holds_saved``: the backward runs without ``retain_graph=True``), as autograd lets go
-        of them: the graph may outlive the backward (the loss a training loop keeps until the next step),
-        and a layer input held by it would stay alive through the next forward. Autograd refuses to run
-        such a node again, so no later backward needs the input. A call whose ``(a, d)`` the end of the
-        backward reads holds its own reference (``Call``) until then; one whose rule takes every output's
-        gradient is read from its ``Kept`` at the end (``final``)."""
-        reached, waiting = state.arrived.reached, []
-        for kept, node in reached:
-            if not final and isinstance(kept.a, LayerCall) and kept.a.output_dims:
-                waiting.append((kept, node))
-            elif not holds_saved(node):
-                kept.a = None
-        reached[:] = waiting
 
     def _check_batch(self, state: Backward, kept: Kept, d: Tensor, part: int | None) -> None:
         """The first arrival of a backward fixes its forward and batch size; every later one must match."""
@@ -480,7 +462,7 @@ class Engine:
                 self.writer.count_samples(state)
         finally:
             state.arrived.calls.clear()  # the kept inputs and output gradients, before the buffers go back
-            self._let_go(state, final=True)
+            state.arrived.let_go(final=True)
             self.pool.end()
             if state.verified:  # the check built what later backward passes do not: not their bound
                 self.pool.forget_bound()
