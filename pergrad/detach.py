@@ -319,10 +319,10 @@ class Detacher:
     def _guard(self, layer: HookedLayer, params: tuple[nn.Parameter, ...]) -> tuple[_Guard, tuple[Tensor, ...]]:
         """The guard of ``layer``'s calls whose ``params`` run detached, and what to touch with it: the
         sentinel and the parameters (see ``_Guard``); made once per layer and parameters."""
-        found = self._guards.get(layer.name)
+        sentinel, found = self.probe(params[0]), self._guards.get(layer.name)
         if found is None or len(found.params) != len(params) or any(a is not b for a, b in zip(found.params, params)):
-            found = self._guards[layer.name] = _Guard(layer.label, self.probe(params[0]), params)
-        return found, (self.probe(params[0]), *params)
+            found = self._guards[layer.name] = _Guard(layer.label, sentinel, params)
+        return found, (sentinel, *params)
 
     def _touched(self, found: Detached, guarded: tuple[_Guard, tuple[Tensor, ...]] | None, generation: int) -> Detached:
         """``found`` with its anchor touched by the detached parameters: where the anchor stands in as
