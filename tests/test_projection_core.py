@@ -215,16 +215,19 @@ def test_conv_transpose_features_build_no_per_sample_gradient(case: str) -> None
 
 @pytest.mark.parametrize(
     ("channels", "outputs", "size"),
-    # (conv._conv_kron, by flops; 3x3 kernel, no padding: size 3 gives one position, 6 gives 16)
-    # U V^T with U = P_row d_i: one position, V by unfold + matmul (1 input channel) or by a convolution (8);
-    # P_row g_i(W) by batch-as-groups, then P_col^T (1 input channel, 16 positions);
-    # P_row (d_i V^T): 3 outputs, V by unfold (4 input channels) or by a convolution (8)
-    [(1, 16, 3), (8, 16, 3), (1, 16, 6), (4, 3, 6), (8, 3, 6)],
+    # (conv._conv_kron, by flops; 3x3 kernel, no padding: size 3 gives one position, 6 gives 16, 8 gives 36)
+    # U V^T with U = P_row d_i: one position, V by a channels-last convolution (1 input channel) or a
+    # channels-first one (8);
+    # P_row g_i(W), then P_col^T: from the unfolded patches (1 input channel, 16 positions) or by
+    # batch-as-groups (8 input channels, 36 positions, 128 outputs);
+    # P_row (d_i V^T): 3 outputs, V channels-last (4 input channels) or channels-first (8)
+    [(1, 16, 3), (8, 16, 3), (1, 16, 6), (8, 128, 8), (4, 3, 6), (8, 3, 6)],
 )
 def test_conv_features_by_each_contraction(channels: int, outputs: int, size: int) -> None:
     """A one-group convolution's Kronecker features contract ``d_i`` with ``P_row`` first, or with
-    ``V = conv(a_i, P_col)`` first, or take ``P_row g_i(W)`` by batch-as-groups, whichever costs fewest
-    flops, ``V`` by unfolding few input channels or by a convolution of more: every way exact, every step."""
+    ``V = conv(a_i, P_col)`` first, or take ``P_row g_i(W)`` (by batch-as-groups or from the unfolded
+    patches, as the weight rule would), whichever costs fewest flops, ``V`` by a channels-last convolution
+    of few input channels or a channels-first one of more: every way exact, every step."""
     torch.manual_seed(2)
     positions = (size - 2) ** 2
     net = nn.Sequential(nn.Conv2d(channels, outputs, 3), nn.Flatten(), nn.Linear(outputs * positions, 2)).double()

@@ -20,8 +20,9 @@ from ..registry import FusedRule, default_registry
 from .linear import gram_is_cheaper, outer_sq_norms
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-# below this many input channels per group (an RGB stem), unfolding the input beats a convolution over it on
-# the CPU: for the batch-as-groups weight gradient and for P_col of the Kronecker features (benchmarks/README.md)
+# below this many input channels per group (an RGB stem), a convolution grouped by sample runs far below its
+# flop rate on the CPU: the weight gradient unfolds the input instead, the Kronecker features convolve it with
+# P_col channels-last (benchmarks/README.md)
 FEW_CHANNELS = 8
 
 
@@ -142,15 +143,10 @@ def _batch_as_groups(layer: nn.Module, a: Tensor, d: Tensor) -> Tensor:
 
 def im2col(layer: nn.Module, a: Tensor) -> Tensor:
     """``[n, C, *spatial] -> [n, C*k, l]``: every receptive field of the padded input as a column,
-    channels major and kernel positions minor (the weight's layout). ``F.unfold`` for 1-D and 2-D."""
+    channels major and kernel positions minor (the weight's layout): one copy of a strided view of the
+    padded input (``patches``), 2-12x faster than ``F.unfold`` on the CPU, the same values
+    (``benchmarks/README.md``)."""
     assert isinstance(layer, _CONVS)
-    if a.dim() <= 4:
-        x, padding = _input_and_padding(layer, a)  # unfold zero-pads by itself, without a copy
-        kernel, dilation, stride = layer.kernel_size, layer.dilation, layer.stride
-        if x.dim() == 3:  # 1-D as 2-D with height 1
-            x, kernel, dilation, stride = x.unsqueeze(2), (1, *kernel), (1, *dilation), (1, *stride)
-            padding = [0, *padding]
-        return F.unfold(x, kernel, dilation=dilation, padding=tuple(padding), stride=stride)
     x = padded_input(layer, a)
     p = patches(x, layer.kernel_size, layer.stride, layer.dilation)  # [n, C, *l, *k]
     spatial = len(layer.kernel_size)
@@ -258,9 +254,9 @@ def _conv_kron(layer: nn.Module, a: Tensor, d: Tensor, weight: Projector, total:
     - ``U V^T``, ``U = P_row d_i`` ``[n, p, l]``, ``V = conv(a_i, P_col)`` ``[n, q, l]`` (a bmm reading ``V``
       transposed in place, where ``conv_factors``' ``[n, l, q]`` layout copies both): ``l (w q + p (O + q))``;
     - ``P_row (d_i V^T)`` (few output channels: no ``U``): ``l (w q + O q) + O p q``;
-    - ``(P_row g_i(W)) P_col^T``, ``P_row g_i(W)`` the weight gradient of ``U_i`` ``[n, p, w]`` by
-      batch-as-groups (few input channels, an RGB stem: ``V`` would cost more than the gradient):
-      ``l (O p + p w) + p w q``.
+    - ``(P_row g_i(W)) P_col^T``, ``P_row g_i(W)`` the weight gradient of ``U_i`` ``[n, p, w]`` (few input
+      channels, an RGB stem: ``V`` would cost more than the gradient): ``l (O p + p w) + p w q``, by
+      batch-as-groups or from the unfolded patches, whichever the weight rule would use (``conv``).
     """
     n = a.shape[0]
     row, col = weight.factors(d)
@@ -272,8 +268,11 @@ def _conv_kron(layer: nn.Module, a: Tensor, d: Tensor, weight: Projector, total:
     by_dv = positions * (width * q + channels * q) + channels * p * q
     by_gradient = positions * p * (channels + width) + p * width * q
     if by_gradient < min(by_u, by_dv):
-        u = torch.matmul(row, flat).view(n, p, *d.shape[2:])
-        z = _batch_as_groups(layer, a, u).view(n, p, width)
+        u = torch.matmul(row, flat)  # [n, p, l]
+        if _batch_as_groups_is_faster(layer, a, d):
+            z = _batch_as_groups(layer, a, u.view(n, p, *d.shape[2:])).view(n, p, width)
+        else:  # (an RGB stem: 1.9 ms on [64, 3, 32, 32] -> 32 channels at 2 threads, against 5.2 by batch-as-groups)
+            z = torch.bmm(u, im2col(layer, a).transpose(1, 2))  # npl,nwl->npw
         out.baddbmm_(z, col.T.expand(n, width, q), alpha=scale)
         return
     v = _projected_patches(layer, a, col)  # [n, q, l]
@@ -285,20 +284,23 @@ def _conv_kron(layer: nn.Module, a: Tensor, d: Tensor, weight: Projector, total:
 
 def _projected_patches(layer: nn.Module, a: Tensor, col: Tensor) -> Tensor:
     """``P_col`` applied to every patch of each group, ``[n, g*q, l]`` (l output positions, flattened): the
-    convolution of ``a`` with ``P_col`` as a ``[q, C/g, *kernel]`` weight repeated once per group, or, for
-    a 2-D input with few channels (``FEW_CHANNELS``; one group), ``P_col`` times the unfolded patches
-    (measured 5.1 vs 9.3 ms for 3 -> 32 channels on ``[64, 3, 32, 32]``)."""
+    convolution of ``a`` with ``P_col`` as a ``[q, C/g, *kernel]`` weight repeated once per group. For a 2-D
+    input with few channels (``FEW_CHANNELS``; one group) the convolution runs channels-last, and the result
+    is a transposed view of its ``[n, l, q]`` memory: on ``[64, 3, 32, 32]`` to 32 channels, 2 threads, 0.64
+    ms, against 6.2 ms channels-first and 1.0 ms for ``P_col`` times the unfolded patches."""
     assert isinstance(layer, _CONVS)
-    n, groups = a.shape[0], layer.groups
-    if groups == 1 and a.dim() == 4 and a.shape[1] < FEW_CHANNELS:
-        return torch.matmul(col, im2col(layer, a))  # [q, C*k] @ [n, C*k, l]
+    n, groups, q = a.shape[0], layer.groups, col.shape[0]
     stride, zeros, dilation, _ = _conv_args(layer)
     x, padding = _input_and_padding(layer, a)
-    kernel = col.reshape(col.shape[0], *layer.weight.shape[1:])
+    kernel = col.reshape(q, *layer.weight.shape[1:])
+    if groups == 1 and x.dim() == 4 and x.shape[1] < FEW_CHANNELS:
+        x = x.contiguous(memory_format=torch.channels_last)
+        y = torch.ops.aten.convolution(x, kernel, None, stride, padding, dilation, False, zeros, 1)
+        return y.permute(0, 2, 3, 1).reshape(n, -1, q).transpose(1, 2)  # (a view where y is channels-last)
     if groups > 1:
         kernel = kernel.repeat(groups, *([1] * (x.dim() - 1)))
     y = torch.ops.aten.convolution(x, kernel, None, stride, padding, dilation, False, zeros, groups)
-    return y.reshape(n, groups * col.shape[0], -1)
+    return y.reshape(n, groups * q, -1)
 
 
 def conv_factors(
