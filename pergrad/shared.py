@@ -654,6 +654,8 @@ class Provenance(TorchFunctionMode):
 
     def __init__(self, seeds: list[Tensor]) -> None:
         super().__init__()
+        # by id, with a weak reference telling that tensor from a later one given the same id (no
+        # callback: a callback removing the entry would make a reference cycle through this dict)
         self._marks: dict[int, weakref.ref[Tensor]] = {}
         self._before: Provenance | None = None
         for t in seeds:
@@ -661,23 +663,28 @@ class Provenance(TorchFunctionMode):
 
     def mark(self, t: Tensor) -> None:
         """Count ``t`` as carrying the batch."""
-        key, marks = id(t), self._marks
-        if key not in marks:
-            marks[key] = weakref.ref(t, lambda _, key=key: marks.pop(key, None))  # type: ignore[misc]
+        found = self._marks.get(id(t))
+        if found is None or found() is not t:
+            self._marks[id(t)] = weakref.ref(t)
 
     def carries(self, t: Tensor) -> bool:
         """Whether ``t`` was computed from the batch (itself, or the tensor it is a view of)."""
-        if id(t) in self._marks:
+        found = self._marks.get(id(t))
+        if found is not None and found() is t:
             return True
         with torch._C.DisableTorchFunction():
             return self._carries(t)
 
     def _carries(self, t: Tensor) -> bool:  # (where torch functions are not seen: in this mode's handler)
         marks = self._marks
-        if id(t) in marks:
+        found = marks.get(id(t))
+        if found is not None and found() is t:
             return True
         base = t._base
-        return base is not None and id(base) in marks
+        if base is None:
+            return False
+        found = marks.get(id(base))
+        return found is not None and found() is base
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

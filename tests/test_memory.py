@@ -351,6 +351,41 @@ def test_a_loop_that_keeps_its_loss_keeps_no_layer_input(mode: str) -> None:
         handle.remove()
 
 
+@pytest.mark.parametrize("mode", ["hooks", "grad_sample", "norms", "clip", "features", "features and grads"])
+def test_a_step_leaves_no_reference_cycle(mode: str) -> None:
+    """Everything a step makes is freed by reference counting, as plain autograd's is: no cycle is left
+    for Python's collector, whose full collections (tens of ms over a process's objects) come sooner
+    the more a loop leaves to it. Counted with the collector off, over steps first and later, both
+    sides of 16 positions, the loss kept past the backward as a loop keeps it, the batches held by the
+    loop (a dataset in memory)."""
+    torch.manual_seed(0)
+    model = Mixed().double()
+    psm = PerSampleModule(model, keep_grad_sample=mode == "grad_sample", track_norms=mode == "norms")
+    if mode == "clip":
+        psm.register_transform(model, transforms.clip_norm(0.5))
+    if mode.startswith("features"):
+        psm.register_projection(model, dim=8, grads=mode == "features and grads")
+    batches = [torch.randint(0, VOCAB, (4, length)) for length in [5, 20, 3, 17]]
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for ids in batches:
+            psm.zero_grad()
+            loss = psm(ids).square().sum()
+            loss.backward()
+            if mode == "norms":
+                psm.per_sample_norms()
+            if mode.startswith("features"):
+                psm.per_sample_projections()
+        del loss
+        found = gc.collect()
+    finally:
+        if was:
+            gc.enable()
+    assert found == 0, f"{found} objects in reference cycles after 4 steps"
+
+
 def test_a_second_backward_through_a_freed_graph_is_refused() -> None:
     """A second backward through a call whose node the first freed (no ``retain_graph=True``): autograd
     would refuse at that node; pergrad refuses first (it let go of the call's input), saying what to do.
