@@ -253,3 +253,15 @@ def test_interleaved_saves_a_row_per_workload_and_method(tmp_path: Path) -> None
     plain = report["rows"][0]
     assert plain["ratio_min"] == 1.0 and plain["ratio_min_cpu"] == 1.0
     assert all(r["min_ms"] > 0 and r["median_ms"] >= r["min_ms"] for r in report["rows"])
+
+
+def test_quick_conv_paths_agree_and_are_saved(tmp_path: Path) -> None:
+    """benchmarks/convpaths.py end to end on tiny shapes: im2col equals F.unfold and the stem's features
+    equal those by batch-as-groups (the script stops otherwise), and a row is saved per shape."""
+    out = tmp_path / "convpaths.json"
+    proc = run_script("convpaths.py", "--quick", "--threads", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert len(report["unfold"]) == 2 and len(report["stem_features"]) == 1
+    assert all(r["im2col_us"] > 0 and r["F.unfold_us"] > 0 for r in report["unfold"])
+    assert "| stem input -> outputs |" in proc.stdout
