@@ -797,9 +797,31 @@ def device_name(device: str, threads: int) -> str:
     return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
 
 
+def keep_freed_memory() -> bool:
+    """Tell glibc's malloc to keep the memory a process frees (no trimming of the heap's top, no ``mmap``
+    for blocks under 32 MiB), as a caching allocator would: a step then reuses the last step's pages
+    instead of faulting fresh ones in (``--keep-freed-memory``). False where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameters
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        return bool(libc.mallopt(m_trim_threshold, 2**30)) and bool(libc.mallopt(m_mmap_threshold, 2**25))
+    except (OSError, AttributeError):
+        return False
+
+
+def page_faults() -> int:
+    """The process's minor page faults so far (fresh pages the kernel zeroed and mapped in)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    if args.keep_freed_memory and not keep_freed_memory():
+        return {"error": "--keep-freed-memory needs glibc's malloc"}
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -830,12 +852,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         wait()
         times: list[float] = []
         cpu_times: list[float] = []  # the process's CPU time (all its threads): less moved by a shared machine
+        faults: list[int] = []
         for _ in range(args.steps):
-            start, cpu_start = time.perf_counter(), time.process_time()
+            start, cpu_start, faults_start = time.perf_counter(), time.process_time(), page_faults()
             step()
             wait()
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)
+            faults.append(page_faults() - faults_start)
             if args.budget and len(times) >= 3 and sum(times) > args.budget:
                 break  # a slow method: its median of at least 3 steps
         if cuda:  # one more step, counting the host syncs CUDA reports (item, nonzero, blocking copies)
@@ -867,6 +891,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "median_ms": statistics.median(times) * 1e3,
         "steps_timed": len(times),
         "cpu_ms": statistics.median(cpu_times) * 1e3,
+        "page_faults_per_step": statistics.median(faults),  # minor faults: fresh pages mapped in
         "peak_extra_mib": peak - baseline,  # resident memory (CPU) or the CUDA allocator's
         "alloc_extra_mib": None if allocated is None else allocated - alloc_baseline,  # malloc'd (CPU)
         "analytic_mib": x.shape[0] * n_params * 4 / 2**20,
@@ -890,6 +915,8 @@ def run_child(
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
         "--device", args.device, "--budget", str(args.budget),
     ]  # fmt: skip
+    if args.keep_freed_memory:
+        cmd.append("--keep-freed-memory")
     if args.quick:
         cmd.append("--quick")
     if batch:
@@ -920,6 +947,7 @@ def merge_rounds(runs: list[dict[str, Any]], plain: list[dict[str, Any]]) -> dic
         "ratio_to_plain": statistics.median(ratios),
         "rounds_ms": [r["median_ms"] for r in runs],
         "cpu_ms": _median_or_none([r.get("cpu_ms") for r in runs]),
+        "page_faults_per_step": _median_or_none([r.get("page_faults_per_step") for r in runs]),
         "peak_extra_mib": statistics.median(r["peak_extra_mib"] for r in runs),
         "alloc_extra_mib": _median_or_none([r.get("alloc_extra_mib") for r in runs]),
         "correct": all(r["correct"] for r in runs),
@@ -1006,6 +1034,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scaling", action="store_true", help="pergrad vs plain over batch size and width (mlp)")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the children")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument(
+        "--keep-freed-memory", action="store_true",
+        help="every child tells glibc's malloc to keep freed memory (no page faults from trimming; see keep_freed_memory)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=HERE / "results" / "latest.json")
     parser.add_argument("--from-json", type=Path, help="print the tables of a saved run and exit")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -1043,7 +1075,13 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 r = run_child(args, w, m)
                 rounds[m].append(r)
-                status = r.get("skipped") or r.get("error") or f"{r['median_ms']:.1f} ms, correct={r['correct']}"
+                status = (
+                    r.get("skipped")
+                    or r.get("error")
+                    or (
+                        f"{r['median_ms']:.1f} ms, {r['page_faults_per_step']:.0f} page faults per step, correct={r['correct']}"
+                    )
+                )
                 if r.get("host_syncs_per_step") is not None:
                     status += f", host syncs per step: {r['host_syncs_per_step']}"
                 print(f"{w:6s} {m:20s} round {k + 1}: {status}", flush=True)

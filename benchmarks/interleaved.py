@@ -39,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also save the rows here")
+    parser.add_argument("--keep-freed-memory", action="store_true", help="glibc keeps freed memory (bench.py's flag)")
     args = parser.parse_args(argv)
+    if args.keep_freed_memory and not bench.keep_freed_memory():
+        parser.error("--keep-freed-memory needs glibc's malloc")
     torch.set_num_threads(args.threads)
     methods = ["plain", *[m for m in args.methods if m != "plain"]]
     rows: list[dict[str, Any]] = []

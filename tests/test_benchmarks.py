@@ -57,6 +57,7 @@ def test_quick_benchmark_runs_and_every_method_is_correct(tmp_path: Path) -> Non
             assert result.get("correct") is expected, (workload, method, result)
             if method.endswith("penalty") or method.endswith("penalty_norms"):
                 assert result["checked"] == "penalty_grad", (workload, method, result)
+            assert result["page_faults_per_step"] >= 0, (workload, method, result)
             if "project" in method:
                 assert result["checked"] == "projection", (workload, method, result)
                 assert result["max_rel_err"] < 1e-3, (workload, method, result)
@@ -241,11 +242,13 @@ def test_quick_scoring_benchmark_is_correct_and_bounded(tmp_path: Path) -> None:
 
 
 def test_interleaved_saves_a_row_per_workload_and_method(tmp_path: Path) -> None:
+    """(With glibc told to keep freed memory, as ``--keep-freed-memory`` does for bench.py's children.)"""
     out = tmp_path / "interleaved.json"
     methods = ["plain", "pergrad_hooks", "pergrad_features_kron"]
     proc = run_script(
-        "interleaved.py", "--workloads", "mlp", "--rounds", "2", "--methods", *methods, "--json", str(out)
-    )
+        "interleaved.py", "--workloads", "mlp", "--rounds", "2", "--methods", *methods, "--json", str(out),
+        "--keep-freed-memory",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["command"].startswith("python benchmarks/interleaved.py --workloads mlp")
