@@ -318,7 +318,21 @@ class Mixed(nn.Module):
         return self.head(torch.tanh(self.conv(h.transpose(1, 2)).transpose(1, 2)))
 
 
-@pytest.mark.parametrize("mode", ["hooks", "grad_sample", "norms", "clip", "features", "features and grads"])
+MODES = ["hooks", "grad_sample", "norms", "clip", "features", "features and grads"]
+
+
+def wrap_in_mode(model: nn.Module, mode: str) -> PerSampleModule:
+    """``model`` wrapped for one of ``MODES``: hooks alone, ``grad_sample``, norms, clipping, or features
+    (with or without ``.grad``)."""
+    psm = PerSampleModule(model, keep_grad_sample=mode == "grad_sample", track_norms=mode == "norms")
+    if mode == "clip":
+        psm.register_transform(model, transforms.clip_norm(0.5))
+    if mode.startswith("features"):
+        psm.register_projection(model, dim=8, grads=mode == "features and grads")
+    return psm
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_loop_that_keeps_its_loss_keeps_no_layer_input(mode: str) -> None:
     """A training loop keeps its ``loss`` (and with it the autograd graph) until the next step's is
     made, after that step's forward. Autograd lets go of what the graph saved as the backward runs;
@@ -327,11 +341,7 @@ def test_a_loop_that_keeps_its_loss_keeps_no_layer_input(mode: str) -> None:
     the second), both sides of 16 positions."""
     torch.manual_seed(0)
     model = Mixed().double()
-    psm = PerSampleModule(model, keep_grad_sample=mode == "grad_sample", track_norms=mode == "norms")
-    if mode == "clip":
-        psm.register_transform(model, transforms.clip_norm(0.5))
-    if mode.startswith("features"):
-        psm.register_projection(model, dim=8, grads=mode == "features and grads")
+    psm = wrap_in_mode(model, mode)
     inputs: list[weakref.ref[torch.Tensor]] = []
     handles = [
         layer.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0])))
@@ -351,7 +361,7 @@ def test_a_loop_that_keeps_its_loss_keeps_no_layer_input(mode: str) -> None:
         handle.remove()
 
 
-@pytest.mark.parametrize("mode", ["hooks", "grad_sample", "norms", "clip", "features", "features and grads"])
+@pytest.mark.parametrize("mode", MODES)
 def test_a_step_leaves_no_reference_cycle(mode: str) -> None:
     """Everything a step makes is freed by reference counting, as plain autograd's is: no cycle is left
     for Python's collector, whose full collections (tens of ms over a process's objects) come sooner
@@ -360,11 +370,7 @@ def test_a_step_leaves_no_reference_cycle(mode: str) -> None:
     loop (a dataset in memory)."""
     torch.manual_seed(0)
     model = Mixed().double()
-    psm = PerSampleModule(model, keep_grad_sample=mode == "grad_sample", track_norms=mode == "norms")
-    if mode == "clip":
-        psm.register_transform(model, transforms.clip_norm(0.5))
-    if mode.startswith("features"):
-        psm.register_projection(model, dim=8, grads=mode == "features and grads")
+    psm = wrap_in_mode(model, mode)
     batches = [torch.randint(0, VOCAB, (4, length)) for length in [5, 20, 3, 17]]
     gc.collect()
     was = gc.isenabled()
