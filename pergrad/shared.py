@@ -640,6 +640,12 @@ def _tensors(values: Any) -> Iterator[Tensor]:
             yield from (t for t in v if isinstance(t, Tensor))
 
 
+def _marked(marks: dict[int, weakref.ref[Tensor]], t: Tensor) -> bool:
+    """Whether ``marks`` holds ``t`` itself (not an earlier tensor that had the same id)."""
+    found = marks.get(id(t))
+    return found is not None and found() is t
+
+
 class Provenance(TorchFunctionMode):
     """Which tensors of one forward of the model carry the batch, by where they came from.
 
@@ -663,28 +669,21 @@ class Provenance(TorchFunctionMode):
 
     def mark(self, t: Tensor) -> None:
         """Count ``t`` as carrying the batch."""
-        found = self._marks.get(id(t))
-        if found is None or found() is not t:
+        if not _marked(self._marks, t):
             self._marks[id(t)] = weakref.ref(t)
 
     def carries(self, t: Tensor) -> bool:
         """Whether ``t`` was computed from the batch (itself, or the tensor it is a view of)."""
-        found = self._marks.get(id(t))
-        if found is not None and found() is t:
+        if _marked(self._marks, t):
             return True
         with torch._C.DisableTorchFunction():
             return self._carries(t)
 
     def _carries(self, t: Tensor) -> bool:  # (where torch functions are not seen: in this mode's handler)
-        marks = self._marks
-        found = marks.get(id(t))
-        if found is not None and found() is t:
+        if _marked(self._marks, t):
             return True
         base = t._base
-        if base is None:
-            return False
-        found = marks.get(id(base))
-        return found is not None and found() is base
+        return base is not None and _marked(self._marks, base)
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
