@@ -26,8 +26,9 @@ Gaussian entries have variance ``1/r_row`` and ``1/r_col`` for the two Kronecker
 ``E[P^T P] = I`` and inner products are preserved in expectation (Johnson-Lindenstrauss). They are
 drawn on the CPU in float64 by a ``torch.Generator`` seeded from a SHA-256 of the key, then cast;
 signs and buckets are integers drawn the same way: the same on every device, thread count, process and
-restart. Kronecker factors, sketches and dense blocks of at most ``CACHED`` elements are kept by the
-``Projector`` once drawn; larger dense blocks are drawn again at each backward, ``CHUNK`` elements at a
+restart. Kronecker factors (``r`` rows of one side of the weight: small beside the weight itself), and
+sketches and dense blocks of at most ``CACHED`` elements, are kept by the ``Projector`` once drawn, and so
+are their copies on the parameters' device (a copy to a GPU at every backward waits for the GPU); larger dense blocks are drawn again at each backward, ``CHUNK`` elements at a
 time (as ``int8`` signs: 40x cheaper than Gaussians), so the whole block is never held, unless the
 target's ``Budget`` (``register_projection(cache_mb=...)``) has room to keep them.
 """
@@ -156,22 +157,24 @@ class Projector:
     def _key(self, part: str) -> tuple[object, ...]:
         return (self.name, self.shape, self.spec.kind, part)
 
-    def _block(self, part: str, index: int, rows: int, cols: int, scale: float) -> Tensor:
-        """A float64 CPU block of the projection, kept when small."""
-        found = self._kept.get((part, index))
+    def _factor(self, part: str, rows: int, cols: int, scale: float) -> Tensor:
+        """A float64 CPU Kronecker factor, drawn once and kept."""
+        found = self._kept.get((part, 0))
         if found is None:
-            found = gaussian(rows, cols, self.spec.seed, *self._key(part), index).mul_(scale)
-            if rows * cols <= CACHED:
-                self._kept[(part, index)] = found
+            found = self._kept[(part, 0)] = gaussian(rows, cols, self.spec.seed, *self._key(part), 0).mul_(scale)
         return found
 
-    def _like(self, part: str, index: int, block: Tensor, like: Tensor) -> Tensor:
-        if block.numel() > CACHED:
-            return block.to(like.device, like.dtype)
-        key = (part, index, like.dtype, like.device)
+    def _like(
+        self, part: str, index: int, block: Tensor, like: Tensor, dtype: torch.dtype | None = None, keep: bool = True
+    ) -> Tensor:
+        """``block`` on ``like``'s device, in ``dtype`` (``like``'s when None), kept for later calls where ``keep``."""
+        dtype = like.dtype if dtype is None else dtype
+        if not keep:
+            return block.to(like.device, dtype)
+        key = (part, index, dtype, like.device)
         found = self._cast.get(key)
         if found is None:
-            found = self._cast[key] = block.to(like.device, like.dtype)
+            found = self._cast[key] = block.to(like.device, dtype)
         return found
 
     @property
@@ -189,8 +192,8 @@ class Projector:
         assert self.kron
         r_row, r_col = self.ranks
         rows, cols = self.shape[0], self.numel // self.shape[0]
-        row = self._block("row", 0, r_row, rows, 1 / math.sqrt(r_row))
-        col = self._block("col", 0, r_col, cols, 1 / math.sqrt(r_col))
+        row = self._factor("row", r_row, rows, 1 / math.sqrt(r_row))
+        col = self._factor("col", r_col, cols, 1 / math.sqrt(r_col))
         if like is None:
             return row, col
         return self._like("row", 0, row, like), self._like("col", 0, col, like)
@@ -207,7 +210,8 @@ class Projector:
         where, signs = self._kept[("sketch", 0)], self._kept[("sketch", 1)]
         if like is None:
             return where, signs
-        return where.to(like.device), self._like("sketch", 1, signs, like)
+        keep = self.numel <= CACHED
+        return self._like("sketch", 0, where, like, torch.int64, keep), self._like("sketch", 1, signs, like, keep=keep)
 
     def dense_blocks(self, like: Tensor | None = None) -> Iterator[tuple[slice, Tensor]]:
         """The columns of a dense block ``[k, numel]``, ``CHUNK`` elements at a time: (columns, block

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from reference import assert_close, clipped_mean, reference_grad_sample, run_pergrad
 from torch import Tensor, nn
 
+import pergrad.projectors
 import pergrad.sources
 from pergrad import PerSampleModule, TargetError, transforms
 from pergrad.errors import ProjectionError
@@ -133,7 +134,8 @@ def expected(ref: dict[str, Tensor], net: nn.Module, spec: Spec, prefix: str = "
     total = 0
     for name, p in net.named_parameters():
         if name.startswith(prefix):
-            total = total + ref[name].flatten(1) @ Projector(spec, name, tuple(p.shape)).matrix().T
+            matrix = Projector(spec, name, tuple(p.shape)).matrix().to(ref[name].device)
+            total = total + ref[name].flatten(1) @ matrix.T
     assert isinstance(total, Tensor)
     return total
 
@@ -145,10 +147,11 @@ def check_steps(
     kind: str,
     loss_reduction: str = "mean",
     clip: float | None = None,
+    device: str = "cpu",
 ) -> None:
     torch.manual_seed(0)
     net, batch_of, out_shape = CASES[family](positions)
-    net = net.double()
+    net = net.double().to(device)
     psm = PerSampleModule(net, keep_grad_sample=keep_grad_sample, loss_reduction=loss_reduction)
     if clip is not None:
         psm.register_transform(net, transforms.clip_norm(clip))
@@ -160,7 +163,7 @@ def check_steps(
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
     names = dict(net.named_parameters())
     for step, batch in enumerate([3, 5, 4, 6]):  # the detaching shortcut starts after the first backward
-        x, y = batch_of(batch), torch.randn(batch, *out_shape, dtype=torch.float64)
+        x, y = batch_of(batch).to(device), torch.randn(batch, *out_shape, dtype=torch.float64).to(device)
         ref = reference_grad_sample(net, x, y)
         optimizer.zero_grad()
         run_pergrad(psm, x, y, loss_reduction)
@@ -170,6 +173,7 @@ def check_steps(
         part = expected(ref, net, other, prefix=first + ".").float()
         torch.testing.assert_close(found[first], part, rtol=1e-5, atol=1e-6)
         assert found[first].dtype == torch.float32
+        assert found[""].device == found[first].device == x.device
         reduce = (lambda g: g.mean(0)) if loss_reduction == "mean" else (lambda g: g.sum(0))
         grads = clipped_mean(ref, clip) if clip is not None else {n: reduce(g) for n, g in ref.items()}
         if clip is not None and loss_reduction == "sum":
@@ -188,6 +192,14 @@ def check_steps(
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_features_match_torch_func_every_step(family: str, positions: int, keep_grad_sample: bool, kind: str) -> None:
     check_steps(family, positions, keep_grad_sample, kind)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["kron", "dense", "sjlt"])
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_features_on_cuda_match_torch_func_every_step(family: str, kind: str) -> None:
+    # the projection is drawn on the CPU and moved: the features on the GPU are of the same P, in float64
+    check_steps(family, 17, False, kind, device="cuda")
 
 
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
@@ -234,6 +246,20 @@ def test_the_same_seed_gives_the_same_projection_in_a_fresh_process() -> None:
         renamed = Projector(Spec(32, kind, seed=7), "1.weight", (6, 5)).matrix()
         reseeded = Projector(Spec(32, kind, seed=8), "0.weight", (6, 5)).matrix()
         assert not torch.allclose(here, renamed) and not torch.allclose(here, reseeded), kind
+
+
+def test_factors_and_sketches_are_moved_to_the_parameters_device_once() -> None:
+    # a copy to a GPU at every backward makes the host wait for it ("meta" stands in for the GPU here: a copy
+    # there is a new tensor each time); a factor above CACHED elements (1.2M) is kept too
+    like = torch.empty(0, device="meta")
+    factors = Projector(Spec(8, "kron"), "emb.weight", (600_000, 3))
+    assert factors.factors()[0].numel() > pergrad.projectors.CACHED
+    first, again = factors.factors(like), factors.factors(like)
+    assert all(a.device == like.device and a is b for a, b in zip(first, again))
+    sketch = Projector(Spec(8, "kron"), "linear.bias", (5,))
+    (where, signs), again = sketch.sketched(like), sketch.sketched(like)
+    assert where.dtype == torch.int64 and signs.dtype == like.dtype
+    assert where is again[0] and signs is again[1]
 
 
 def test_a_dense_block_is_drawn_in_chunks_that_make_the_same_matrix() -> None:
