@@ -44,7 +44,7 @@ def gpt2_stack(quick: bool, batch: int | None) -> tuple[Any, Any, Any]:
             self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, 10)
 
         def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
             return self.head(self.ln(self.blocks(h)).mean(1))
 
     return Stack(), torch.randint(0, vocab, (b, t)), torch.randint(0, 10, (b,))

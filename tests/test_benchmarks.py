@@ -268,3 +268,14 @@ def test_quick_conv_paths_agree_and_are_saved(tmp_path: Path) -> None:
     assert len(report["unfold"]) == 2 and len(report["stem_features"]) == 1
     assert all(r["im2col_us"] > 0 and r["F.unfold_us"] > 0 for r in report["unfold"])
     assert "| stem input -> outputs |" in proc.stdout
+
+
+def test_tf32_errors_are_float32_round_off_on_the_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "tf32.json"
+    proc = run_script("tf32.py", "--quick", "--workloads", "cnn", "--steps", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["tf32"], row["step"]) for row in rows] == [(True, 0), (True, 1), (False, 0), (False, 1)]
+    for row in rows:  # the CPU has no TF32: float32 round-off either way, for autograd and for every target
+        assert set(row["features"]) == {"model", "0", "3", "7", "9"}
+        assert row["plain_grad"] < 1e-5 and max(row["features"].values()) < 1e-5, row
