@@ -37,8 +37,9 @@ def reference_grad_sample(
 
     try:
         return vmap(grad(f), in_dims=(None, batch_dim, batch_dim))(params, x, target)
-    except RuntimeError as err:  # a kernel without a batching rule for these shapes (conv1d on length 1)
-        if "must be contiguous" not in str(err):
+    except RuntimeError as err:  # a kernel without a batching rule for these shapes (conv1d on length 1),
+        # or none that works (nn.LSTM's and nn.GRU's fused kernels under vmap): one sample at a time
+        if "must be contiguous" not in str(err) and "doesn't match the broadcast shape" not in str(err):
             raise
     grads = [grad(f)(params, x.select(batch_dim, i), target.select(batch_dim, i)) for i in range(x.shape[batch_dim])]
     return {k: torch.stack([g[k] for g in grads]) for k in params}

@@ -79,6 +79,29 @@ class Raw(nn.Module):
         return self.lin(torch.tanh((x * self.scale) @ self.mix))
 
 
+class Recurrent(nn.Module):
+    """An LSTM or a GRU (built per sample by the recurrent rule, then projected), then a Linear."""
+
+    def __init__(self, cell: type[nn.LSTM] | type[nn.GRU]) -> None:
+        super().__init__()
+        self.rnn = cell(4, 3, batch_first=True)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+def lora(embedding: bool) -> nn.Module:
+    """peft's LoRA on two Linears (A and B are Linears: the Kronecker rule) and, with ``embedding``, on an
+    embedding before them (its A and B are raw parameters: built, then projected); the base weights frozen."""
+    peft = pytest.importorskip("peft")
+    layers = [nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)]
+    base = nn.Sequential(nn.Embedding(11, 4), *layers) if embedding else nn.Sequential(*layers)
+    targets = ["0", "1", "3"] if embedding else ["0", "2"]
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False)
+    return peft.get_peft_model(base, config)
+
+
 def floats(*shape: int) -> Callable[[int], Tensor]:
     return lambda b: torch.randn(b, *shape, dtype=torch.float64)
 
@@ -126,14 +149,31 @@ CASES: dict[str, Callable[[int], tuple[nn.Module, Callable[[int], Tensor], tuple
     "attention": lambda t: (Attention(), floats(t, 4), (t, 4)),
     "tied": lambda t: (Tied(), token_ids(t), (t, 11)),
     "twice": lambda t: (Twice(), floats(t, 4), (t, 3)),
+    "conv3d": lambda t: (
+        nn.Sequential(nn.Conv3d(2, 3, (3, 2, 1), padding=(1, 0, 0), dilation=(2, 1, 1)), nn.Tanh()),
+        floats(2, t, 3, 2),
+        (3, t - 2, 2, 2),
+    ),
+    "group_norm": lambda t: (
+        nn.Sequential(nn.Conv1d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh()),
+        floats(2, t),
+        (4, t),
+    ),
+    "lstm": lambda t: (Recurrent(nn.LSTM), floats(t, 4), (t, 2)),
+    "gru": lambda t: (Recurrent(nn.GRU), floats(t, 4), (t, 2)),
+    "fallback": lambda t: (nn.Sequential(nn.Linear(4, 5), nn.PReLU(), nn.Linear(5, 3)), floats(t, 4), (t, 3)),
+    "lora": lambda t: (lora(embedding=False), floats(t, 4), (t, 3)),
+    "lora_embedding": lambda t: (lora(embedding=True), token_ids(t), (t, 3)),
 }
+# what a family's wrapper needs besides the defaults: PReLU has no rule of its own
+OPTIONS: dict[str, dict[str, bool]] = {"fallback": {"fallback": True}}
 
 
 def expected(ref: dict[str, Tensor], net: nn.Module, spec: Spec, prefix: str = "") -> Tensor:
     """``sum_p P_p vec(g_i(p))`` over the target's parameters, ``P_p`` regenerated from its name."""
     total = 0
     for name, p in net.named_parameters():
-        if name.startswith(prefix):
+        if name.startswith(prefix) and p.requires_grad:  # (frozen parameters have no gradient to project)
             matrix = Projector(spec, name, tuple(p.shape)).matrix().to(ref[name].device)
             total = total + ref[name].flatten(1) @ matrix.T
     assert isinstance(total, Tensor)
@@ -152,7 +192,9 @@ def check_steps(
     torch.manual_seed(0)
     net, batch_of, out_shape = CASES[family](positions)
     net = net.double().to(device)
-    psm = PerSampleModule(net, keep_grad_sample=keep_grad_sample, loss_reduction=loss_reduction)
+    psm = PerSampleModule(
+        net, keep_grad_sample=keep_grad_sample, loss_reduction=loss_reduction, **OPTIONS.get(family, {})
+    )
     if clip is not None:
         psm.register_transform(net, transforms.clip_norm(clip))
     spec = Spec(DIM, kind, seed=3)
@@ -212,7 +254,7 @@ def test_features_are_of_the_raw_gradients_beside_a_transform(
     check_steps(family, 17, keep_grad_sample, "kron", loss_reduction, clip=0.3)
 
 
-@pytest.mark.parametrize("family", ["linear", "conv1d", "conv2d", "embedding", "hf_conv1d"])
+@pytest.mark.parametrize("family", ["linear", "conv1d", "conv2d", "conv3d", "embedding", "hf_conv1d", "lora"])
 def test_kronecker_families_build_no_per_sample_gradient(family: str) -> None:
     torch.manual_seed(0)
     net, batch_of, out_shape = CASES[family](17)

@@ -26,7 +26,7 @@ from pergrad.projectors import Projector, Spec
 from tests.reference import assert_close, clipped_mean, reference_grad_sample, run_pergrad
 from tests.strategies import conv_layers
 from tests.test_distributed import Pool, make_model
-from tests.test_projection import CASES, DIM, Attention, Tied
+from tests.test_projection import CASES, DIM, OPTIONS, Attention, Tied
 
 transformers = pytest.importorskip("transformers")
 Conv1D = transformers.pytorch_utils.Conv1D
@@ -39,7 +39,7 @@ def _features(grads: dict[str, Tensor], net: nn.Module, spec: Spec, prefix: str 
     (per sample ``[B, ...]`` or per token ``[B, T, ...]``)."""
     total: Tensor | None = None
     for name, p in net.named_parameters():
-        if name.startswith(prefix):
+        if name.startswith(prefix) and p.requires_grad:  # (frozen parameters have no gradient to project)
             g = grads[name]
             flat = g.reshape(*g.shape[: g.dim() - p.dim()], -1)
             term = flat @ Projector(spec, name, tuple(p.shape)).matrix().T
@@ -484,7 +484,7 @@ def test_features_are_the_same_numbers_at_the_end_of_the_backward_or_as_each_gra
     net, batch_of, out_shape = CASES[family](17)
     net = net.double()
     x, y = batch_of(4), torch.randn(4, *out_shape, dtype=torch.float64)
-    psm = PerSampleModule(net, keep_grad_sample=False)
+    psm = PerSampleModule(net, keep_grad_sample=False, **OPTIONS.get(family, {}))
     psm.register_projection(net, dim=DIM, kind=kind, seed=3, grads=grads)
     found = []
     for _ in range(3):
