@@ -28,9 +28,10 @@ drawn on the CPU in float64 by a ``torch.Generator`` seeded from a SHA-256 of th
 signs and buckets are integers drawn the same way: the same on every device, thread count, process and
 restart. Kronecker factors (``r`` rows of one side of the weight: small beside the weight itself), and
 sketches and dense blocks of at most ``CACHED`` elements, are kept by the ``Projector`` once drawn, and so
-are their copies on the parameters' device (a copy to a GPU at every backward waits for the GPU); larger dense blocks are drawn again at each backward, ``CHUNK`` elements at a
-time (as ``int8`` signs: 40x cheaper than Gaussians), so the whole block is never held, unless the
-target's ``Budget`` (``register_projection(cache_mb=...)``) has room to keep them.
+are their copies on the parameters' device (a copy to a GPU at every backward waits for the GPU). Larger
+dense blocks are drawn again at each backward, ``CHUNK`` elements at a time (as ``int8`` signs: 40x cheaper
+than Gaussians), so the whole block is never held, unless the target's ``Budget``
+(``register_projection(cache_mb=...)``) has room to keep them.
 """
 
 from __future__ import annotations
