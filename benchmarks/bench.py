@@ -1046,7 +1046,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help="every workload at this batch size (default: each workload's own)")
     parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -1076,7 +1076,7 @@ def main(argv: list[str] | None = None) -> int:
             for m in order:
                 if k and ("skipped" in rounds[m][0] or "error" in rounds[m][0]):
                     continue
-                r = run_child(args, w, m)
+                r = run_child(args, w, m, args.batch)
                 rounds[m].append(r)
                 status = (
                     r.get("skipped")

@@ -176,13 +176,14 @@ def test_quick_transformer_workloads_are_correct(tmp_path: Path) -> None:
     out = tmp_path / "transformers.json"
     proc = run_script(
         "bench.py", "--quick", "--workloads", "gpt2", "bert", "--methods", "plain", "pergrad", "pergrad_clip",
-        "--out", str(out),
+        "--batch", "3", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     for workload in ("gpt2", "bert"):
         for method in ("plain", "pergrad", "pergrad_clip"):
-            assert report["results"][workload][method].get("correct") is True, (workload, method)
+            result = report["results"][workload][method]
+            assert result.get("correct") is True and result["batch"] == 3, (workload, method, result)
 
 
 def test_quick_memory_benchmark_runs_and_stays_within_one_step(tmp_path: Path) -> None:
