@@ -32,7 +32,6 @@ def errors(workload: str, quick: bool, device: str, tf32: bool, steps: int) -> l
     import torch.nn.functional as F
 
     from pergrad import PerSampleModule
-    from pergrad.projectors import Projector, Spec
 
     torch.backends.cudnn.allow_tf32 = tf32
     model, x, y = bench.build(workload, quick)
@@ -47,14 +46,12 @@ def errors(workload: str, quick: bool, device: str, tf32: bool, steps: int) -> l
     model.zero_grad(set_to_none=True)
     layers = sorted({n.rsplit(".", 1)[0] for n, _ in model.named_parameters()})
     targets = {"": SEED, **{layer: LAYER_SEED for layer in layers}}
-    want = {}
-    for target, seed in targets.items():
-        spec = Spec(DIM, "kron", seed)
-        want[target] = sum(
-            exact[n].flatten(1) @ Projector(spec, n, tuple(p.shape)).matrix().to(exact[n].device).T
-            for n, p in model.named_parameters()
-            if target == "" or n.startswith(target + ".")
+    want = {  # the projection each target computes, of the float64 per-sample gradients under it
+        target: bench.pergrad_projectors(model, "kron", DIM, seed)(
+            {n: g for n, g in exact.items() if target == "" or n.startswith(target + ".")}
         )
+        for target, seed in targets.items()
+    }
     rows = []
     with PerSampleModule(model, keep_grad_sample=False) as psm:
         for target, seed in targets.items():
