@@ -62,13 +62,22 @@ def _inside(name: str, parent: str) -> bool:
 
 def layout_of(modules: list[nn.Module], canonical: Callable[[nn.Parameter], nn.Parameter]) -> tuple[object, ...]:
     """What the wrapper was built for: every module's children and parameters (by identity and
-    name: ``prune.remove`` puts ``weight_orig`` back as ``weight``) and whether each parameter
-    requires grad (and is materialised). Cheap enough to compare at every forward."""
+    name: ``prune.remove`` puts ``weight_orig`` back as ``weight``), whether each parameter
+    requires grad (and is materialised), and its dtype, device and tensor: ``model.to(...)``,
+    ``.double()``, ``.half()`` keep the ``Parameter`` objects but give them new data, and with it a
+    new ``AccumulateGrad`` node that the wrapper's hooks are not on (``torch.utils.swap_tensors``, which
+    conversions use when ``torch.__future__.set_swap_module_params_on_conversion(True)``, swaps the
+    tensor itself). Cheap enough to compare at every forward."""
     return tuple(
         (
             type(m),  # a lazy module becomes its cls_to_become in its first forward
             *map(id, m._modules.values()),
-            *((n, id(canonical(p)), p.requires_grad, is_lazy(p)) for n, p in m._parameters.items() if p is not None),
+            *(
+                (n, id(c), c._cdata, c.dtype, c.device, p.requires_grad, is_lazy(p))
+                for n, p in m._parameters.items()
+                if p is not None
+                for c in (canonical(p),)
+            ),
         )
         for m in modules
     )
