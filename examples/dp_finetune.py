@@ -5,7 +5,8 @@ Poisson sampling (``PoissonBatchSampler``: every sample joins each step's batch 
 ``--rate``), every sample's gradient over ALL trainable parameters clipped to norm ``--clip`` (``DPSGD``
 registers ``clip_norm`` on the root target, computed in the ordinary backward without building
 per-sample gradients), Gaussian noise ``N(0, sigma^2 C^2)`` added to the summed clipped gradient and the
-sum divided by the EXPECTED batch size (``dp.add_noise()``), then an ordinary optimizer step (Adam).
+sum divided by the EXPECTED batch size (at ``optimizer.step()``, which ``DPSGD`` hooks), then an ordinary
+optimizer step (Adam).
 Google's ``dp_accounting`` (RDP accountant by default; ``pergrad.privacy.epsilon_of``) turns (sigma,
 rate, number of steps) into the epsilon spent at ``--delta``.
 
@@ -229,21 +230,20 @@ def dp_finetune(
     from tqdm import tqdm
 
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr)
-    sampler = PoissonBatchSampler(
-        n, args.rate, steps=int(1 / args.rate), generator=torch.Generator().manual_seed(args.seed)
-    )
+    # the batches from the operating system's entropy: a seed of ours (--seed is public) would give them away
+    sampler = PoissonBatchSampler(n, args.rate, steps=int(1 / args.rate))
     model.train()
     start = time.perf_counter()
     with PerSampleModule(model, loss_reduction="sum", keep_grad_sample=False) as psm:
-        # flat clipping of all trainable params, the noise, and the division by the EXPECTED batch size
-        dp = DPSGD(psm, max_grad_norm=args.clip, noise_multiplier=args.sigma, sample_rate=args.rate, num_samples=n)
+        # flat clipping of all trainable params, the noise at each optimizer step, the division by E[B]
+        dp = DPSGD(psm, optimizer, sampler, max_grad_norm=args.clip, noise_multiplier=args.sigma)
         for epoch in range(args.epochs):
             for batch in tqdm(sampler, desc=f"{name} DP epoch {epoch + 1}/{args.epochs}", leave=False):
                 optimizer.zero_grad()
-                if batch:  # an empty batch: the step is the noise alone
+                if batch:  # an empty batch (one process): no forward, the step is the noise alone
                     batch_loss(psm, torch.tensor(batch)).backward()  # .grad = sum_i clip(g_i) / E[B]
-                dp.add_noise()
-                optimizer.step()
+                optimizer.step()  # DPSGD adds the noise first: (sum_i clip(g_i) + N(0, sigma^2 C^2 I)) / E[B]
+        dp.remove()
     model.eval()
     return dp.steps, (time.perf_counter() - start) / max(args.epochs, 1)
 

@@ -7,8 +7,8 @@ One step of DP-SGD (Abadi et al. 2016) on a batch drawn by Poisson sampling:
 ``pergrad.privacy`` does all of it: ``PoissonBatchSampler`` draws the batches (every sample joins a
 step's batch with probability ``--rate``, as the privacy analysis assumes; a batch may be empty),
 ``DPSGD`` registers the clipping (the root target: one norm over ALL parameters, computed in the
-ordinary backward without building per-sample gradients) and ``dp.add_noise()`` adds the noise and
-divides by the EXPECTED batch size ``rate * N`` before ``optimizer.step()``. ``dp.epsilon(delta)`` is
+ordinary backward without building per-sample gradients) and hooks ``optimizer.step()``, which adds the
+noise (divided, as the clipped sum, by the EXPECTED batch size ``rate * N``) and counts the step. ``dp.epsilon(delta)`` is
 the epsilon spent, from Google's ``dp_accounting`` (``pip install pergrad[dp]``, or the ``examples``
 extra): ``steps`` compositions of a ``PoissonSampledDpEvent`` of a ``GaussianDpEvent``, through its
 RDP accountant (``--accountant pld`` for the tighter, slower PLD accountant). Without the package
@@ -51,25 +51,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     x_test, y_test = make_data(500, seed=2)
     model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    sampler = PoissonBatchSampler(
-        len(y), args.rate, steps=int(1 / args.rate), generator=torch.Generator().manual_seed(0)
-    )
+    # the batches and the noise come from the operating system's entropy, never from a seed of ours
+    sampler = PoissonBatchSampler(len(y), args.rate, steps=int(1 / args.rate))
     with PerSampleModule(model, keep_grad_sample=False) as psm:
         dp = DPSGD(
             psm,
+            optimizer,
+            sampler,
             max_grad_norm=args.clip,
             noise_multiplier=args.sigma,
-            sample_rate=args.rate,
-            num_samples=len(y),
             accountant=args.accountant,
         )
         for _ in range(args.epochs):
             for batch in sampler:
                 optimizer.zero_grad()
-                if batch:  # an empty batch: the step is the noise alone
+                if batch:  # an empty batch (one process): the step is the noise alone
                     F.cross_entropy(psm(x[batch]), y[batch]).backward()  # .grad = sum_i clip(g_i) / E[B]
-                dp.add_noise()
-                optimizer.step()
+                optimizer.step()  # DPSGD adds the noise first and counts the step
+        dp.remove()
     steps = dp.steps
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()

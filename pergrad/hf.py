@@ -13,14 +13,17 @@
   sizes (the last, smaller micro-batch of an epoch included);
 - DP-SGD (``privacy=DPConfig(...)``, ``pergrad.privacy``): Poisson batches with the expected size of
   the ``TrainingArguments`` (``per_device_train_batch_size * gradient_accumulation_steps * world_size``),
-  each split into ``gradient_accumulation_steps`` micro-batches (an empty one runs no forward), flat
-  per-sample clipping with ``DPSGD``'s ``1/E[B]`` normalisation (the wrapper then uses
-  ``reduction="sum"``, ``accumulate="backward"``: each backward adds ``sum_i clip(g_i) / E[B]``), the
-  noise added once per optimizer step (``on_pre_optimizer_step``), batches and noise resumable from a
-  checkpoint (``pergrad_dp.pt`` in it), ``epsilon`` in the logs.
+  each split into ``gradient_accumulation_steps`` micro-batches (every rank runs the forward and backward
+  of each, an empty one included), flat per-sample clipping with ``DPSGD``'s ``1/E[B]`` normalisation
+  (the wrapper then uses ``reduction="sum"``, ``accumulate="backward"``: each backward adds ``sum_i
+  clip(g_i) / E[B]``), the noise added once per optimizer step (``on_pre_optimizer_step``), the steps
+  taken kept in the checkpoints (``pergrad_dp.pt`` in it), ``epsilon`` in the logs. The batches and the
+  noise are seeded from the operating system's entropy, never from ``TrainingArguments.seed`` (a public
+  seed would give away the batches or the noise); a resumed run draws new batches (Trainer's skipping of
+  the batches already trained is off: it would draw batches and throw them away).
 
-Tested on one process (CPU). Several processes (``torchrun``: DDP, which pergrad finds at its first
-forward; the Poisson draw shared out over the ranks) are written for but not tested here.
+Tested on one process and on two (``torchrun``-style, gloo on CPU: DDP, which pergrad finds at its first
+forward; the Poisson draw shared out over the ranks).
 
 Options of ``TrainingArguments`` that would silently change these numbers are refused with a
 ``pergrad.TrainerConfigError`` (``max_grad_norm > 0`` with clipping, ``label_smoothing_factor``,
@@ -35,7 +38,7 @@ in through ``on_pre_optimizer_step`` (the one point between the last backward an
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -43,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .errors import TrainerConfigError
@@ -62,8 +65,12 @@ class DPConfig:
     """DP-SGD for ``PerSampleTrainer(privacy=...)``: clip each sample's gradient over ``target`` (the
     whole model by default) to ``max_grad_norm``, add ``N(0, (noise_multiplier * max_grad_norm)^2)``
     once per optimizer step, divide by the expected batch size; Poisson batches. ``epsilon`` at
-    ``delta`` is logged (``accountant``: ``"rdp"`` or ``"pld"``, dp-accounting). ``seed`` (default:
-    ``TrainingArguments.seed``) seeds the batches and the noise."""
+    ``delta`` is logged (``accountant``: ``"rdp"`` or ``"pld"``, dp-accounting).
+
+    The batches and the noise come from the operating system's entropy (``secure_mode=True``: from a
+    cryptographically secure stream, see ``pergrad.privacy.randomness``). ``seed`` makes the BATCHES
+    reproducible (never the noise, never ``TrainingArguments.seed``): the privacy then rests on it being
+    secret, and a checkpoint holds the sampler's state (keep it private)."""
 
     max_grad_norm: float
     noise_multiplier: float
@@ -71,6 +78,7 @@ class DPConfig:
     accountant: str = "rdp"
     target: nn.Module | str | None = None
     seed: int | None = None
+    secure_mode: bool = False
 
 
 # -- each sample's own loss -------------------------------------------------------------------------
@@ -211,50 +219,19 @@ def check_arguments(args: TrainingArguments, *, clips: bool, private: bool) -> N
 # -- Poisson batches for DP-SGD ------------------------------------------------------------------------
 
 
-class PoissonMicroBatches(Sampler[list[int]]):
-    """``pergrad.privacy.PoissonBatchSampler`` with ``micro_batches`` pieces per optimizer step (one
-    Poisson draw per step, split for gradient accumulation; pieces may be empty), ``steps`` per epoch,
-    each epoch drawn from a generator seeded by ``(seed, epoch)`` (``set_epoch``, which Trainer calls):
-    an epoch resumed from a checkpoint and skipped forward by Trainer replays the same batches."""
-
-    def __init__(
-        self,
-        num_samples: int,
-        sample_rate: float,
-        steps: int,
-        micro_batches: int,
-        seed: int,
-        num_replicas: int,
-        rank: int,
-    ) -> None:
-        self.num_samples, self.sample_rate, self.steps = num_samples, sample_rate, steps
-        self.micro_batches, self.seed, self.num_replicas, self.rank = micro_batches, seed, num_replicas, rank
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.steps * self.micro_batches
-
-    def __iter__(self) -> Iterator[list[int]]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        yield from PoissonBatchSampler(
-            self.num_samples,
-            self.sample_rate,
-            steps=self.steps,
-            generator=generator,
-            num_replicas=self.num_replicas,
-            rank=self.rank,
-            micro_batches=self.micro_batches,
-        )
-
-
 def _rows(inputs: Mapping[str, Any]) -> int | None:
     for value in inputs.values():
         if isinstance(value, Tensor) and value.dim() > 0:
             return value.shape[0]
     return None
+
+
+def _stand_in(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """A batch of one row of zeros shaped as ``inputs`` (a batch of 0 rows): for the forward and backward a
+    rank with an empty share runs under DDP."""
+    return {
+        k: v.new_zeros((1, *v.shape[1:])) if isinstance(v, Tensor) and v.dim() > 0 else v for k, v in inputs.items()
+    }
 
 
 class _DPCallback(TrainerCallback):
@@ -275,7 +252,8 @@ class _DPCallback(TrainerCallback):
         assert dp is not None
         folder = os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if os.path.isdir(folder) and args.should_save:
-            torch.save(dp.state_dict(), os.path.join(folder, DP_STATE))
+            state_dict = {**dp.state_dict(), "sampler": self.trainer.dp_sampler.state_dict()}
+            torch.save(state_dict, os.path.join(folder, DP_STATE))
 
 
 # -- the Trainer --------------------------------------------------------------------------------------
@@ -365,9 +343,12 @@ class PerSampleTrainer(Trainer):
                 self.psm.register_transform(target, transform)
             for target, kwargs in (projections or {}).items():
                 self.psm.register_projection(target, **kwargs)
-            self.dp: Any = None
+            # with privacy: the DPSGD is made with the optimizer (create_optimizer), on this sampler
+            self.dp: DPSGD | None = None
+            self._dp_resumed: dict[str, Any] | None = None
             if privacy is not None:
-                self.dp = self._make_dp(privacy)
+                self.dp_sampler = self._make_sampler(privacy)
+                self.args.ignore_data_skip = True  # skipping would draw Poisson batches and throw them away
                 self.add_callback(_DPCallback(self))
         except BaseException:
             self.psm.remove()
@@ -378,39 +359,58 @@ class PerSampleTrainer(Trainer):
     def _expected_batch_size(self) -> int:
         return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
 
-    def _make_dp(self, privacy: DPConfig) -> Any:
+    def _make_sampler(self, privacy: DPConfig) -> PoissonBatchSampler:
         dataset = self.train_dataset
         if dataset is None or not hasattr(dataset, "__len__"):
             raise TrainerConfigError(
                 "DP-SGD needs a train_dataset with a length (Poisson sampling draws each sample with probability "
                 "expected_batch_size / len(train_dataset)); an IterableDataset cannot be Poisson-sampled."
             )
-        expected = self._expected_batch_size()
-        if expected > len(dataset):
+        expected, n = self._expected_batch_size(), len(dataset)
+        if expected > n:
             raise TrainerConfigError(
                 f"the expected batch size per optimizer step, per_device_train_batch_size * "
-                f"gradient_accumulation_steps * world_size = {expected}, exceeds the {len(dataset)} training samples"
+                f"gradient_accumulation_steps * world_size = {expected}, exceeds the {n} training samples"
             )
-        seed = self.args.seed if privacy.seed is None else privacy.seed
-        return DPSGD(
-            self.psm,
-            max_grad_norm=privacy.max_grad_norm,
-            noise_multiplier=privacy.noise_multiplier,
-            sample_rate=expected / len(dataset),
-            expected_batch_size=expected,
-            target=privacy.target,
-            generator=torch.Generator(device=self.args.device).manual_seed(seed),
-            accountant=privacy.accountant,
+        generator = None if privacy.seed is None else torch.Generator().manual_seed(privacy.seed)
+        return PoissonBatchSampler(
+            n,
+            expected / n,
+            steps=max(1, round(n / expected)),
+            generator=generator,
+            num_replicas=self.args.world_size,
+            rank=self.args.process_index,
+            micro_batches=self.args.gradient_accumulation_steps,
+            secure_mode=privacy.secure_mode,
         )
 
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """Trainer's optimizer; with ``privacy``, hooked by the ``DPSGD`` made here (its noise at each step)."""
+        optimizer = super().create_optimizer() if model is None else super().create_optimizer(model)
+        if self.privacy is not None and self.dp is None:
+            privacy = self.privacy
+            self.dp = DPSGD(
+                self.psm,
+                optimizer,
+                self.dp_sampler,
+                max_grad_norm=privacy.max_grad_norm,
+                noise_multiplier=privacy.noise_multiplier,
+                target=privacy.target,
+                accountant=privacy.accountant,
+            )
+            if self._dp_resumed is not None:
+                self.dp.load_state_dict(self._dp_resumed)
+                self._dp_resumed = None
+        return optimizer
+
     def epsilon(self) -> float:
-        """The epsilon spent so far at ``privacy.delta`` (DP-SGD only)."""
-        if self.dp is None or self.privacy is None:
+        """The epsilon spent so far at ``privacy.delta`` (DP-SGD only; 0 before the first step)."""
+        if self.privacy is None:
             raise TrainerConfigError("epsilon() needs PerSampleTrainer(privacy=DPConfig(...))")
-        return float(self.dp.epsilon(self.privacy.delta))
+        return 0.0 if self.dp is None else float(self.dp.epsilon(self.privacy.delta))
 
     def get_train_dataloader(self) -> DataLoader:
-        """Trainer's loader, or with ``privacy``: Poisson batches (``PoissonMicroBatches``), one per optimizer
+        """Trainer's loader, or with ``privacy``: the Poisson batches of ``dp_sampler``, one draw per optimizer
         step, each in ``gradient_accumulation_steps`` micro-batches; empty ones are batches of 0 rows."""
         if self.privacy is None:
             return super().get_train_dataloader()
@@ -423,17 +423,7 @@ class PerSampleTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description="Training")
         else:
             collate = self._get_collator_with_removed_columns(collate, description="Training")
-        expected, n = self._expected_batch_size(), len(dataset)  # type: ignore[arg-type]
-        seed = self.args.seed if self.privacy.seed is None else self.privacy.seed
-        batches = PoissonMicroBatches(
-            n,
-            expected / n,
-            steps=max(1, round(n / expected)),
-            micro_batches=self.args.gradient_accumulation_steps,
-            seed=seed,
-            num_replicas=self.args.world_size,
-            rank=self.args.process_index,
-        )
+        batches = self.dp_sampler
         loader = DataLoader(
             dataset,
             batch_sampler=batches,
@@ -453,9 +443,11 @@ class PerSampleTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; the arguments are checked again (transforms registered on ``trainer.psm``
-        since), and a DP-SGD run resumed from a checkpoint gets its steps and noise generator back."""
-        check_arguments(self.args, clips=bool(self.psm.registered_transforms()), private=self.dp is not None)
-        if self.dp is not None and resume_from_checkpoint not in (None, False):
+        since), and a DP-SGD run resumed from a checkpoint gets its steps back (and, with ``DPConfig.seed``,
+        its sampler's state: the batches continue, none is drawn again)."""
+        private = self.privacy is not None
+        check_arguments(self.args, clips=bool(self.psm.registered_transforms()), private=private)
+        if private and resume_from_checkpoint not in (None, False):
             folder = resume_from_checkpoint
             if folder is True:
                 from transformers.trainer_utils import get_last_checkpoint
@@ -468,7 +460,15 @@ class PerSampleTrainer(Trainer):
                         f"{folder} has no {DP_STATE}: it was not saved by a PerSampleTrainer with privacy=, so the "
                         "privacy spent before it is unknown. Resume from a checkpoint of this DP-SGD run."
                     )
-                self.dp.load_state_dict(torch.load(path, weights_only=False))
+                state = torch.load(path, weights_only=False)
+                sampler_state = state.pop("sampler", None)
+                if sampler_state is not None:
+                    # a new pass from the saved generator: Trainer starts the resumed epoch again (no skipping)
+                    self.dp_sampler.load_state_dict({**sampler_state, "drawn": 0})
+                if self.dp is not None:
+                    self.dp.load_state_dict(state)
+                else:
+                    self._dp_resumed = state
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -487,9 +487,17 @@ class PerSampleTrainer(Trainer):
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Tensor | int | None = None
     ) -> Tensor:
-        """Trainer's step; a micro-batch of 0 rows (Poisson sampling) runs no forward (``.grad`` gains
-        nothing). The loss returned for logging is divided by the micro-batches of the step."""
+        """Trainer's step; the loss returned for logging is divided by the micro-batches of the step.
+
+        A micro-batch of 0 rows (Poisson sampling) runs no forward in one process. Under DDP every rank must
+        take part in every backward (the ranks' gradient reductions pair up), and a model may not take 0
+        rows: it runs on one stand-in row of zeros whose loss is multiplied by 0, inside ``dp.stand_in()``
+        (clipped to nothing, not counted as a sample)."""
         if _rows(inputs) == 0:
+            if self.args.world_size == 1 or self.dp is None:
+                return torch.zeros((), device=self.args.device)
+            with self.dp.stand_in():
+                super().training_step(model, _stand_in(inputs), num_items_in_batch)
             return torch.zeros((), device=self.args.device)
         loss = super().training_step(model, inputs, num_items_in_batch)
         return loss / self.current_gradient_accumulation_steps
@@ -522,6 +530,8 @@ class PerSampleTrainer(Trainer):
                 "over the batch)"
             )
         loss = losses.mean()
+        if self.dp is not None and self.dp.standing_in:
+            loss = loss * 0  # a stand-in for an empty share (training_step): contributes nothing
         return (loss, outputs) if return_outputs else loss
 
 

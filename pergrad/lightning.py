@@ -167,18 +167,21 @@ class DPSGD(PerSample):
         delta: the delta the logged epsilon is for.
         target: the module clipped and noised, relative to the network (default: all of it; other
             trainable parameters are refused).
-        generator: the noise generator (default: seeded from torch's generator, rank 0's under DDP).
+        generator: a noise generator of yours, for reproducible noise (default: seeded from the operating
+            system's entropy, rank 0's under DDP; see ``pergrad.privacy.DPSGD``).
         accountant: ``"rdp"`` or ``"pld"`` (``dp_accounting``).
         log_epsilon: ``"epoch"`` (default), ``"step"`` or None: ``pl_module.log("epsilon", ...)``.
         **options: ``PerSampleModule``'s; ``reduction`` defaults to ``"sum"`` (what DDP needs; the
             normalisation is DPSGD's).
 
     ``callback.dp`` is the ``pergrad.privacy.DPSGD`` (``dp.steps``, ``dp.epsilon(delta)``) from
-    ``on_train_start``. Checkpoints keep its state (steps taken, noise generator) and the sampler's; a
-    resume from a checkpoint saved at the end of an epoch continues exactly as the uninterrupted run.
-    A checkpoint saved within an epoch resumes with fresh Poisson draws where the loader had drawn ahead
-    of the training loop (DataLoader prefetching): every step still a Poisson sample and accounted, but
-    not the uninterrupted run's batches. A second ``fit`` with the same callback continues the accounting.
+    ``on_train_start``, on the Trainer's one optimizer: every optimizer step is checked to train on one
+    Poisson draw of the loader's sampler, and an optimizer that steps a trainable parameter outside the
+    clipped network (a learned temperature, a head beside ``self.model``) is refused, as is
+    ``limit_train_batches`` that cuts an epoch inside an accumulation window. Checkpoints keep the steps
+    taken and, for generators you passed, their states: such a resume continues exactly as the
+    uninterrupted run; without them it draws afresh (never a batch or a noise again). A second ``fit``
+    with the same callback continues the accounting.
     """
 
     def __init__(
@@ -211,6 +214,11 @@ class DPSGD(PerSample):
     def _clips(self) -> bool:
         return True
 
+    def _remove(self) -> None:
+        if self.dp is not None:
+            self.dp.remove()  # its state stays readable: steps, epsilon
+        super()._remove()
+
     def _poisson_sampler(self, trainer: pl.Trainer) -> privacy.PoissonBatchSampler:
         loader = trainer.train_dataloader
         sampler = getattr(loader, "batch_sampler", None)
@@ -238,16 +246,51 @@ class DPSGD(PerSample):
             )
         return sampler
 
+    def _optimizer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> torch.optim.Optimizer:
+        if len(trainer.optimizers) != 1:
+            raise LightningOptionError(
+                f"DPSGD takes a LightningModule with one optimizer (configure_optimizers returned "
+                f"{len(trainer.optimizers)}): each optimizer step adds the noise and counts as one DP-SGD step"
+            )
+        optimizer = trainer.optimizers[0]
+        assert self.psm is not None
+        clipped = {id(p) for p in self.psm.module.parameters()}
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+        outside = [n for n, p in pl_module.named_parameters() if id(p) in stepped and id(p) not in clipped]
+        if outside:
+            raise LightningOptionError(
+                f"the optimizer steps {outside[:3]}{' ...' if len(outside) > 3 else ''}, trainable parameters of "
+                f"{type(pl_module).__name__} outside the network DPSGD clips ({self.module_name!r}): their raw, "
+                "noiseless gradients would be stepped, and training on them is not private. Move them into "
+                f"self.{self.module_name or 'model'} (so they are clipped with it), freeze them, or give the optimizer "
+                f"only self.{self.module_name or 'model'}.parameters()"
+            )
+        return optimizer
+
+    def _check_window(self, trainer: pl.Trainer) -> None:
+        k, batches = trainer.accumulate_grad_batches, trainer.num_training_batches
+        if isinstance(batches, int) and batches % k:
+            raise LightningOptionError(
+                f"an epoch has {batches} micro-batches (limit_train_batches?), not a multiple of "
+                f"accumulate_grad_batches={k}: its last optimizer step would train on part of a Poisson draw, which "
+                "the accounting does not cover. Make limit_train_batches a multiple of accumulate_grad_batches (or "
+                "leave it unset)"
+            )
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.psm is not None
         sampler = self._poisson_sampler(trainer)
+        self._check_window(trainer)
+        optimizer = self._optimizer(trainer, pl_module)
         before = self.dp.state_dict() if self.dp is not None else None  # a second fit continues the accounting
+        if self.dp is not None:
+            self.dp.remove()
         self.dp = privacy.DPSGD(
             self.psm,
+            optimizer,
+            sampler,
             max_grad_norm=self.max_grad_norm,
             noise_multiplier=self.noise_multiplier,
-            sample_rate=sampler.sample_rate,
-            num_samples=sampler.num_samples,
             target=self.target,
             generator=self.generator,
             accountant=self.accountant,
@@ -306,6 +349,7 @@ def poisson_loader(
     trainer: pl.Trainer | None = None,
     steps: int | None = None,
     generator: torch.Generator | None = None,
+    secure_mode: bool = False,
     **loader_options: Any,
 ) -> DataLoader[Any]:
     """A ``DataLoader`` over ``dataset`` whose batches are Poisson samples (``pergrad.privacy``), for
@@ -313,7 +357,9 @@ def poisson_loader(
     (default ``round(1 / sample_rate)``, one epoch in expectation) times the micro-batches. ``trainer``
     (``self.trainer`` in ``train_dataloader()``) gives the ranks (``world_size``, ``global_rank``) and
     ``accumulate_grad_batches`` (each step's draw split into that many micro-batches). Empty batches are
-    collated to tensors of 0 rows (``collate_with_empty``; ``collate_fn=`` wraps yours)."""
+    collated to tensors of 0 rows (``collate_with_empty``; ``collate_fn=`` wraps yours). The draws come from
+    the operating system's entropy, a cryptographically secure stream (``secure_mode=True``), or a
+    ``generator`` of yours (reproducible batches; its seed must stay secret); see ``PoissonBatchSampler``."""
     for name in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
         if name in loader_options:
             raise TypeError(f"poisson_loader draws the batches itself: do not pass {name}=")
@@ -325,6 +371,7 @@ def poisson_loader(
         num_replicas=trainer.world_size if trainer is not None else 1,
         rank=trainer.global_rank if trainer is not None else 0,
         micro_batches=trainer.accumulate_grad_batches if trainer is not None else 1,
+        secure_mode=secure_mode,
     )
     collate = privacy.collate_with_empty(dataset, loader_options.pop("collate_fn", None))
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_options)

@@ -727,6 +727,11 @@ class PerSampleModule:
         self._accumulate_handles.clear()
         self._engine.accumulators.clear()
 
+    @property
+    def removed(self) -> bool:
+        """Whether ``remove()`` was called (or the construction failed): the model is no longer hooked."""
+        return self._engine.closed
+
     def remove(self) -> None:
         """Remove every hook and every ``grad_sample``: the model is as it was before wrapping."""
         self._uninstall()

@@ -7,6 +7,7 @@ differentiated by autograd in float64, clipped where the run clips, averaged ove
 from __future__ import annotations
 
 import copy
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -423,11 +424,11 @@ def test_dp_sgd_without_noise_is_the_sum_of_clipped_gradients_over_the_expected_
     .grad is sum_i clip(g_i) / 2 over the samples the Poisson draw put in the step, an empty step included
     (no forward; .grad 0, the noise alone)."""
     base = gpt2()
-    privacy = DPConfig(max_grad_norm=LM_CLIP, noise_multiplier=0.0, delta=1e-5)
+    privacy = DPConfig(max_grad_norm=LM_CLIP, noise_multiplier=0.0, delta=1e-5, seed=0)  # reproducible batches
     recorder, trainer = run(copy.deepcopy(base), lm_data(13), tmp_path, args=dp_arguments(tmp_path), privacy=privacy)
     sizes = [[b["input_ids"].shape[0] for b in step["batches"]] for step in recorder.steps]
     assert len(sizes) == 6 and all(len(s) == 2 for s in sizes)
-    # with seed 0: [[2, 1], [0, 0], [2, 1], [1, 1], [1, 1], [1, 1]]
+    # with seed 0: [[0, 0], [1, 0], [1, 0], [1, 1], [1, 1], [2, 1]]
     assert [0, 0] in sizes and len({sum(s) for s in sizes}) > 2, sizes  # an empty step; the batch size varies
     NORMS.clear()
     for k, step in enumerate(recorder.steps):
@@ -472,11 +473,12 @@ def test_dp_sgd_adds_the_noise_once_per_step_and_logs_epsilon(tmp_path: Path) ->
 @pytest.mark.parametrize("private", [False, True], ids=["clip", "dp"])
 def test_resume_from_a_checkpoint_gives_the_same_next_steps(tmp_path: Path, private: bool) -> None:
     """4 steps straight through, saving after step 2; then a new trainer on a fresh model resumed from
-    that checkpoint: steps 3 and 4 take the same batches (Poisson draws included) and the same .grad
-    (DP-SGD's noise included) as the uninterrupted run."""
+    that checkpoint: steps 3 and 4 take the same .grad as the uninterrupted run. Under DP-SGD (no noise
+    here, batches seeded by DPConfig.seed) the resumed run continues the sampler's stream from where the
+    checkpoint left it: its batches are the uninterrupted run's next draws, none drawn again."""
     base = gpt2()
     options: dict[str, Any] = (
-        {"privacy": DPConfig(max_grad_norm=LM_CLIP, noise_multiplier=1.0, delta=1e-5)}
+        {"privacy": DPConfig(max_grad_norm=LM_CLIP, noise_multiplier=0.0, delta=1e-5, seed=3)}
         if private
         else {"transforms": {"": transforms.clip_norm(LM_CLIP)}}
     )
@@ -496,8 +498,33 @@ def test_resume_from_a_checkpoint_gives_the_same_next_steps(tmp_path: Path, priv
     for name, p in resumed.final.items():
         torch.testing.assert_close(p, straight.final[name], rtol=TOL, atol=TOL)
     if private:
+        assert second.dp is not None and first.dp is not None
         assert second.dp.steps == first.dp.steps == 4
         assert second.epsilon() == first.epsilon()
+
+
+def test_dp_resume_never_trains_on_a_draw_again(tmp_path: Path) -> None:
+    """Resumed with TrainingArguments(ignore_data_skip=True) (and without: PerSampleTrainer sets it), a DP-SGD
+    run draws afresh: no resumed step's batch is one the run already trained on (each row is its own sample
+    here: 40 rows, q = 1/10), and the steps are counted on from the checkpoint."""
+    base = gpt2()
+    data = lm_data(40)
+    privacy = DPConfig(max_grad_norm=LM_CLIP, noise_multiplier=1.0, delta=1e-5)
+    args = dp_arguments(
+        tmp_path, per_device_train_batch_size=2, max_steps=6, save_strategy="steps", save_steps=3, ignore_data_skip=True
+    )
+    straight, _ = run(copy.deepcopy(base), data, tmp_path, args=args, privacy=privacy)
+    resumed, second = run(
+        copy.deepcopy(base), data, tmp_path, args=args, resume=str(tmp_path / "out" / "checkpoint-3"), privacy=privacy
+    )
+    assert second.dp is not None and second.dp.steps == 6 and len(resumed.steps) == 3
+
+    def draws(recorder: Recorder) -> list[set[bytes]]:
+        return [{row.numpy().tobytes() for b in step["batches"] for row in b["input_ids"]} for step in recorder.steps]
+
+    trained = draws(straight)[:3]
+    again = [d for d in draws(resumed) if d and any(d == before for before in trained)]
+    assert not again  # (two fresh draws of 4 rows from 40 being equal: under 1e-4)
 
 
 def test_save_pretrained_while_wrapped_saves_the_models_own_keys(tmp_path: Path) -> None:
@@ -642,3 +669,76 @@ def test_the_core_never_imports_the_hf_integration() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
+
+
+# -- two processes (torchrun, gloo) -----------------------------------------------------------------------------
+
+DDP_SCRIPT = """
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, {root!r})
+from tests.test_hf_trainer import LM_CLIP, Recorder, Recording, collate, dp_arguments, gpt2, lm_data
+
+from pergrad.hf import DPConfig
+
+out = Path(sys.argv[1])
+for name, sigma in (("exact", 0.0), ("noisy", 1.0)):
+    recorder = Recorder()
+    args = dp_arguments(out / name, max_steps=6, ddp_backend="gloo")
+    privacy = DPConfig(max_grad_norm=LM_CLIP, noise_multiplier=sigma, delta=1e-5, seed=4 if sigma == 0 else None)
+    trainer = Recording(model=gpt2(), args=args, train_dataset=lm_data(13), data_collator=collate, privacy=privacy)
+    recorder.model = trainer.model
+    trainer.recorder = recorder
+    trainer.add_callback(recorder)
+    trainer.train()
+    torch.save({{"steps": recorder.steps, "dp_steps": trainer.dp.steps}}, out / f"{{name}}{{args.process_index}}.pt")
+"""
+
+
+def test_dp_sgd_under_torchrun_every_rank_takes_every_step(tmp_path: Path) -> None:
+    """2 processes (torchrun, gloo on CPU), DP-SGD with 2 micro-batches per step and one sample expected per
+    rank and micro-batch: ranks' shares are often empty. Every rank still runs every backward (a stand-in row
+    where its share is empty), so every step's .grad is the same on both ranks and, without noise, is
+    ``sum_i clip(g_i) / E[B]`` over BOTH ranks' samples of the step (each sample alone, in float64); with
+    noise, both ranks hold the same noisy .grad (the noise once, seeded from rank 0's entropy)."""
+    script = tmp_path / "dp_ddp.py"
+    script.write_text(DDP_SCRIPT.format(root=str(ROOT)))
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with socket.socket() as probe:  # a free port for the rendezvous (torchrun's port 0 never meets)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={port}",
+        str(script),
+    ]
+    done = subprocess.run([*command, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, timeout=900)
+    assert done.returncode == 0, done.stderr.decode()[-4000:]
+    exact = [torch.load(tmp_path / f"exact{r}.pt", weights_only=False) for r in range(2)]
+    assert exact[0]["dp_steps"] == exact[1]["dp_steps"] == 6
+    base = gpt2()
+    sizes = []
+    for k, (zero, one) in enumerate(zip(exact[0]["steps"], exact[1]["steps"])):
+        sizes.append([[b["input_ids"].shape[0] for b in rank["batches"]] for rank in (zero, one)])
+        both = {
+            "params": zero["params"],
+            "batches": [b for b in zero["batches"] + one["batches"] if len(b["input_ids"])],
+        }
+        n = sum(len(b["input_ids"]) for b in both["batches"])
+        ref = reference(base, both, lm_sample, LM_CLIP) if n else None
+        for name, got in zero["grads"].items():
+            assert torch.equal(got, one["grads"][name]), f"step {k} {name}: the ranks differ"
+            want = torch.zeros_like(got) if ref is None else ref[name] * n / 4  # E[B] = 1 * 2 micro * 2 ranks
+            torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, msg=f"step {k} {name}")
+    flat = [s for step in sizes for rank in step for s in rank]
+    assert 0 in flat and any(sum(rank) > 0 and 0 in rank for step in sizes for rank in step), sizes
+    noisy = [torch.load(tmp_path / f"noisy{r}.pt", weights_only=False) for r in range(2)]
+    for zero, one in zip(noisy[0]["steps"], noisy[1]["steps"]):
+        for name, got in zero["grads"].items():
+            assert torch.equal(got, one["grads"][name])

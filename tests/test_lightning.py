@@ -257,7 +257,7 @@ DELTA = 1e-5
 class PoissonNet(Net):
     """``Net`` whose train loader draws Poisson batches of ``data(n)`` (rate ``q``) through ``poisson_loader``."""
 
-    def __init__(self, n: int, q: float, seed: int = 3) -> None:
+    def __init__(self, n: int, q: float, seed: int = 5) -> None:
         super().__init__()
         self.n, self.q, self.seed = n, q, seed
 
@@ -315,7 +315,7 @@ def test_dpsgd_logs_epsilon_and_resumes_from_a_checkpoint_as_the_uninterrupted_r
             max_grad_norm=BOUND,
             noise_multiplier=1.0,
             delta=DELTA,
-            generator=torch.Generator().manual_seed(seed),
+            generator=torch.Generator().manual_seed(seed + 1000),  # not the sampler's seed: refused
         )
         saver = pl.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
         fit = trainer(root, callbacks=[callback, saver], max_epochs=max_epochs, enable_checkpointing=True)
@@ -342,6 +342,71 @@ def test_dpsgd_refuses_a_loader_that_is_not_poisson(tmp_path: Path) -> None:
     callback = DPSGD("model", max_grad_norm=BOUND, noise_multiplier=1.0, delta=DELTA)
     with pytest.raises(LightningOptionError, match=r"assumes Poisson sampling.*BatchSampler.*poisson_loader"):
         trainer(tmp_path, callbacks=[callback]).fit(Net(), DataLoader(data(8), batch_size=4))
+
+
+class TemperatureNet(PoissonNet):
+    """A learned temperature beside ``self.model``, stepped by the same optimizer (outside the clipping)."""
+
+    def __init__(self) -> None:
+        super().__init__(n=12, q=0.25)
+        self.temperature = nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x) / self.temperature, y)
+
+
+def test_dpsgd_refuses_a_trained_parameter_outside_the_network(tmp_path: Path) -> None:
+    callback = DPSGD("model", max_grad_norm=BOUND, noise_multiplier=1.0, delta=DELTA)
+    net = TemperatureNet()
+    with pytest.raises(
+        LightningOptionError, match=r"optimizer steps \['temperature'\].*outside the network DPSGD clips"
+    ):
+        trainer(tmp_path, callbacks=[callback]).fit(net)
+    assert_unwrapped(net.model)
+
+
+def test_dpsgd_refuses_an_epoch_cut_inside_an_accumulation_window(tmp_path: Path) -> None:
+    callback = DPSGD("model", max_grad_norm=BOUND, noise_multiplier=1.0, delta=DELTA)
+    net = PoissonNet(n=12, q=0.25)
+    cut = r"an epoch has 3 micro-batches \(limit_train_batches\?\), not a multiple of accumulate_grad_batches=2"
+    with pytest.raises(LightningOptionError, match=cut):
+        trainer(tmp_path, callbacks=[callback], accumulate_grad_batches=2, limit_train_batches=3).fit(net)
+    assert_unwrapped(net.model)
+    # a multiple of it is fine: every step one whole draw
+    net = PoissonNet(n=12, q=0.25)
+    callback = DPSGD("model", max_grad_norm=BOUND, noise_multiplier=0.0, delta=DELTA)
+    trainer(tmp_path, callbacks=[callback], accumulate_grad_batches=2, limit_train_batches=4).fit(net)
+    assert callback.dp is not None and callback.dp.steps == 4
+    for t, record in enumerate(net.records):
+        expected = dp_reference_step(net.model, record, 0.25 * 12)
+        for n, g in record["grad"].items():
+            torch.testing.assert_close(g, expected[n], rtol=1e-10, atol=1e-12, msg=f"step {t}, {n}")
+
+
+class HandWrapped(Net):
+    """A LightningModule that wraps its own network (no pergrad callback) and clips it."""
+
+    def __init__(self) -> None:
+        super().__init__(dtype=torch.float32)
+        self.psm = PerSampleModule(self.model)
+        self.psm.register_transform(self.model, transforms.clip_norm(BOUND))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        x = x.to(next(self.model.parameters()).dtype)
+        self.micro.append((x.clone(), y.clone()))
+        return F.cross_entropy(self.psm(x), y)
+
+
+def test_a_hand_wrapped_network_converted_by_the_trainers_precision_stays_exact(tmp_path: Path) -> None:
+    """Trainer(precision="64-true") converts the LightningModule to float64 after it wrapped its network:
+    every parameter gets new data and a new AccumulateGrad node; pergrad wraps again at the first forward."""
+    net = HandWrapped()
+    trainer(tmp_path, precision="64-true").fit(net, DataLoader(data(12, dtype=torch.float32), batch_size=4))
+    assert all(p.dtype == torch.float64 for p in net.model.parameters())
+    check_steps(net, steps=6)
+    net.psm.remove()
 
 
 def test_dpsgd_refuses_gradient_clip_val(tmp_path: Path) -> None:

@@ -25,9 +25,16 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from pergrad import PerSampleModule, transforms
+from pergrad import PerSampleModule, TokenLossWarning, transforms
 from pergrad.errors import PrivacyError
-from pergrad.privacy import DPSGD, PoissonBatchSampler, collate_with_empty, epsilon_of, noise_multiplier_for
+from pergrad.privacy import (
+    DPSGD,
+    PoissonBatchSampler,
+    collate_with_empty,
+    epsilon_of,
+    make_private,
+    noise_multiplier_for,
+)
 from tests.reference import clipped, reference_grad_sample
 from tests.test_distributed import Pool
 
@@ -142,6 +149,69 @@ def test_sampler_arguments_are_checked() -> None:
         PoissonBatchSampler(10, 0.1, num_replicas=2, rank=2)
 
 
+def test_without_a_generator_the_draws_do_not_follow_torch_manual_seed() -> None:
+    """The default sampler is seeded from the operating system's entropy, never from torch's seed: a
+    published ``torch.manual_seed(42)`` would tell an observer every batch."""
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(42)
+        runs.append(list(PoissonBatchSampler(200, 0.1, steps=3)))
+    assert runs[0] != runs[1]
+
+
+def test_secure_mode_draws_poisson_batches() -> None:
+    n, q, steps = 40, 0.25, 1500
+    batches = list(PoissonBatchSampler(n, q, steps=steps, secure_mode=True))
+    counts = torch.zeros(n)
+    for b in batches:
+        counts[b] += 1
+    assert (counts / steps - q).abs().max() < 5 * math.sqrt(q * (1 - q) / steps)
+    with pytest.raises(PrivacyError, match=r"secure_mode=True\) draws from a cryptographically secure stream"):
+        PoissonBatchSampler(n, q, generator=torch.Generator(), secure_mode=True)
+
+
+def test_without_a_generator_a_resumed_sampler_draws_afresh() -> None:
+    first = PoissonBatchSampler(200, 0.1, steps=4)
+    it = iter(first)
+    for _ in range(2):
+        next(it)
+    state = first.state_dict()
+    assert state["generator"] is None  # nothing random is saved
+    resumed = PoissonBatchSampler(200, 0.1, steps=4)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(rest) == 2 and rest != list(it)  # the two steps left, drawn anew
+
+
+def test_a_tracked_sampler_resumes_at_the_first_draw_not_trained_on() -> None:
+    """A loader fetches ahead of the training loop: under DPSGD, the saved state is the one before the oldest
+    draw DPSGD has not taken, so the resumed run trains on exactly the uninterrupted run's next draws."""
+    whole = list(sampler(40, 0.25, 6, micro_batches=2))
+    ahead = sampler(40, 0.25, 6, micro_batches=2)
+    ahead.track_shares()
+    it = iter(ahead)
+    for _ in range(7):  # three steps and a half drawn
+        next(it)
+    ahead.take_share()  # one step trained on
+    resumed = sampler(40, 0.25, 6, seed=99, micro_batches=2)
+    resumed.load_state_dict(copy.deepcopy(ahead.state_dict()))
+    assert list(resumed) == whole[2:]
+
+
+def test_the_shares_of_the_draws_wait_for_dpsgd_in_order() -> None:
+    s = sampler(30, 0.3, 4, micro_batches=2)
+    list(s)
+    assert s.take_share() is None  # not tracked: nothing kept
+    s.track_shares()
+    it = iter(s)
+    parts = [next(it) for _ in range(5)]  # two steps and the first micro-batch of a third: drawn ahead
+    assert s.take_share() == len(parts[0]) + len(parts[1])
+    assert s.take_share() == len(parts[2]) + len(parts[3])
+    assert s.take_share() is not None and s.take_share() is None
+    list(s)  # a new pass: the draws of the abandoned one are forgotten
+    assert [s.take_share() for _ in range(4)] != [None] * 4 and s.take_share() is None
+
+
 # -- clipping and noise in one process -------------------------------------------------------------
 
 
@@ -153,9 +223,6 @@ def make_model() -> nn.Sequential:
 N = 24
 X = torch.randn(N, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 Y = torch.randint(0, 3, (N,), generator=torch.Generator().manual_seed(2))
-# per optimizer step, its micro-batches: one batch, two micro-batches, an empty step, a micro-batch and an
-# empty one, one sample
-STEPS = [[[0, 1, 2, 3, 4]], [[5, 6], [7, 8, 9, 10, 11]], [], [[12, 13, 14], []], [[15]]]
 C, Q = 0.6, 1 / 6  # E[B] = 4; C about the median per-sample norm
 EXPECTED = Q * N
 
@@ -174,6 +241,16 @@ def reference_sum(model: nn.Module, rows: list[int], target: list[str] | None = 
     return {n: g.sum(0) for n, g in clipped(ref, C).items()}
 
 
+def steps_of(batches: PoissonBatchSampler) -> Iterator[list[list[int]]]:
+    """The sampler's micro-batches, one list per optimizer step."""
+    micro: list[list[int]] = []
+    for rows in batches:
+        micro.append(rows)
+        if len(micro) == batches.micro_batches:
+            yield micro
+            micro = []
+
+
 SETTINGS = {
     "mean": dict(),
     "sum": dict(loss_reduction="sum", reduction="sum"),
@@ -185,10 +262,11 @@ SETTINGS = {
 }
 
 
+@pytest.mark.parametrize("explicit", [True, False], ids=["add_noise", "at_step"])
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-def test_grad_is_the_sum_of_clipped_gradients_over_the_expected_batch(setting: str) -> None:
+def test_grad_is_the_sum_of_clipped_gradients_over_the_expected_batch(setting: str, explicit: bool) -> None:
     """sigma = 0: every step's .grad, and the parameters after SGD, are ``sum_i clip(g_i) / E[B]`` over the
-    step's samples (every micro-batch), whatever the batch sizes (an empty one included)."""
+    step's samples (every micro-batch of one draw), whatever the batch sizes (empty ones included)."""
     options: dict[str, Any] = dict(SETTINGS[setting])
     model, reference = make_model(), make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -196,130 +274,255 @@ def test_grad_is_the_sum_of_clipped_gradients_over_the_expected_batch(setting: s
     factor = 1.0 if scale is None else float(scale)
     loss_reduction = options.get("loss_reduction", "mean")
     later = options.pop("loss_scale") if setting == "loss_scale_later" else None
+    batches = sampler(N, Q, 8, seed=41, micro_batches=2)
+    sizes = []
     with PerSampleModule(model, **options) as psm:
-        dp = DPSGD(psm, max_grad_norm=C, noise_multiplier=0.0, sample_rate=Q, num_samples=N)
+        dp = DPSGD(psm, optimizer, batches, max_grad_norm=C, noise_multiplier=0.0)
         if later is not None:
             psm.loss_scale = later
-        for step, micro in enumerate(STEPS):
+        for step, micro in enumerate(steps_of(batches)):
             optimizer.zero_grad()
             for rows in micro:  # an empty micro-batch too (its "mean" loss is nan; pergrad adds 0)
                 (factor * loss_of(psm(X[rows]), Y[rows], loss_reduction)).backward()
-            dp.add_noise()
+            sizes.append([len(rows) for rows in micro])
             expected = reference_sum(reference, [i for rows in micro for i in rows])
-            for name, p in model.named_parameters():
-                assert p.grad is not None
-                torch.testing.assert_close(p.grad, expected[name] / EXPECTED, rtol=1e-10, atol=1e-13)
-            optimizer.step()
+            if explicit:
+                dp.add_noise()
+                for name, p in model.named_parameters():
+                    assert p.grad is not None
+                    torch.testing.assert_close(p.grad, expected[name] / EXPECTED, rtol=1e-10, atol=1e-13)
+            optimizer.step()  # adds the noise where add_noise() did not
             with torch.no_grad():
                 for name, p in reference.named_parameters():
                     p.sub_(0.5 * expected[name] / EXPECTED)
             for (name, p), q in zip(model.named_parameters(), reference.parameters()):
                 torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-13, msg=f"step {step}: {name}")
-        assert dp.steps == len(STEPS)
+        assert dp.steps == 8
+    # an empty micro-batch beside a full one, an empty step, steps of two micro-batches of several samples
+    assert any(0 in s and sum(s) > 0 for s in sizes) and [0, 0] in sizes and any(min(s) > 1 for s in sizes)
 
 
 def test_a_module_target_clips_its_own_parameters_together() -> None:
     model, reference = make_model(), make_model()
     for m in (model, reference):
         m[2].requires_grad_(False)  # outside the target: frozen
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    batches = sampler(N, Q, 5, seed=1)
     with PerSampleModule(model) as psm:
-        dp = DPSGD(psm, max_grad_norm=C, noise_multiplier=0.0, sample_rate=Q, expected_batch_size=EXPECTED, target="0")
-        for micro in STEPS:
+        dp = DPSGD(psm, optimizer, batches, max_grad_norm=C, noise_multiplier=0.0, target="0")
+        for (rows,) in steps_of(batches):
             model.zero_grad()
-            for rows in micro:
-                if rows:
-                    loss_of(psm(X[rows]), Y[rows], "mean").backward()
+            loss_of(psm(X[rows]), Y[rows], "mean").backward()
             dp.add_noise()
-            expected = reference_sum(reference, [i for rows in micro for i in rows], ["0.weight", "0.bias"])
+            expected = reference_sum(reference, rows, ["0.weight", "0.bias"])
             for name in ("0.weight", "0.bias"):
                 grad = model.get_parameter(name).grad
                 assert grad is not None
                 torch.testing.assert_close(grad, expected[name] / EXPECTED, rtol=1e-10, atol=1e-13)
             assert model[2].weight.grad is None
+            optimizer.step()
+            with torch.no_grad():
+                for name, p in reference.named_parameters():
+                    if name in expected:
+                        p.sub_(0.1 * expected[name] / EXPECTED)
 
 
-def noisy_run(seed: int, steps: list[list[list[int]]], sigma: float = 1.5) -> list[dict[str, Tensor]]:
+def noisy_run(steps: int, sigma: float = 1.5, generator: torch.Generator | None = None) -> list[dict[str, Tensor]]:
     """``.grad`` minus ``sum_i clip(g_i) / E[B]`` at each step: the noise added."""
     model, reference = make_model(), make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    batches = sampler(N, Q / 4, steps, seed=2)  # mostly empty steps: cheap
     out = []
     with PerSampleModule(model, keep_grad_sample=False) as psm:
-        generator = torch.Generator().manual_seed(seed)
-        dp = DPSGD(psm, C, sigma, Q, num_samples=N, generator=generator)
-        for micro in steps:
+        dp = DPSGD(psm, optimizer, batches, max_grad_norm=C, noise_multiplier=sigma, generator=generator)
+        for (rows,) in steps_of(batches):
             model.zero_grad()
-            for rows in micro:
-                if rows:
-                    loss_of(psm(X[rows]), Y[rows], "mean").backward()
+            loss_of(psm(X[rows]), Y[rows], "mean").backward()
             dp.add_noise()
-            expected = reference_sum(reference, [i for rows in micro for i in rows])
-            out.append({n: p.grad - expected[n] / EXPECTED for n, p in model.named_parameters()})  # type: ignore[operator]
+            expected = reference_sum(reference, rows)
+            out.append({n: p.grad - expected[n] / (Q * N / 4) for n, p in model.named_parameters()})  # type: ignore[operator]
+            optimizer.step()
     return out
 
 
 def test_noise_is_added_once_per_step_from_the_generator() -> None:
-    """The noise of each step is exactly ``sigma C / E[B]`` times the next standard normals of the generator,
-    one draw per parameter in order: once per step, however many micro-batches (or none) it had."""
+    """With a generator of yours, the noise of each step is exactly ``sigma C / E[B]`` times its next
+    standard normals, one draw per parameter in order: once per step."""
     sigma = 1.5
-    noises = noisy_run(7, STEPS, sigma)
+    noises = noisy_run(6, sigma, torch.Generator().manual_seed(7))
     generator = torch.Generator().manual_seed(7)
     model = make_model()
     for noise in noises:
         for name, p in model.named_parameters():
-            draw = torch.randn(p.shape, generator=generator, dtype=torch.float64) * (sigma * C / EXPECTED)
+            draw = torch.randn(p.shape, generator=generator, dtype=torch.float64) * (sigma * C / (Q * N / 4))
             torch.testing.assert_close(noise[name], draw, rtol=1e-9, atol=1e-12)
 
 
-def test_the_noise_has_mean_zero_and_std_sigma_c_over_the_expected_batch() -> None:
-    """Empirical moments of the noise over 300 steps x 51 parameters (15,300 draws), seeded: the mean within 5
-    standard errors of 0, the std within 5 standard errors (std / sqrt(2n), 3%) of sigma C / E[B]."""
+@pytest.mark.parametrize("secure", [False, True], ids=["entropy", "secure"])
+def test_the_noise_has_mean_zero_and_std_sigma_c_over_the_expected_batch(secure: bool) -> None:
+    """Empirical moments of the noise over 300 steps x 51 parameters (15,300 draws): the mean within 5
+    standard errors of 0, the std within 5 standard errors (std / sqrt(2n), 3%) of sigma C / E[B]; and two
+    runs never give the same noise (no seed of the user's decides it)."""
     sigma = 2.0
-    steps = ([[]] * 9 + [[[0, 1, 2]]]) * 30  # empty steps and steps with a batch
-    draws = torch.cat([t.flatten() for noise in noisy_run(11, steps, sigma) for t in noise.values()])
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    batches = PoissonBatchSampler(N, Q, steps=300, secure_mode=secure)
+    draws = []
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
+        dp = DPSGD(psm, optimizer, batches, max_grad_norm=C, noise_multiplier=sigma)
+        for rows in batches:
+            model.zero_grad()
+            loss_of(psm(X[rows]), Y[rows], "mean").backward()
+            before = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+            dp.add_noise()
+            draws += [(p.grad - b).flatten() for p, b in zip(model.parameters(), before)]  # type: ignore[operator]
+            optimizer.step()
+    noise = torch.cat(draws)
     std = sigma * C / EXPECTED
-    n = draws.numel()
+    n = noise.numel()
     assert n == 300 * 51
-    assert abs(draws.mean().item()) < 5 * std / math.sqrt(n)
-    assert abs(draws.std().item() / std - 1) < 5 / math.sqrt(2 * n)
+    assert abs(noise.mean().item()) < 5 * std / math.sqrt(n)
+    assert abs(noise.std().item() / std - 1) < 5 / math.sqrt(2 * n)
+    torch.manual_seed(0)
+    first = noisy_run(2)
+    torch.manual_seed(0)
+    assert not torch.equal(first[0]["0.weight"], noisy_run(2)[0]["0.weight"])
 
 
-@pytest.mark.parametrize("generator", ["seeded", "none"])
-def test_resuming_gives_the_same_noise_and_counts_the_steps(generator: str) -> None:
+def _auc(scores: Tensor, members: Tensor) -> float:
+    """The area under the ROC curve of ``scores`` telling ``members`` from the others (Mann-Whitney)."""
+    ranks = scores.argsort().argsort().double() + 1
+    n1, n0 = int(members.sum()), int((~members).sum())
+    return float((ranks[members].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
+def _membership_auc(runs: int = 4) -> float:
+    """Membership statistics on the noise DPSGD adds: sample i's gradient is the unit vector e_i (a Linear of
+    N inputs on one-hot rows, not clipped at C = 1), so ``E[B] .grad[i] = 1{i drawn} + sigma z_i`` and the
+    noise ``z_i`` is known exactly here. Were it tied to the draw (drawn from the sampler's stream), a drawn
+    sample's noise would sit near 0: the AUC of ``-|z_i|`` telling drawn samples from the others, over
+    ``runs`` steps of 2,000 samples."""
+    n, q = 2000, 0.1
+    scores, members = [], []
+    for run in range(runs):
+        model = nn.Linear(n, 1, bias=False).double()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        batches = PoissonBatchSampler(n, q, steps=1, generator=torch.Generator().manual_seed(1000 + run))
+        with PerSampleModule(model, loss_reduction="sum", reduction="sum", keep_grad_sample=False) as psm:
+            dp = DPSGD(psm, optimizer, batches, max_grad_norm=1.0, noise_multiplier=1.0)
+            (rows,) = list(batches)
+            psm(torch.eye(n, dtype=torch.float64)[rows]).sum().backward()
+            dp.add_noise()
+            assert model.weight.grad is not None
+            drawn = torch.zeros(n, dtype=torch.bool)
+            drawn[rows] = True
+            scores.append(-(model.weight.grad[0] * (q * n) - drawn.double()).abs())
+            members.append(drawn)
+    return _auc(torch.cat(scores), torch.cat(members))
+
+
+def test_the_noise_is_independent_of_the_batch_choice() -> None:
+    """With the defaults the statistic is at chance (8,000 samples, 800 drawn: the AUC's std is about 0.011;
+    the margin 0.06 is over 5 of them). The same statistic on noise drawn from a copy of the sampler's
+    stream (what seeding the sampler and the noise alike gave, refused now) finds the drawn samples (AUC
+    about 0.81; asserted above 0.7), so it can fail."""
+    assert abs(_membership_auc() - 0.5) < 0.06
+    scores, members = [], []
+    for run in range(4):
+        u = torch.rand(2000, generator=torch.Generator().manual_seed(1000 + run), dtype=torch.float64)
+        z = torch.randn(2000, generator=torch.Generator().manual_seed(1000 + run), dtype=torch.float64)
+        scores.append(-z.abs())
+        members.append(u < 0.1)
+    assert _auc(torch.cat(scores), torch.cat(members)) > 0.7
+
+
+def test_a_noise_generator_tied_to_the_batches_or_to_torch_s_seed_is_refused() -> None:
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with PerSampleModule(model) as psm:
+        batches = sampler(N, Q, 3, seed=11)
+        tied = r"the sampler's generator or seeded like it \(11\).*membership attack.*Leave generator=None"
+        with pytest.raises(PrivacyError, match=tied):
+            DPSGD(psm, optimizer, batches, max_grad_norm=C, noise_multiplier=1.0, generator=batches.generator)
+        with pytest.raises(PrivacyError, match=tied):
+            DPSGD(
+                psm,
+                optimizer,
+                batches,
+                max_grad_norm=C,
+                noise_multiplier=1.0,
+                generator=torch.Generator().manual_seed(11),
+            )
+        torch.manual_seed(5)
+        default = r"torch's default generator or seeded like it \(5\).*regenerate the noise"
+        with pytest.raises(PrivacyError, match=default):
+            DPSGD(psm, optimizer, batches, max_grad_norm=C, noise_multiplier=1.0, generator=torch.default_generator)
+        with pytest.raises(PrivacyError, match=default):
+            DPSGD(
+                psm,
+                optimizer,
+                batches,
+                max_grad_norm=C,
+                noise_multiplier=1.0,
+                generator=torch.Generator().manual_seed(5),
+            )
+        secure = PoissonBatchSampler(N, Q, secure_mode=True)
+        with pytest.raises(PrivacyError, match=r"sampler is in secure mode.*pass generator=None"):
+            DPSGD(
+                psm,
+                optimizer,
+                secure,
+                max_grad_norm=C,
+                noise_multiplier=1.0,
+                generator=torch.Generator().manual_seed(3),
+            )
+
+
+def test_resuming_counts_the_steps_and_continues_a_seeded_noise() -> None:
     def run(split: bool) -> tuple[list[Tensor], int]:
         model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batches = sampler(N, Q, 6, seed=4)
         grads = []
-        with PerSampleModule(model) as psm:
-            dp = DPSGD(psm, C, 1.0, Q, num_samples=N, generator=torch.Generator().manual_seed(3))
-            for step, micro in enumerate(STEPS):
-                if split and step == 2:  # a new wrapper and DPSGD from the saved state
-                    state = copy.deepcopy(dp.state_dict())
-                    psm.remove()
-                    psm = PerSampleModule(model)
-                    other = torch.Generator().manual_seed(99) if generator == "seeded" else None
-                    dp = DPSGD(psm, C, 1.0, Q, num_samples=N, generator=other)
-                    dp.load_state_dict(state)
-                model.zero_grad()
-                for rows in micro:
-                    if rows:
-                        loss_of(psm(X[rows]), Y[rows], "mean").backward()
-                dp.add_noise()
-                grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))  # type: ignore[union-attr]
-            psm.remove()
-            return grads, dp.steps
+        psm = PerSampleModule(model)
+        dp = DPSGD(
+            psm, optimizer, batches, max_grad_norm=C, noise_multiplier=1.0, generator=torch.Generator().manual_seed(3)
+        )
+        for step, (rows,) in enumerate(steps_of(batches)):
+            if split and step == 2:  # a new wrapper and DPSGD from the saved state
+                state = copy.deepcopy(dp.state_dict())
+                psm.remove()
+                psm = PerSampleModule(model)
+                other = torch.Generator().manual_seed(99)
+                dp = DPSGD(psm, optimizer, batches, max_grad_norm=C, noise_multiplier=1.0, generator=other)
+                dp.load_state_dict(state)
+                assert dp.steps == 2
+            optimizer.zero_grad()
+            loss_of(psm(X[rows]), Y[rows], "mean").backward()
+            dp.add_noise()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))  # type: ignore[union-attr]
+            optimizer.step()
+        psm.remove()
+        return grads, dp.steps
 
     (whole, steps), (resumed, resumed_steps) = run(False), run(True)
-    assert steps == resumed_steps == len(STEPS)
+    assert steps == resumed_steps == 6
     for a, b in zip(whole, resumed):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_epsilon_is_the_accountants_for_the_steps_taken() -> None:
     model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = sampler(N, Q, 3)
     with PerSampleModule(model) as psm:
-        dp = DPSGD(psm, C, 1.1, Q, num_samples=N)
+        dp = DPSGD(psm, optimizer, batches, max_grad_norm=C, noise_multiplier=1.1)
         assert dp.epsilon(1e-5) == 0.0
-        for _ in range(3):
-            dp.add_noise()
-        assert dp.epsilon(1e-5) == epsilon_of(1.1, Q, 3, 1e-5)
+        for (rows,) in steps_of(batches):
+            loss_of(psm(X[rows]), Y[rows], "mean").backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert dp.steps == 3 and dp.epsilon(1e-5) == epsilon_of(1.1, Q, 3, 1e-5)
         dp.load_state_dict({"steps": 40})
         assert dp.steps == 40 and dp.epsilon(1e-5) == epsilon_of(1.1, Q, 40, 1e-5)
 
@@ -329,32 +532,244 @@ def test_epsilon_is_the_accountants_for_the_steps_taken() -> None:
 
 def test_refused_settings_say_what_to_do() -> None:
     model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = sampler(N, Q, 3)
+    kw: dict[str, Any] = dict(max_grad_norm=C, noise_multiplier=1.0)
     with pytest.raises(PrivacyError, match=r"needs the PerSampleModule wrapping the model, got Sequential"):
-        DPSGD(model, C, 1.0, Q, num_samples=N)  # type: ignore[arg-type]
+        DPSGD(model, opt, batches, **kw)  # type: ignore[arg-type]
     scaled = r"grad_scaler= \(fp16 loss scaling\).*Train in bfloat16"
     with PerSampleModule(model, grad_scaler=2.0) as psm, pytest.raises(PrivacyError, match=scaled):
-        DPSGD(psm, C, 1.0, Q, num_samples=N)
+        DPSGD(psm, opt, batches, **kw)
     samples = r"accumulate='samples' with reduction='mean'.*accumulate='backward'"
     with PerSampleModule(model, accumulate="samples") as psm, pytest.raises(PrivacyError, match=samples):
-        DPSGD(psm, C, 1.0, Q, num_samples=N)
+        DPSGD(psm, opt, batches, **kw)
     with PerSampleModule(model) as psm:
-        with pytest.raises(PrivacyError, match=r"exactly one of expected_batch_size=sample_rate \* N or num_samples=N"):
-            DPSGD(psm, C, 1.0, Q)
-        with pytest.raises(PrivacyError, match=r"exactly one of"):
-            DPSGD(psm, C, 1.0, Q, expected_batch_size=4.0, num_samples=N)
+        with pytest.raises(PrivacyError, match=r"needs the torch.optim.Optimizer that steps the model"):
+            DPSGD(psm, None, batches, **kw)  # type: ignore[arg-type]
+        loader = DataLoader(TensorDataset(X, Y), batch_size=4, shuffle=True)
+        with pytest.raises(PrivacyError, match=r"assumes Poisson sampling.*got DataLoader"):
+            DPSGD(psm, opt, loader, **kw)  # type: ignore[arg-type]
         with pytest.raises(PrivacyError, match=r"\['2.weight', '2.bias'\] are trainable too.*requires_grad_\(False\)"):
-            DPSGD(psm, C, 1.0, Q, num_samples=N, target=model[0])
+            DPSGD(psm, opt, batches, target=model[0], **kw)
         with pytest.raises(PrivacyError, match=r"target is a module .*not a parameter"):
-            DPSGD(psm, C, 1.0, Q, num_samples=N, target=model[0].weight)  # type: ignore[arg-type]
+            DPSGD(psm, opt, batches, target=model[0].weight, **kw)  # type: ignore[arg-type]
         with pytest.raises(PrivacyError, match=r"target 'nope' is not a module of the wrapped Sequential"):
-            DPSGD(psm, C, 1.0, Q, num_samples=N, target="nope")
+            DPSGD(psm, opt, batches, target="nope", **kw)
         psm.register_transform(model[2], transforms.clip_norm(1.0))
         with pytest.raises(PrivacyError, match=r"cannot clip the whole model: .*overlaps module '2'.*only transform"):
-            DPSGD(psm, C, 1.0, Q, num_samples=N)
+            DPSGD(psm, opt, batches, **kw)
     with PerSampleModule(model) as psm:
-        dp = DPSGD(psm, C, 1.0, Q, num_samples=N)
+        dp = DPSGD(psm, opt, batches, **kw)
         with pytest.raises(PrivacyError, match=r"saved DP-SGD state has noise_multiplier=2.0, this DPSGD 1.0"):
             dp.load_state_dict({"steps": 3, "noise_multiplier": 2.0})
+        with pytest.raises(PrivacyError, match=r"the optimizer already has a DPSGD.*two would add their noise"):
+            DPSGD(psm, opt, batches, **kw)
+        dp.remove()
+
+
+class WithTemperature(nn.Module):
+    """A model whose loss is scaled by a learned temperature kept OUTSIDE the wrapped network."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+        self.temperature = nn.Parameter(torch.ones((), dtype=torch.float64))
+
+
+def test_a_trained_parameter_outside_the_clipping_is_refused() -> None:
+    holder = WithTemperature()
+    opt = torch.optim.SGD(holder.parameters(), lr=0.1)
+    with PerSampleModule(holder.net) as psm:
+        with pytest.raises(
+            PrivacyError,
+            match=r"optimizer steps 1 trainable parameter\(s\) DPSGD does not clip.*"
+            r"param_groups\[0\]\['params'\]\[0\] of shape \(\)",
+        ):
+            DPSGD(psm, opt, sampler(N, Q, 2), max_grad_norm=C, noise_multiplier=1.0)
+        # a parameter group added after DPSGD: refused at the step, before anything moves
+        opt = torch.optim.SGD(holder.net.parameters(), lr=0.1)
+        batches = sampler(N, Q, 2, seed=3)
+        dp = DPSGD(psm, opt, batches, max_grad_norm=C, noise_multiplier=1.0)
+        opt.add_param_group({"params": [holder.temperature]})
+        (rows,) = next(steps_of(batches))
+        (loss_of(psm(X[rows]), Y[rows], "mean") * holder.temperature).backward()
+        before = [p.detach().clone() for p in holder.parameters()]
+        with pytest.raises(PrivacyError, match=r"optimizer steps 1 trainable parameter\(s\) DPSGD does not clip"):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, holder.parameters()))
+        dp.remove()
+
+
+def _one_step(psm: PerSampleModule, rows: list[int]) -> None:
+    loss_of(psm(X[rows]), Y[rows], "mean").backward()
+
+
+def test_misuse_is_refused_at_the_step() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw: dict[str, Any] = dict(max_grad_norm=C, noise_multiplier=1.0)
+    psm = PerSampleModule(model)
+    batches = sampler(N, 0.5, 20, seed=8)
+    dp = DPSGD(psm, opt, batches, **kw)
+    steps = steps_of(batches)
+    # noise added twice in one step
+    _one_step(psm, next(steps)[0])
+    dp.add_noise()
+    with pytest.raises(PrivacyError, match=r"add_noise\(\) was called twice in one optimizer step"):
+        dp.add_noise()
+    opt.step()
+    opt.zero_grad()
+    # a batch backpropagated twice: each sample clipped twice
+    rows = next(steps)[0]
+    _one_step(psm, rows)
+    _one_step(psm, rows)
+    with pytest.raises(
+        PrivacyError, match=rf"trained on {2 * len(rows)} sample\(s\), but this rank's share of the draw is {len(rows)}"
+    ):
+        opt.step()
+    opt.zero_grad()
+    # a batch from another loader (a shuffled one, of the expected size)
+    next(steps)  # drawn (its share waits), but not the batch trained on
+    shuffled = DataLoader(TensorDataset(X, Y), batch_size=12, shuffle=True)
+    x, y = next(iter(shuffled))
+    loss_of(psm(x), y, "mean").backward()
+    with pytest.raises(
+        PrivacyError, match=r"did not train on exactly one Poisson draw of DPSGD's sampler.*not on another"
+    ):
+        opt.step()
+    opt.zero_grad()
+    batches.take_share()
+    # no draw at all: the user trains on their own batches only
+    loss_of(psm(x), y, "mean").backward()
+    with pytest.raises(PrivacyError, match=r"no draw of the sampler is waiting"):
+        opt.step()
+    opt.zero_grad()
+    # the wrapper removed: nothing is clipped any more
+    psm.remove()
+    loss_of(model(x), y, "mean").backward()
+    with pytest.raises(PrivacyError, match=r"PerSampleModule this DPSGD clips through was removed.*dp.remove\(\)"):
+        opt.step()
+    # wrapping again with a new DPSGD replaces the stale one; dp.remove() lets plain training go on
+    opt.zero_grad()
+    psm = PerSampleModule(model)
+    again = DPSGD(psm, opt, sampler(N, 0.5, 2, seed=9), **kw)
+    again.remove()
+    psm.remove()
+    opt.step()
+
+
+def test_the_steps_the_noise_was_calibrated_for_are_a_budget() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = sampler(N, Q, 3, seed=6)
+    with PerSampleModule(model) as psm:
+        dp = DPSGD(psm, opt, batches, max_grad_norm=C, noise_multiplier=1.0, max_steps=3)
+        for (rows,) in steps_of(batches):
+            _one_step(psm, rows)
+            opt.step()
+            opt.zero_grad()
+        (rows,) = next(steps_of(batches))
+        _one_step(psm, rows)
+        with pytest.raises(PrivacyError, match=r"budget is 3 steps.*all taken; one more would spend more"):
+            opt.step()
+        dp.remove()
+
+
+def test_a_closure_step_gets_the_noise_after_its_backward() -> None:
+    """``optimizer.step(closure)`` (LBFGS, Lightning): the noise goes in after the closure's backward."""
+    model, reference = make_model(), make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    batches = sampler(N, Q, 4, seed=2)
+    with PerSampleModule(model) as psm:
+        dp = DPSGD(psm, opt, batches, max_grad_norm=C, noise_multiplier=0.0)
+        for (rows,) in steps_of(batches):
+
+            def closure(rows: list[int] = rows) -> Tensor:
+                opt.zero_grad()
+                loss = loss_of(psm(X[rows]), Y[rows], "mean")
+                loss.backward()
+                return loss
+
+            expected = reference_sum(reference, rows)
+            opt.step(closure)
+            with torch.no_grad():
+                for name, p in reference.named_parameters():
+                    p.sub_(0.5 * expected[name] / EXPECTED)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-13)
+        assert dp.steps == 4
+
+
+class TokenModel(nn.Module):
+    """A language model that returns a HuggingFace-style output with its own ``labels=`` loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 5)
+        self.head = nn.Linear(5, 7)
+
+    def forward(self, ids: Tensor, labels: Tensor | None = None) -> Any:
+        logits = self.head(self.embed(ids))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return type("Output", (), {"loss": loss, "logits": logits})()
+
+
+def test_a_models_own_token_mean_loss_is_refused() -> None:
+    model = TokenModel().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = PoissonBatchSampler(8, 1.0, steps=2, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 7, (8, 6), generator=torch.Generator().manual_seed(1))
+    with PerSampleModule(model) as psm:
+        dp = DPSGD(psm, opt, batches, max_grad_norm=1.0, noise_multiplier=0.0)
+        rows = next(iter(batches))
+        labels = ids[rows].clone()
+        psm(ids[rows], labels=labels).loss.backward()  # every sample has as many labelled tokens: exact
+        opt.step()
+        opt.zero_grad()
+        labels[0, :4] = -100
+        rows = next(iter(batches))
+        refused = r"DP-SGD: the loss this backward runs through is the model's own labels= loss"
+        with pytest.warns(TokenLossWarning), pytest.raises(PrivacyError, match=refused):
+            psm(ids[rows], labels=labels).loss.backward()
+        assert all(p.grad is None for p in model.parameters())  # refused before anything reached .grad
+        dp.remove()
+
+
+# -- make_private ----------------------------------------------------------------------------------
+
+
+def test_make_private_gives_the_target_epsilon_in_the_plain_loop() -> None:
+    import dp_accounting
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(X, Y)
+    private = make_private(
+        model, optimizer, data, target_epsilon=2.0, delta=1e-5, epochs=2, max_grad_norm=C, expected_batch_size=4
+    )
+    assert private.steps == 2 * 6 and len(private.loader) == 6
+    for _ in range(2):
+        for x, y in private.loader:  # empty batches too
+            loss_of(private.psm(x), y, "mean").backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(4 / N, dp_accounting.GaussianDpEvent(private.noise_multiplier)), 12
+    )
+    direct = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+    assert private.dp.steps == 12
+    assert private.epsilon() == pytest.approx(direct, rel=1e-12)
+    assert 2.0 * (1 - 1e-3) < private.epsilon() <= 2.0
+    x, y = next(iter(private.loader))
+    loss_of(private.psm(x), y, "mean").backward()
+    with pytest.raises(PrivacyError, match=r"budget is 12 steps"):
+        optimizer.step()
+    private.dp.remove()
+    private.psm.remove()
+    with pytest.raises(ValueError, match=r"give the sampling rate once"):
+        make_private(model, optimizer, data, target_epsilon=2.0, delta=1e-5, epochs=1, max_grad_norm=C)
 
 
 # -- several processes -----------------------------------------------------------------------------
@@ -376,32 +791,30 @@ def ddp_run(rank: int, world: int, sigma: float, steps: int) -> list[dict[str, A
     model = make_model()
     ddp = DistributedDataParallel(model)
     psm = PerSampleModule(ddp, reduction="sum", keep_grad_sample=False)
-    dp = DPSGD(psm, C, sigma, DDP_Q, num_samples=DDP_N)  # generator=None: seeded from rank 0
-    batches = PoissonBatchSampler(DDP_N, DDP_Q, steps=steps, num_replicas=world, rank=rank)  # seeded from rank 0
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
+    # seeded alike on both ranks, so that the test knows it draws an empty share; the noise: rank 0's entropy
+    generator = torch.Generator().manual_seed(1) if sigma == 0 else None
+    batches = PoissonBatchSampler(DDP_N, DDP_Q, steps=steps, num_replicas=world, rank=rank, generator=generator)
+    dp = DPSGD(psm, opt, batches, max_grad_norm=C, noise_multiplier=sigma)
     out = []
-    for rows in [*batches, []]:  # and a step whose global batch is empty
-        ddp.zero_grad()
-        x, y = X[rows], Y[rows]
-        loss_of(psm(x), y, "sum").backward()  # every rank runs its backward, an empty share too
-        before = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    for rows in batches:
+        opt.zero_grad()
+        loss_of(psm(X[rows]), Y[rows], "sum").backward()  # every rank runs its backward, an empty share too
+        before = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
         dp.add_noise()
-        out.append(
-            {
-                "rows": rows,
-                "before": before,
-                "after": [p.grad.clone() for p in model.parameters()],  # type: ignore[union-attr]
-            }
-        )
+        out.append({"rows": rows, "before": before, "after": [p.grad.clone() for p in model.parameters()]})  # type: ignore[union-attr]
+        opt.step()
+    dp.remove()
     psm.remove()
     return out
 
 
 def test_ddp_every_rank_ends_with_the_same_grad_and_the_noise_once(pool2: Pool) -> None:
-    ranks = pool2.run(ddp_run, 0.0, DDP_STEPS)
+    ranks = pool2.run(ddp_run, 0.0, 12)
     reference = make_model()
     names = [n for n, _ in reference.named_parameters()]
     sizes = []
-    for step in range(DDP_STEPS + 1):
+    for step in range(12):
         rows = sorted(ranks[0][step]["rows"] + ranks[1][step]["rows"])
         assert all(i % 2 == r for r in range(2) for i in ranks[r][step]["rows"])
         sizes.append([len(ranks[r][step]["rows"]) for r in range(2)])
@@ -409,16 +822,16 @@ def test_ddp_every_rank_ends_with_the_same_grad_and_the_noise_once(pool2: Pool) 
         for r in range(2):
             for name, grad in zip(names, ranks[r][step]["after"]):
                 torch.testing.assert_close(grad, expected[name] / (DDP_Q * DDP_N), rtol=1e-10, atol=1e-13)
-    assert [0, 0] in sizes and any(0 in s and s != [0, 0] for s in sizes)  # an empty step, an empty share
+    assert [1, 0] in sizes  # an empty share
 
     sigma = 1.5
     ranks = pool2.run(ddp_run, sigma, 40)
     noise = []
-    for step in range(41):
+    for step in range(40):
         for a, b in zip(ranks[0][step]["after"], ranks[1][step]["after"]):
             assert torch.equal(a, b)  # every rank: the same .grad, noise included
         noise += [(a - b).flatten() for a, b in zip(ranks[0][step]["after"], ranks[0][step]["before"])]
-    draws = torch.cat(noise)  # 41 steps x 51 parameters
+    draws = torch.cat(noise)  # 40 steps x 51 parameters
     std = sigma * C / (DDP_Q * DDP_N)
     assert abs(draws.std().item() / std - 1) < 5 / math.sqrt(2 * draws.numel())  # the noise once, not twice
     assert abs(draws.mean().item()) < 5 * std / math.sqrt(draws.numel())
@@ -428,14 +841,44 @@ def ddp_refusals(rank: int, world: int, what: str) -> str:
     model = make_model()
     try:
         if what == "mean":
-            DPSGD(PerSampleModule(DistributedDataParallel(model)), C, 1.0, DDP_Q, num_samples=DDP_N)
+            psm = PerSampleModule(DistributedDataParallel(model))
+            DPSGD(
+                psm,
+                torch.optim.SGD(model.parameters()),
+                PoissonBatchSampler(DDP_N, DDP_Q),
+                max_grad_norm=C,
+                noise_multiplier=1.0,
+            )
         elif what == "generators":
             psm = PerSampleModule(DistributedDataParallel(model), reduction="sum")
-            dp = DPSGD(psm, C, 1.0, DDP_Q, num_samples=DDP_N, generator=torch.Generator().manual_seed(rank))
+            batches = PoissonBatchSampler(DDP_N, DDP_Q, num_replicas=world, rank=rank)
+            dp = DPSGD(
+                psm,
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                batches,
+                max_grad_norm=C,
+                noise_multiplier=1.0,
+                generator=torch.Generator().manual_seed(100 + rank),
+            )
+            rows = next(iter(batches))
+            loss_of(psm(X[rows]), Y[rows], "sum").backward()
             dp.add_noise()
         elif what == "sampler":
             own = torch.Generator().manual_seed(rank)
             list(PoissonBatchSampler(DDP_N, DDP_Q, generator=own, num_replicas=world, rank=rank))
+        elif what == "skipped":  # the recipe that skipped an empty batch: a step whose draw is empty on both ranks
+            ddp = DistributedDataParallel(model)
+            psm = PerSampleModule(ddp, reduction="sum")
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            batches = PoissonBatchSampler(
+                DDP_N, 0.001, num_replicas=world, rank=rank, generator=torch.Generator().manual_seed(0)
+            )
+            DPSGD(psm, opt, batches, max_grad_norm=C, noise_multiplier=1.0)
+            rows = next(iter(batches))
+            assert rows == []
+            if len(rows):
+                loss_of(psm(X[rows]), Y[rows], "sum").backward()
+            opt.step()
     except PrivacyError as err:
         return f"{type(err).__name__}: {err}"
     return "nothing raised"
@@ -447,6 +890,7 @@ def ddp_refusals(rank: int, world: int, what: str) -> str:
         ("mean", r"under torch.distributed, DPSGD needs the wrapper's reduction='sum'"),
         ("generators", r"noise generators differ between ranks.*the same SEED on every rank"),
         ("sampler", r"PoissonBatchSampler's generators differ between ranks.*the same SEED on every rank"),
+        ("skipped", r"ran 0 forward pass\(es\).*every rank must run the forward and backward of every micro-batch"),
     ],
 )
 def test_ddp_refusals(pool2: Pool, what: str, match: str) -> None:
@@ -481,6 +925,18 @@ def test_epsilon_is_dp_accountings_and_opacus_agrees(sigma: float, q: float, ste
     assert epsilon_of(sigma, q, steps, delta) == pytest.approx(opacus.get_epsilon(delta), rel=0.01)
 
 
+def test_at_large_epsilon_the_rdp_accountants_part_as_the_docs_say() -> None:
+    """docs/integrations/dp-sgd.md: at epsilon ~41 dp_accounting's RDP is 4.2% above Opacus's (fewer orders);
+    both above the PLD accountant."""
+    from opacus.accountants import RDPAccountant
+
+    opacus = RDPAccountant()
+    opacus.history = [(0.6, 0.05, 1000)]
+    theirs, ours = opacus.get_epsilon(1e-5), epsilon_of(0.6, 0.05, 1000, 1e-5)
+    assert 0.03 < ours / theirs - 1 < 0.05
+    assert epsilon_of(0.6, 0.05, 1000, 1e-5, "pld") < theirs
+
+
 @pytest.mark.parametrize(
     ("target", "q", "steps", "accountant"),
     [(1.0, 0.01, 1000, "rdp"), (3.0, 0.05, 300, "rdp"), (8.0, 0.2, 100, "rdp"), (3.0, 0.05, 300, "pld")],
@@ -511,7 +967,7 @@ def test_pergrad_does_not_import_privacy_nor_its_accountant() -> None:
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     for path in (ROOT / "pergrad").rglob("*.py"):
-        if path.name in ("privacy.py", "lightning.py", "hf.py"):  # the framework integrations build on it
+        if "privacy" in path.parts or path.name in ("lightning.py", "hf.py"):  # the integrations build on it
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
