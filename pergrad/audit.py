@@ -460,14 +460,8 @@ class Audit:
     ) -> None:
         """End of a DP-SGD step, after the noise: ``check`` and the checks 4-5 of ``pergrad.audit`` (the
         clipping's bound, each contribution, the noise). ``grad_before_noise`` is needed on due steps."""
-        private = _Private(float(max_grad_norm), float(noise_std), float(expected_batch_size), list(params))
-        if self.due:
-            if grad_before_noise is None or len(grad_before_noise) != len(private.params):
-                raise AuditError(
-                    "check_private on a due step needs grad_before_noise: the .grad of each of params after the "
-                    "step's backward passes, before the noise (None where .grad was None), one per parameter"
-                )
-            private.before = list(grad_before_noise)
+        before = None if grad_before_noise is None else list(grad_before_noise)
+        private = _Private(float(max_grad_norm), float(noise_std), float(expected_batch_size), list(params), before)
         self._end_step(batches, private)
 
     def _end_step(self, batches: tuple[Any, ...], private: _Private | None) -> None:
@@ -480,6 +474,11 @@ class Audit:
         self._arm(self.steps)  # also when a check below raises
         if not batches:
             raise AuditError("check() needs the step's batch (one per backward pass of the step, in order)")
+        if private is not None and (private.before is None or len(private.before) != len(private.params)):
+            raise AuditError(
+                f"audited step {step}: check_private needs grad_before_noise on a due step (audit.due): the .grad of "
+                "each of params after the step's backward passes, before the noise (None where .grad was None)"
+            )
         empty = private is not None and all(_batch_size(b) == 0 for b in batches)  # DP-SGD: the noise alone
         if not (held and before is not None) and not (empty and not held):
             raise AuditError(

@@ -725,3 +725,17 @@ def test_on_cuda(keep: bool, dtype: torch.dtype) -> None:
         loss_mean(psm, batch).backward()
         with pytest.raises(AuditError, match="the per-sample gradient of parameter"):
             audit.check(batch)
+
+
+def test_check_private_without_grad_before_noise_on_a_due_step() -> None:
+    model, psm, audit = private()
+    params = list(model.parameters())
+    with psm, audit:
+        batch = private_batch(5)
+        (loss_sum(psm, batch) / EXPECTED).backward()
+        kwargs: dict[str, Any] = {"max_grad_norm": C, "noise_std": 0.0, "expected_batch_size": EXPECTED}
+        with pytest.raises(AuditError, match=r"step 0: check_private needs grad_before_noise on a due step"):
+            audit.check_private(batch, params=params, grad_before_noise=None, **kwargs)
+        model.zero_grad()
+        dp_steps(model, audit, psm, 2)  # the next steps are audited as usual
+        assert audit.steps == 3 and audit.audited == 2
