@@ -43,7 +43,7 @@ from .backward import Backward, Backwards, queue_at_end, saving, will_accumulate
 from .calls import Call, HookedLayer, Kept
 from .consumers import Batch, Consumer
 from .consumers.factors import ProjectedFactors
-from .consumers.grad_sample import GradSample
+from .consumers.grad_sample import GradSample, Holding
 from .consumers.norms import Norms
 from .consumers.projection import Projection
 from .consumers.reduction import Reduction
@@ -134,6 +134,8 @@ class Engine:
         self.consumers: list[Consumer] = [self.statistics, self.norms, self.projection, self.factors, self.reducer]
         if keep_grad_sample:
             self.consumers.insert(0, self.grad_sample)
+        self.holding = Holding(self.targets)  # per-sample gradients held for an audit: last, so .grad is as unarmed
+        self.consumers.append(self.holding)
         self.accumulators: dict[nn.Parameter, Any] = {}  # each parameter's hooked AccumulateGrad node (the wrapper's)
 
     # -- what the rest of the wrapper asks -------------------------------------------------------

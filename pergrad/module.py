@@ -14,6 +14,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .calls import HookedLayer
 from .consumers.factors import Factors, check_factored
+from .consumers.grad_sample import Holder
 from .consumers.projection import Projected, check_per_token, check_request
 from .discover import discover, is_lazy_module, layout_of
 from .distributed import DataParallel, running_ddp, world_for
@@ -440,6 +441,15 @@ class PerSampleModule:
         as usual (with ``reduction="mean"`` still divided by the full batch size B).
         """
         return {label: bad.nonzero().flatten() for label, bad in self._engine.reducer.last_dropped.items() if bad.any()}
+
+    def hold_per_sample(self) -> Holder:
+        """A switch for audits (``pergrad.audit``): while ``holder.armed`` is True, every backward pass
+        hands the returned ``Holder`` its per-sample gradients ``g_i`` ``[B, *p.shape]`` of every
+        parameter it reached, whatever ``keep_grad_sample``, with its batch size, loss scale and
+        transforms (``holder.take()``). ``.grad`` is computed as unarmed; with ``keep_grad_sample=False``
+        an armed backward keeps every layer call's input and output gradient until its end and builds
+        ``g_i`` there. ``holder.close()`` when done."""
+        return Holder(self._engine.holding.holders)
 
     # -- transforms ------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ batch (the per-sample norms statistics computed, which clipping reuses):
 - ``projection.Projection``: ``psm.per_sample_projections()``, ``P vec(g_i)`` of each projection target;
 - ``factors.ProjectedFactors``: ``psm.projected_factors()``, K-FAC factors of Kronecker-projected weights;
 - ``reduction.Reduction``: each target's ``(1/B) sum_i T(g_i)`` into ``.grad``.
+- ``grad_sample.Holding``: the built ``g_i`` handed to an armed ``Holder`` (an audit: ``pergrad.audit``), last.
 
 Adding a consumer is adding a module here with a class that has ``reads`` (must the calls of a
 layer keep their ``(a, d)`` until the end of the backward?) and ``consume`` (compute from the

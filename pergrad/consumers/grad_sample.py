@@ -1,10 +1,17 @@
-"""``p.grad_sample``: the built per-sample gradients ``[B, *p.shape]`` of the last forward's backward."""
+"""``p.grad_sample``: the built per-sample gradients ``[B, *p.shape]`` of the last forward's backward; and
+the same held, whatever ``keep_grad_sample``, for the backward passes a ``Holder`` is armed for."""
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 from torch import Tensor, nn
 
 from ..calls import Kept
+from ..layout import allocating_from, fresh_buffer
+from ..sources import Materialized
+from ..targets import Target, Targets
 from . import Batch
 
 
@@ -51,3 +58,63 @@ class GradSample:
         """Drop ``param.grad_sample`` (the pool takes its memory back once no one else refers to it)."""
         self._generation.pop(param, None)
         param.__dict__.pop("grad_sample", None)
+
+
+@dataclass
+class Held:
+    """One backward pass's per-sample gradients, as a ``Holder`` receives them."""
+
+    grads: dict[nn.Parameter, Tensor]  # g_i [B, *p.shape] of every parameter the backward reached
+    batch_size: int
+    # what the loss was multiplied by (``loss_scale=``, a GradScaler's scale): pergrad wrote that times its
+    # reduction into .grad; None: 1
+    loss_scale: Tensor | None
+    targets: list[Target]  # the transforms the backward applied, as registered
+
+
+class Holder:
+    """A switch that holds per-sample gradients for its owner (an audit: ``pergrad.audit``): every
+    backward pass that ends while ``armed`` is True hands it a ``Held`` record, whatever the wrapper's
+    ``keep_grad_sample``. Arm it before the backward (its forward may run before or after). The wrapper
+    refers to it weakly: one its owner let go of holds nothing."""
+
+    def __init__(self, holders: weakref.WeakSet[Holder]) -> None:
+        self.armed = False
+        self.held: list[Held] = []
+        self._holders = holders
+        holders.add(self)
+
+    def take(self) -> list[Held]:
+        """The records held since the last ``take``, forgotten here."""
+        held, self.held = self.held, []
+        return held
+
+    def close(self) -> None:
+        """Hold nothing more, ever."""
+        self.armed, self.held = False, []
+        self._holders.discard(self)
+
+
+class Holding:
+    """Hands each backward's built per-sample gradients to the armed ``Holder``\\ s. It runs after every
+    other consumer, so a backward computes ``.grad`` as it would unarmed; while one is armed, the calls'
+    ``(a, d)`` are kept until the end of the backward."""
+
+    def __init__(self, targets: Targets) -> None:
+        self.targets = targets
+        self.holders: weakref.WeakSet[Holder] = weakref.WeakSet()
+
+    def reads(self, kept: Kept) -> bool:
+        return any(holder.armed for holder in self.holders)
+
+    def consume(self, batch: Batch) -> None:
+        armed = [holder for holder in self.holders if holder.armed]
+        if not armed:
+            return
+        source = batch.source
+        known = source.grads if isinstance(source, Materialized) else source.uses
+        with allocating_from(fresh_buffer):  # not the pool's memory: the pool's bound stays that of unarmed steps
+            grads = source.per_sample([p for p in batch.params if p in known]) if batch.size else {}
+        held = Held({p: g.detach() for p, g in grads.items()}, batch.size, batch.state.loss_scale, list(self.targets))
+        for holder in armed:
+            holder.held.append(held)
