@@ -6,6 +6,8 @@ per-sample norm and ``keep_grad_sample`` both ways:
 
 - a forward hook that rescales a layer's output (a schedule, stochastic depth) is an op of the model
   after the layer: exact;
+- a penalty on the input's gradient (lazy R1, WGAN-GP) is refused where pergrad computes per-sample
+  gradients, before anything is written; the route the message gives is exact;
 - freezing a layer after a scaling forward hook wraps again, exactly;
 """
 
@@ -18,7 +20,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from pergrad import PerSampleModule, transforms
+from pergrad import PerSampleModule, SecondOrderError, transforms
+from pergrad.hooks import owners
 from tests.reference import assert_close
 
 STEPS = [(4, 1), (3, 15), (4, 16), (3, 17), (5, 1), (4, 24)]  # (batch, positions); 1: a flat [B, features] input
@@ -191,3 +194,125 @@ def test_freezing_a_layer_after_a_scaling_forward_hook_wraps_again_exactly(keep:
     if registered == "after wrapping":
         model.fc1.register_forward_hook(rescale)
     run_steps(model, squared, keep=keep, clip=True, before=before, psm=psm)
+
+
+# -- a penalty on the input's gradient ------------------------------------------------------------------
+
+LAM = 0.3
+
+
+def r1_penalised(penalised: Callable[[int], bool]) -> Losses:
+    """Each sample's loss, plus ``LAM ||d out_i.sum() / d x_i||^2`` on the steps ``penalised`` says."""
+
+    def losses(m: nn.Module, x: Tensor, y: Tensor, step: int, rows: slice) -> Tensor:
+        x = x.clone().requires_grad_(True)
+        out = m(x)
+        f = (out - y).pow(2).flatten(1).sum(1)
+        if penalised(step):
+            (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            f = f + LAM * g.pow(2).flatten(1).sum(1)
+        return f
+
+    return losses
+
+
+@pytest.mark.parametrize(("keep", "clip"), [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("first", [0, 1])
+def test_a_penalty_on_the_input_gradient_is_refused_before_anything_is_written(
+    keep: bool, clip: bool, first: int
+) -> None:
+    """Lazy R1 from step ``first`` on, every other step: the steps before are exact; the penalised one
+    is refused as its backward starts, naming the cause, the layer and the route that works, and no
+    .grad got anything from it (with nothing per sample: ``test_a_penalty_with_nothing_per_sample_is_autograds``)."""
+    torch.manual_seed(2)
+    model = Net()
+    losses = r1_penalised(lambda step: step >= first and (step - first) % 2 == 0)
+    psm = PerSampleModule(model, keep_grad_sample=keep, detach_transformed=False)
+    steps = STEPS[: first + 1]
+    with pytest.raises(
+        SecondOrderError,
+        match=r"differentiates a gradient that torch\.autograd\.grad\(\.\.\., create_graph=True\) computed through "
+        r"layer '(fc1|norm|fc2)' \((Linear|LayerNorm)\) \(a gradient penalty.*accumulates into parameter '.*', whose "
+        r"per-sample gradients pergrad computes.*through the layers' backward computations.*"
+        r"torch\.autograd\.grad\(penalty, params, allow_unused=True\)",
+    ):
+        original = STEPS[:]
+        STEPS[:] = steps
+        try:
+            run_steps(model, losses, keep=keep, clip=clip, psm=psm)
+        finally:
+            STEPS[:] = original
+    assert all(p.grad is None for p in model.parameters())  # zero_grad() before the refused backward
+    assert not owners(model)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_with_weights_detached_the_input_gradient_is_refused_naming_autograd_grad(keep: bool) -> None:
+    """The default: from the second step the weights run detached, so the input's gradient could not be
+    differentiated through them; the error names ``torch.autograd.grad``, and its fix leads to the
+    refusal above, whose route is exact (``test_the_penalty_taken_outside_pergrad_is_exact``)."""
+    torch.manual_seed(3)
+    model = Net()
+    original = STEPS[:]
+    STEPS[:] = [(4, 20), (3, 17)]
+    try:
+        with pytest.raises(
+            SecondOrderError,
+            match=r"torch\.autograd\.grad\(create_graph=True\) reached layer '(fc1|norm|fc2)'.*its weight detached.*"
+            r"the gradient it returns \(of the model's input, for a gradient penalty\) could not be differentiated "
+            r"through that weight.*detach_transformed=False",
+        ):
+            run_steps(model, r1_penalised(lambda step: step == 1), keep=keep, clip=True)
+    finally:
+        STEPS[:] = original
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_penalty_taken_outside_pergrad_is_exact(keep: bool) -> None:
+    """The route the refusal gives: the loss's backward through pergrad (per sample, clipped), the
+    penalty's gradient from torch.autograd.grad, added to .grad: on every step,
+    ``(1/B) sum_i clip(g_i) + LAM d mean_i ||d out_i / d x_i||^2``, and ``grad_sample`` the loss's."""
+    torch.manual_seed(4)
+    model = Net()
+    params = list(model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    clipper = transforms.clip_norm(1.0)
+    with PerSampleModule(model, keep_grad_sample=keep, detach_transformed=False) as psm:
+        psm.register_transform(model, clipper)
+        for step, (b, t) in enumerate(STEPS):
+            x, y = batch(b, t, gen)
+            ref = reference(model, squared, x, y, step)
+            clipper.max_norm = median_norm(ref)
+            plain = copy.deepcopy(model)
+            xr = x.clone().requires_grad_(True)
+            (gr,) = torch.autograd.grad(plain(xr).sum(), xr, create_graph=True)
+            penalty_ref = [
+                torch.zeros_like(p) if g is None else g
+                for p, g in zip(
+                    plain.parameters(),
+                    torch.autograd.grad(
+                        LAM * gr.pow(2).flatten(1).sum(1).mean(), list(plain.parameters()), allow_unused=True
+                    ),
+                )
+            ]
+            psm.zero_grad()
+            x = x.clone().requires_grad_(True)
+            out = psm(x)
+            (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            penalty = LAM * g.pow(2).flatten(1).sum(1).mean()
+            (out - y).pow(2).flatten(1).sum(1).mean().backward(retain_graph=True)
+            for p, extra in zip(params, torch.autograd.grad(penalty, params, allow_unused=True)):
+                if extra is not None:
+                    p.grad += extra  # type: ignore[operator]
+            expected = clipped_mean(ref, clipper.max_norm)
+            for (name, p), pen in zip(model.named_parameters(), penalty_ref):
+                assert_close(p.grad, expected[name] + pen, f"step {step}: .grad of {name}")
+                if keep:
+                    assert_close(p.grad_sample, ref[name], f"step {step}: grad_sample of {name}")
+
+
+def test_a_penalty_with_nothing_per_sample_is_autograds() -> None:
+    """No grad_sample, no transform, no norms: pergrad computes nothing per sample, so the penalised
+    backward is autograd's own, exact on every step."""
+    torch.manual_seed(5)
+    run_steps(Net(), r1_penalised(lambda step: step % 2 == 1), keep=False, clip=False, detach=False)
