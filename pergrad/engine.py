@@ -48,18 +48,19 @@ from .consumers.norms import Norms
 from .consumers.projection import Projection
 from .consumers.reduction import Reduction
 from .consumers.statistics import TrackStatistics
-from .detach import Detacher, has_tensor_hooks
+from .detach import Detacher
 from .errors import BatchSizeError, HookStateError, SecondOrderError, module_label
 from .grads import GradWriter
 from .layout import allocating_from
 from .loss_scale import LossScale, on_device
 from .pool import BufferPool
-from .reach import Taps
+from .reach import Taps, Unhooked
 from .removal import AfterRemoval
 from .sources import Fused, Materialized, in_parameter_dtype, no_autocast, no_grad, run_rule
 from .statistics import needs
 from .targets import Targets
 from .verify import (
+    check_hooked,
     check_opacus,
     check_opacus_stale,
     check_partial,
@@ -125,6 +126,7 @@ class Engine:
         # on every backward unless verify=False
         self.checks_reach = verify_backwards > 0
         self.taps = Taps(self._taps_param, self._on_tap)
+        self.unhooked = Unhooked(self._on_unhooked)  # what reaches a parameter before the user's tensor hooks
         self.after_removal = AfterRemoval()
         self.last_activation_grads: dict[str, Tensor] = {}
         # the consumers of (a, d), in the order they run: each may read what the earlier ones left
@@ -399,8 +401,10 @@ class Engine:
         if grad is None:  # pergrad writes its .grad; autograd calls its post-accumulate hooks now
             self.writer.defer_hooks(param)
             return None
+        # autograd's sum, before the user's tensor hooks (``grad``: what they returned, which autograd adds)
+        summed = seen.unhooked.pop(param, grad)
         if self.track_statistics or self.verify_backwards > 0:
-            unscaled = state.to_sample_units(grad)  # the units of the per-sample gradients
+            unscaled = state.to_sample_units(summed)  # the units of the per-sample gradients
             before = seen.batch_grads.get(param)  # (reentrant checkpointing: a nested backward's part too)
             seen.batch_grads[param] = unscaled if before is None else before + unscaled
         self.writer.accumulating(param, state)
@@ -410,16 +414,18 @@ class Engine:
         if not transformed:
             return self.writer.autograd_part(param, grad, state)
         # .grad is written at the end of the backward
-        if detached and not self.detacher.is_touch_zero(grad) and bool(grad.any()):  # (rare: a sync is fine)
+        if detached and not self.detacher.is_touch_zero(summed) and bool(summed.any()):  # (rare: a sync is fine)
             raise HookStateError(
                 unattributable(
                     self.param_names[param], "it arrived although every call of its layer ran with the weight detached"
                 )
             )
-        if grad is seen.tapped.get(param):  # the tap's very tensor, unless another term reached it
+        if grad is not summed:  # a hook of the user's returned another tensor: compared at the end
+            seen.rehooked.setdefault(param, []).append((summed, grad))
+        if summed is seen.tapped.get(param):  # the tap's very tensor, unless another term reached it
             seen.matched.add(param)
         else:
-            seen.untapped.setdefault(param, []).append(grad)
+            seen.untapped.setdefault(param, []).append(summed)
         return self.writer.hold(param, grad, state)
 
     def on_probe(self, grad: Tensor | None) -> Tensor | None:
@@ -433,7 +439,12 @@ class Engine:
         """Whether the layers read ``param`` through a tap (``pergrad.reach``)."""
         if self.closed or not self.checks_reach or (self.world is not None and not self.world.touches):
             return False
-        return self.canonical(param) in self.transformed and not has_tensor_hooks(param)
+        return self.canonical(param) in self.transformed
+
+    def _on_unhooked(self, param: nn.Parameter, grad: Tensor) -> None:
+        """pergrad's hook, first among ``param``'s tensor hooks: ``grad`` is autograd's sum before the user's."""
+        if not self.closed:
+            self.backwards.state().autograd.unhooked[param] = grad
 
     def _on_tap(self, param: nn.Parameter, grad: Tensor) -> None:
         """Hook of a tap: ``grad`` is what the layers holding ``param`` sent it in this backward."""
@@ -445,6 +456,7 @@ class Engine:
     def _start(self, task: int) -> Backward:
         """A new backward pass (a previous one that failed midway may have left its state: dropped)."""
         self.writer.restore_hooks()
+        self.unhooked.place(self.accumulators)  # (hooks the user registered since the last backward included)
         amp = None if self.loss_scale is None else self.loss_scale()
         factor = None if self.loss_factor is None else self.loss_factor()
         scale = amp if factor is None else factor if amp is None else amp * on_device(factor, amp)
@@ -604,6 +616,7 @@ class Engine:
         known = state.arrived.grads if isinstance(source, Materialized) else source.uses
         check_reached(state, known, self.param_names, self.layers, self.canonical)
         check_partial(state, self.targets, known, self.layers, self.canonical)
+        check_hooked(state, self.param_names)
         check_taps(state, self.detacher.current, self.param_names)
         check_opacus(batch.params, self.keep_grad_sample, self.targets, self.param_names)
         if self.verify_backwards > 0 and batch.size > 0 and batch.params:

@@ -256,6 +256,7 @@ class PerSampleModule:
     def _install_accumulate_hooks(self) -> None:
         for handle in self._accumulate_handles:
             handle.remove()
+        self._engine.unhooked.clear()  # (put back where needed at the next backward, ``Engine._start``)
         # a lazy module's parameters get theirs once materialised (``_after_call``)
         params = [p for p in self._engine.param_names if not is_lazy(p)]
         # AccumulateGrad nodes are cached weakly by their parameter: the engine holds them so hooks stay on them.
@@ -726,6 +727,7 @@ class PerSampleModule:
             handle.remove()
         self._accumulate_handles.clear()
         self._engine.accumulators.clear()
+        self._engine.unhooked.clear()
 
     def remove(self) -> None:
         """Remove every hook and every ``grad_sample``: the model is as it was before wrapping."""

@@ -8,6 +8,9 @@ per-sample norm and ``keep_grad_sample`` both ways:
   after the layer: exact;
 - a penalty on the input's gradient (lazy R1, WGAN-GP) is refused where pergrad computes per-sample
   gradients, before anything is written; the route the message gives is exact;
+- a gradient-logging ``register_hook`` on the parameters leaves a late regulariser refused;
+- a ``register_hook`` that changes a transformed parameter's gradient is refused naming the hook; one on
+  an untransformed parameter goes into ``.grad`` as in plain PyTorch;
 - freezing a layer after a scaling forward hook wraps again, exactly;
 """
 
@@ -20,7 +23,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from pergrad import PerSampleModule, SecondOrderError, transforms
+from pergrad import HookStateError, PerSampleModule, SecondOrderError, transforms
 from pergrad.hooks import owners
 from tests.reference import assert_close
 
@@ -316,3 +319,126 @@ def test_a_penalty_with_nothing_per_sample_is_autograds() -> None:
     backward is autograd's own, exact on every step."""
     torch.manual_seed(5)
     run_steps(Net(), r1_penalised(lambda step: step % 2 == 1), keep=False, clip=False, detach=False)
+
+
+# -- tensor hooks on the parameters ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("detach", [True, False])
+@pytest.mark.parametrize("on", ["norm.weight", "fc1.weight"])
+def test_a_late_regulariser_is_refused_when_the_parameters_carry_a_logging_hook(
+    keep: bool, detach: bool, on: str
+) -> None:
+    """``p.register_hook(log)`` on every parameter (as wandb.watch adds): the hooks get autograd's
+    gradient of the batch, the steps are exact, and a regulariser that starts at step 2 is refused on
+    that step, as without the hooks."""
+    torch.manual_seed(6)
+    model = Net()
+    logged: dict[str, Tensor] = {}
+    for name, p in model.named_parameters():
+        p.register_hook(lambda g, name=name: logged.__setitem__(name, g.clone()))
+
+    def losses(m: nn.Module, x: Tensor, y: Tensor, step: int, rows: slice) -> Tensor:
+        f = squared(m, x, y, step, rows)
+        return f + 1e-2 * m.get_parameter(on).square().sum() if step >= 2 else f
+
+    def after(step: int, ref: dict[str, Tensor]) -> None:
+        for name in ref:  # the hooks got autograd's gradient of the batch (unclipped)
+            assert_close(logged.pop(name), ref[name].mean(0), f"step {step}: what the hook of {name} got")
+
+    with pytest.raises(HookStateError, match=rf"parameter '{on}': its gradient has a part that no hooked layer"):
+        run_steps(model, losses, keep=keep, clip=True, detach=detach, after=after)
+    assert not owners(model)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("when", [0, 2])
+def test_a_hook_that_changes_a_transformed_gradient_is_refused_naming_the_hook(keep: bool, when: int) -> None:
+    """``p.register_hook(lambda g: g * 0.5)`` on a parameter a transform covers, from the first step or a
+    later one: pergrad writes its .grad from the clipped per-sample gradients, so the hook's change
+    would be dropped. Refused on the step it appears, with the real cause (not "a regulariser")."""
+    torch.manual_seed(7)
+    model = Net()
+
+    def before(step: int) -> None:
+        if step == when:
+            model.fc1.weight.register_hook(lambda g: g * 0.5)
+
+    with pytest.raises(
+        HookStateError,
+        match=r"parameter 'fc1\.weight': a hook registered on it with register_hook returned a gradient other than "
+        r"the one autograd gave it, but a transform covers this parameter.*register_post_accumulate_grad_hook",
+    ) as refused:
+        run_steps(model, squared, keep=keep, clip=True, before=before)
+    assert "regulariser" not in str(refused.value)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_fix_a_post_accumulate_grad_hook_changes_the_written_grad(keep: bool) -> None:
+    """What the refusal suggests: a post-accumulate-grad hook halves the clipped .grad pergrad wrote."""
+    torch.manual_seed(8)
+    model = Net()
+    model.fc1.weight.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(0.5))  # type: ignore[union-attr]
+    gen = torch.Generator().manual_seed(0)
+    clipper = transforms.clip_norm(1.0)
+    with PerSampleModule(model, keep_grad_sample=keep) as psm:
+        psm.register_transform(model, clipper)
+        for step, (b, t) in enumerate(STEPS):
+            x, y = batch(b, t, gen)
+            ref = reference(model, squared, x, y, step)
+            clipper.max_norm = median_norm(ref)
+            expected = clipped_mean(ref, clipper.max_norm)
+            psm.zero_grad()
+            squared(psm.module, x, y, step, slice(0, b)).mean().backward()
+            for name, p in model.named_parameters():
+                half = 0.5 if name == "fc1.weight" else 1.0
+                assert_close(p.grad, half * expected[name], f"step {step}: .grad of {name}")
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("when", [0, 2])
+def test_a_hook_that_changes_an_untransformed_gradient_goes_into_grad_as_in_pytorch(keep: bool, when: int) -> None:
+    """No transform covers ``fc1.weight``: autograd writes its .grad, with what the hook returned (as
+    without pergrad); ``grad_sample``, the norms and the statistics are the samples' own gradients, and
+    the first backward's check compares them with autograd's gradient before the hook."""
+    torch.manual_seed(9)
+    model = Net()
+    gen = torch.Generator().manual_seed(0)
+    with PerSampleModule(model, keep_grad_sample=keep, track_statistics=["mean"]) as psm:
+        for step, (b, t) in enumerate(STEPS):
+            if step == when:
+                model.fc1.weight.register_hook(lambda g: g * 0.5)
+            x, y = batch(b, t, gen)
+            ref = reference(model, squared, x, y, step)
+            psm.zero_grad()
+            squared(psm.module, x, y, step, slice(0, b)).mean().backward()
+            norms, stats = psm.per_sample_norms(), psm.statistics()
+            for name, p in model.named_parameters():
+                half = 0.5 if name == "fc1.weight" and step >= when else 1.0
+                assert_close(p.grad, half * ref[name].mean(0), f"step {step}: .grad of {name}")
+                assert_close(norms[name], ref[name].flatten(1).norm(dim=1), f"step {step}: norms of {name}")
+                assert_close(stats.params[name].mean, ref[name].mean(0), f"step {step}: mean of {name}")
+                if keep:
+                    assert_close(p.grad_sample, ref[name], f"step {step}: grad_sample of {name}")
+
+
+def test_pergrads_own_tensor_hook_goes_with_the_wrapper() -> None:
+    """pergrad's hook is first among the user's while wrapped, and gone after remove(): the user's hooks
+    stay, in their order, and their handles still remove them."""
+    torch.manual_seed(10)
+    model = Net()
+    calls: list[str] = []
+    first = model.fc1.weight.register_hook(lambda g: calls.append("first"))
+    model.fc1.weight.register_hook(lambda g: calls.append("second"))
+    before = list(model.fc1.weight._backward_hooks.values())  # type: ignore[union-attr]
+    with PerSampleModule(model) as psm:
+        x, y = batch(3, 1, torch.Generator().manual_seed(0))
+        squared(psm.module, x, y, 0, slice(0, 3)).mean().backward()
+        assert len(model.fc1.weight._backward_hooks) == 3  # type: ignore[arg-type]
+    assert list(model.fc1.weight._backward_hooks.values()) == before  # type: ignore[union-attr]
+    assert calls == ["first", "second"]
+    first.remove()
+    model.zero_grad()
+    squared(model, x, y, 0, slice(0, 3)).mean().backward()
+    assert calls == ["first", "second", "second"]
