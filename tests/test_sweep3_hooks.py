@@ -12,6 +12,7 @@ per-sample norm and ``keep_grad_sample`` both ways:
 - a ``register_hook`` that changes a transformed parameter's gradient is refused naming the hook; one on
   an untransformed parameter goes into ``.grad`` as in plain PyTorch;
 - freezing a layer after a scaling forward hook wraps again, exactly;
+- a second wrapper sharing a weight with one not removed is refused, naming the other.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from pergrad import HookStateError, PerSampleModule, SecondOrderError, transforms
+from pergrad import HookStateError, PergradError, PerSampleModule, SecondOrderError, transforms
 from pergrad.hooks import owners
 from tests.reference import assert_close
 
@@ -442,3 +443,36 @@ def test_pergrads_own_tensor_hook_goes_with_the_wrapper() -> None:
     model.zero_grad()
     squared(model, x, y, 0, slice(0, 3)).mean().backward()
     assert calls == ["first", "second", "second"]
+
+
+# -- two wrappers sharing a weight -----------------------------------------------------------------------
+
+
+def test_a_second_wrapper_sharing_a_weight_is_refused_naming_the_other() -> None:
+    """``b.weight = a.weight``, ``PerSampleModule(a)`` then ``PerSampleModule(b)``: refused at the second
+    wrap, naming the other wrapper, its model and the parameter's name there; ``b`` is left as it was.
+    The fix the message gives (one wrapper over both, called as before) is exact on every step."""
+    torch.manual_seed(11)
+    a, b = nn.Linear(FEATURES, FEATURES), nn.Linear(FEATURES, FEATURES)
+    b.weight = a.weight
+    first = PerSampleModule(a)
+    with pytest.raises(
+        PergradError,
+        match=r"parameter 'weight' of this Linear is also parameter 'weight' of the Linear wrapped by another "
+        r"PerSampleModule \(PerSampleModule\(Linear, .*\)\), which has not been removed.*Call \.remove\(\) on the "
+        r"other wrapper and wrap one module that holds both models",
+    ):
+        PerSampleModule(b)
+    assert not owners(b)
+    first.remove()
+    PerSampleModule(b).remove()  # once the other is removed
+
+    both = nn.ModuleList([a, b])
+
+    def losses(m: nn.Module, x: Tensor, y: Tensor, step: int, rows: slice) -> Tensor:
+        first, second = m  # a and b (in the reference, their copies)
+        out = first(second(x)) if step % 2 else first(x) + second(x)  # the members called directly, as before
+        return (out[..., :OUTPUTS] - y).pow(2).flatten(1).sum(1)
+
+    for keep in (True, False):
+        run_steps(both, losses, keep=keep, clip=True)
