@@ -75,6 +75,10 @@ class Accumulated:
     # (reentrant checkpointing runs it twice: the recomputed layers' part in a nested backward)
     untapped: dict[nn.Parameter, list[Tensor]] = field(default_factory=dict)
     matched: set[nn.Parameter] = field(default_factory=set)  # the tap's very tensor arrived
+    # what autograd summed for a parameter with tensor hooks of the user's, before them (``pergrad.reach``)
+    unhooked: dict[nn.Parameter, Tensor] = field(default_factory=dict)
+    # a parameter pergrad writes whose tensor hooks returned another tensor: (autograd's sum, what they returned)
+    rehooked: dict[nn.Parameter, list[tuple[Tensor, Tensor]]] = field(default_factory=dict)
 
 
 @dataclass

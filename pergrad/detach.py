@@ -41,7 +41,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from .calls import Detached, HookedLayer
 from .errors import DetachedWeightError
-from .reach import Taps
+from .reach import Taps, user_hooks
 from .world import World
 
 MANY = 16  # positions per sample from which summing built g_i beats autograd's weight gradient
@@ -147,8 +147,9 @@ def positions(module: nn.Module, a: Any, batch_dim: int) -> int:
 
 
 def has_tensor_hooks(p: Tensor) -> bool:
-    """Whether ``p.register_hook`` hooks are on ``p`` (autograd calls them with its own gradient)."""
-    return bool(p._backward_hooks)
+    """Whether ``p.register_hook`` hooks of the user's are on ``p`` (autograd calls them with its own
+    gradient; pergrad's own, ``reach.Unhooked``, left out)."""
+    return user_hooks(p)
 
 
 class Wrapper(Protocol):

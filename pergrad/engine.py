@@ -48,18 +48,19 @@ from .consumers.norms import Norms
 from .consumers.projection import Projection
 from .consumers.reduction import Reduction
 from .consumers.statistics import TrackStatistics
-from .detach import Detacher, has_tensor_hooks
+from .detach import Detacher
 from .errors import BatchSizeError, HookStateError, SecondOrderError, module_label
 from .grads import GradWriter
 from .layout import allocating_from
 from .loss_scale import LossScale, on_device
 from .pool import BufferPool
-from .reach import Taps
+from .reach import Taps, Unhooked
 from .removal import AfterRemoval
 from .sources import Fused, Materialized, in_parameter_dtype, no_autocast, no_grad, run_rule
 from .statistics import needs
 from .targets import Targets
 from .verify import (
+    check_hooked,
     check_opacus,
     check_opacus_stale,
     check_partial,
@@ -112,6 +113,9 @@ class Engine:
         # the autograd nodes of the output gradients that create_graph=True backward passes of the last
         # forward caught: a later backward that runs one differentiates through them (``_start``)
         self._second_order_nodes: list[Any] = []
+        # those of the calls whose parameters such a backward did not accumulate into (torch.autograd.grad of
+        # the model's input, for a gradient penalty), with the call's layer: pergrad computed nothing from them
+        self._input_gradient_nodes: list[tuple[Any, HookedLayer]] = []
         self.layers: list[HookedLayer] = []  # the hooked layers (for messages)
         self.targets = Targets()
         self.backwards = Backwards(self._start)
@@ -122,6 +126,7 @@ class Engine:
         # on every backward unless verify=False
         self.checks_reach = verify_backwards > 0
         self.taps = Taps(self._taps_param, self._on_tap)
+        self.unhooked = Unhooked(self._on_unhooked)  # what reaches a parameter before the user's tensor hooks
         self.after_removal = AfterRemoval()
         self.last_activation_grads: dict[str, Tensor] = {}
         # the consumers of (a, d), in the order they run: each may read what the earlier ones left
@@ -189,6 +194,7 @@ class Engine:
         """A forward of the model starts."""
         self.backwards.forward()
         self._second_order_nodes.clear()
+        self._input_gradient_nodes.clear()
 
     def on_recompute(self) -> None:
         """A hooked layer is called inside a backward pass (activation checkpointing computes a segment
@@ -232,9 +238,12 @@ class Engine:
             return
         self._check_batch(state, kept, d, part)
         if state.create_graph:
-            self._check_second_order(kept)
-            if d.grad_fn is not None:
+            accumulates = self._accumulates(kept.layer)
+            self._check_second_order(kept, accumulates)
+            if d.grad_fn is not None and accumulates:
                 self._second_order_nodes.append(d.grad_fn)
+            elif d.grad_fn is not None:
+                self._input_gradient_nodes.append((d.grad_fn, kept.layer))
         layer = kept.layer
         # each sample's own output gradient is scale * d: the loss averaged over the batch
         scale = float(kept.batch_size) if self.loss_reduction == "mean" else 1.0
@@ -288,18 +297,25 @@ class Engine:
                 f"batch of {kept.batch_size} samples of its input"
             )
 
-    def _check_second_order(self, kept: Kept) -> None:
-        """A backward with ``create_graph=True`` differentiates what pergrad computes: refuse where that
+    def _check_second_order(self, kept: Kept, accumulates: bool) -> None:
+        """A backward with ``create_graph=True`` differentiates what pergrad computes (or, where it does
+        not ``accumulate`` into the layer's parameters, what autograd returns): refuse where that
         derivative would be missing (never a silently constant tensor)."""
         layer = kept.layer
-        if kept.detached is not None:
-            raise SecondOrderError(
-                f"backward(create_graph=True) reached {layer.label}, whose forward ran its weight detached (from "
-                "the second backward on, pergrad writes a transformed weight's .grad itself and autograd skips it), "
-                "so nothing computed from its per-sample gradients could be differentiated through that weight. "
-                "Pass detach_transformed=False to PerSampleModule (pergrad also stops detaching once it has seen "
-                "a backward with create_graph=True)."
-            )
+        if kept.detached is None:
+            return
+        what = (
+            "what is computed from its per-sample gradients"
+            if accumulates
+            else "the gradient it returns (of the model's input, for a gradient penalty)"
+        )
+        raise SecondOrderError(
+            f"{'backward' if accumulates else 'torch.autograd.grad'}(create_graph=True) reached {layer.label}, "
+            "whose forward ran its weight detached (from the second backward on, pergrad writes a transformed "
+            f"weight's .grad itself and autograd skips it), so {what} could not be differentiated through that "
+            "weight. Pass detach_transformed=False to PerSampleModule (pergrad also stops detaching once it has "
+            "seen a backward with create_graph=True)."
+        )
 
     def _buffers(self, state: Backward) -> contextlib.AbstractContextManager[Any]:
         """Rules write into the pool's recycled buffers, except where autograd records them (second order)."""
@@ -387,8 +403,10 @@ class Engine:
         if grad is None:  # pergrad writes its .grad; autograd calls its post-accumulate hooks now
             self.writer.defer_hooks(param)
             return None
+        # autograd's sum, before the user's tensor hooks (``grad``: what they returned, which autograd adds)
+        summed = seen.unhooked.pop(param, grad)
         if self.track_statistics or self.verify_backwards > 0:
-            unscaled = state.to_sample_units(grad)  # the units of the per-sample gradients
+            unscaled = state.to_sample_units(summed)  # the units of the per-sample gradients
             before = seen.batch_grads.get(param)  # (reentrant checkpointing: a nested backward's part too)
             seen.batch_grads[param] = unscaled if before is None else before + unscaled
         self.writer.accumulating(param, state)
@@ -398,16 +416,18 @@ class Engine:
         if not transformed:
             return self.writer.autograd_part(param, grad, state)
         # .grad is written at the end of the backward
-        if detached and not self.detacher.is_touch_zero(grad) and bool(grad.any()):  # (rare: a sync is fine)
+        if detached and not self.detacher.is_touch_zero(summed) and bool(summed.any()):  # (rare: a sync is fine)
             raise HookStateError(
                 unattributable(
                     self.param_names[param], "it arrived although every call of its layer ran with the weight detached"
                 )
             )
-        if grad is seen.tapped.get(param):  # the tap's very tensor, unless another term reached it
+        if grad is not summed:  # a hook of the user's returned another tensor: compared at the end
+            seen.rehooked.setdefault(param, []).append((summed, grad))
+        if summed is seen.tapped.get(param):  # the tap's very tensor, unless another term reached it
             seen.matched.add(param)
         else:
-            seen.untapped.setdefault(param, []).append(grad)
+            seen.untapped.setdefault(param, []).append(summed)
         return self.writer.hold(param, grad, state)
 
     def on_probe(self, grad: Tensor | None) -> Tensor | None:
@@ -421,7 +441,12 @@ class Engine:
         """Whether the layers read ``param`` through a tap (``pergrad.reach``)."""
         if self.closed or not self.checks_reach or (self.world is not None and not self.world.touches):
             return False
-        return self.canonical(param) in self.transformed and not has_tensor_hooks(param)
+        return self.canonical(param) in self.transformed
+
+    def _on_unhooked(self, param: nn.Parameter, grad: Tensor) -> None:
+        """pergrad's hook, first among ``param``'s tensor hooks: ``grad`` is autograd's sum before the user's."""
+        if not self.closed:
+            self.backwards.state().autograd.unhooked[param] = grad
 
     def _on_tap(self, param: nn.Parameter, grad: Tensor) -> None:
         """Hook of a tap: ``grad`` is what the layers holding ``param`` sent it in this backward."""
@@ -433,6 +458,7 @@ class Engine:
     def _start(self, task: int) -> Backward:
         """A new backward pass (a previous one that failed midway may have left its state: dropped)."""
         self.writer.restore_hooks()
+        self.unhooked.place(self.accumulators)  # (hooks the user registered since the last backward included)
         amp = None if self.loss_scale is None else self.loss_scale()
         factor = None if self.loss_factor is None else self.loss_factor()
         scale = amp if factor is None else factor if amp is None else amp * on_device(factor, amp)
@@ -440,11 +466,52 @@ class Engine:
         state = Backward(task, loss_scale=scale, amp=amp is not None, create_graph=torch.is_grad_enabled())
         will_run = torch._C._will_engine_execute_node
         state.through_second_order = any(will_run(node) for node in self._second_order_nodes)
+        penalised = next((layer for node, layer in self._input_gradient_nodes if will_run(node)), None)
+        if penalised is not None:
+            self._refuse_input_gradient(penalised)
+            state.through_second_order = True
         self.second_order = self.second_order or state.create_graph  # no weight runs detached from now on
         # Queued by the first hook of the backward, so before the callbacks DDP and FSDP queue
         # later in it (DDP's waits for its buckets' all-reduce).
         queue_at_end(lambda: self._graph_done(state))
         return state
+
+    def _refuse_input_gradient(self, layer: HookedLayer) -> None:
+        """Refuse a backward that differentiates a gradient ``torch.autograd.grad(create_graph=True)``
+        returned through ``layer`` (a penalty on the input's gradient: R1, WGAN-GP) where it accumulates
+        into a parameter whose per-sample gradients pergrad computes. Raised as the backward starts,
+        before any of the wrapper's parameters got a gradient from it.
+
+        Such a penalty is a term of each sample's own loss, but its gradient reaches the weights through
+        the layers' backward computations (``d_input = d_output @ W``), not through their outputs, so no
+        ``(a, d)`` of a layer holds it: pergrad cannot split it into samples."""
+        will_run = torch._C._will_engine_execute_node
+        for param, node in self.accumulators.items():
+            try:
+                accumulates = will_run(node)
+            except RuntimeError:  # asked of a leaf that torch.autograd.grad captures: not accumulated
+                continue
+            if not (accumulates and self._per_sample(param)):
+                continue
+            raise SecondOrderError(
+                f"this backward differentiates a gradient that torch.autograd.grad(..., create_graph=True) "
+                f"computed through {layer.label} (a gradient penalty, such as R1's or WGAN-GP's on the input), and "
+                f"accumulates into parameter {self.param_names[param]!r}, whose per-sample gradients pergrad "
+                "computes. The penalty is part of each sample's loss, but its gradient reaches the weights through "
+                "the layers' backward computations (d_input = d_output @ W), not through their outputs, so pergrad "
+                "cannot split it into samples: it would be missing from grad_sample, norms and the transforms. "
+                "Backward the loss without the penalty through pergrad (loss.backward(retain_graph=True)), then take "
+                "the penalty's gradient with torch.autograd.grad(penalty, params, allow_unused=True) and add it to "
+                ".grad yourself: it is then neither per sample nor transformed. Or compute the per-sample gradients "
+                "of the penalised loss with torch.func (vmap over grad) on the unwrapped model."
+            )
+
+    def _per_sample(self, param: nn.Parameter) -> bool:
+        """Whether pergrad computes anything per sample from ``param``'s gradient (``grad_sample``, norms,
+        statistics, a transform, a projection)."""
+        if self.keep_grad_sample or self.track_norms or self.track_statistics:
+            return True
+        return param in self.transformed or any(param in target.params for target in self.projection.targets)
 
     def _graph_done(self, state: Backward) -> None:
         """The graph of the backward has run. Under DDP pergrad's part of ``.grad`` is computed now and
@@ -551,6 +618,7 @@ class Engine:
         known = state.arrived.grads if isinstance(source, Materialized) else source.uses
         check_reached(state, known, self.param_names, self.layers, self.canonical)
         check_partial(state, self.targets, known, self.layers, self.canonical)
+        check_hooked(state, self.param_names)
         check_taps(state, self.detacher.current, self.param_names)
         check_opacus(batch.params, self.keep_grad_sample, self.targets, self.param_names)
         if self.verify_backwards > 0 and batch.size > 0 and batch.params:

@@ -10,14 +10,19 @@ output (``output.grad_fn``), not by a full module backward hook:
   is exactly the one autograd feeds the layer's backward (user hooks that rescale included);
 - each call of a layer has its own node and its own kept input, so a layer called several times
   in one forward, or a graph backwarded twice with ``retain_graph=True``, needs no stack.
+
+pergrad's forward hooks on a layer run before the user's (``_run_first``), so the output kept and
+caught is the layer's own: a forward hook of the user's that rescales or replaces it is an op of the
+model after the layer.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -151,6 +156,18 @@ def _first_tensor(output: Any, nested: bool) -> Tensor | None:
     else:
         tensors = tuple(o for o in output if isinstance(o, Tensor)) if isinstance(output, tuple | list) else ()
     return tensors[0] if tensors else None
+
+
+def _run_first(module: nn.Module, handles: list[RemovableHandle]) -> None:
+    """Run the forward hooks of ``module`` among ``handles`` before every other forward hook of it, in
+    their order (as ``prepend=True`` would): pergrad's run before the user's, whenever those were
+    registered, so that the output kept is the layer's own; a hook of the user's that rescales or
+    replaces it (``out * s``, ``out.mul_(s)``: a schedule, stochastic depth) is then an op of the model
+    after the layer, like any other."""
+    hooks = cast(OrderedDict[int, Callable[..., Any]], module._forward_hooks)  # (an OrderedDict, typed as a dict)
+    for handle in reversed(handles):
+        if handle.id in hooks:
+            hooks.move_to_end(handle.id, last=False)
 
 
 Edge = tuple[Any, int]  # an autograd node and the index of one of its outputs
@@ -307,6 +324,7 @@ class LayerHooks:
                 raw.setdefault(layer.module if layer.host is None else layer.host, []).append(layer)
                 continue
             batch_dim = 0 if self._batch_first or layer.spec.batch_dim_fixed else 1
+            mine = len(self._handles)
             enter = ModuleHook(self, self._direct_call([layer.name], batch_dim))  # (no op of its own in a model call)
             self._handles.append(layer.module.register_forward_pre_hook(enter, with_kwargs=True))
             spec = layer.spec
@@ -332,6 +350,7 @@ class LayerHooks:
                 self._capture(layer)
             hook = ModuleHook(self, self._keeper(layer), aside=True)
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
+            _run_first(layer.module, self._handles[mine:])
         for module, own in raw.items():
             enter = ModuleHook(self, self._direct_call([layer.name for layer in own], 0 if self._batch_first else 1))
             self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -37,6 +38,7 @@ from .targets import Target
 from .transforms import Transform, UserTransform
 
 _REDUCTIONS = ("mean", "sum")
+_HOLDER = "pergrad"  # the key, in the metadata of a parameter's AccumulateGrad node, of the wrapper hooking it
 
 
 def _same(p: nn.Parameter) -> nn.Parameter:
@@ -257,11 +259,45 @@ class PerSampleModule:
     def _install_accumulate_hooks(self) -> None:
         for handle in self._accumulate_handles:
             handle.remove()
+        self._accumulate_handles.clear()
+        self._engine.unhooked.clear()  # (put back where needed at the next backward, ``Engine._start``)
+        self._release_nodes()
         # a lazy module's parameters get theirs once materialised (``_after_call``)
         params = [p for p in self._engine.param_names if not is_lazy(p)]
         # AccumulateGrad nodes are cached weakly by their parameter: the engine holds them so hooks stay on them.
-        nodes = self._engine.accumulators = {p: get_gradient_edge(p).node for p in params}
+        nodes: dict[nn.Parameter, Any] = {p: get_gradient_edge(p).node for p in params}
+        for p, node in nodes.items():
+            self._refuse_other_holder(p, node)
+        self._engine.accumulators = nodes
+        for node in nodes.values():
+            node.metadata[_HOLDER] = weakref.ref(self)
         self._accumulate_handles = [node.register_prehook(self._accumulate_hook(p)) for p, node in nodes.items()]
+
+    def _refuse_other_holder(self, param: nn.Parameter, node: Any) -> None:
+        """Refuse a parameter that another wrapper (not removed) hooks too: a weight shared by two wrapped
+        models (``b.weight = a.weight``). Each wrapper would take the other's share of its gradient for a
+        part that no layer of its own produced, and both would write its ``.grad``."""
+        found = node.metadata.get(_HOLDER)
+        other = None if found is None else found()
+        if other is None or other is self or other._engine.closed:
+            return
+        name = self._engine.param_names[param]
+        there = other._engine.param_names.get(param, "?")
+        raise PergradError(
+            f"parameter {name!r} of this {type(self.module).__name__} is also parameter {there!r} of the "
+            f"{type(other.module).__name__} wrapped by another PerSampleModule ({other!r}), which has not been "
+            "removed: each wrapper would take the other's share of its gradient for a part that no layer of its "
+            "own produced, and both would write its .grad. Call .remove() on the other wrapper and wrap one module "
+            "that holds both models (a parent module whose forward calls them, or nn.ModuleList([a, b]), whose "
+            "members you then call as before); a weight shared between its layers gets the per-sample sum."
+        )
+
+    def _release_nodes(self) -> None:
+        """Unmark the AccumulateGrad nodes this wrapper hooked (``_refuse_other_holder``)."""
+        for node in self._engine.accumulators.values():
+            found = node.metadata.get(_HOLDER)
+            if found is not None and found() is self:
+                del node.metadata[_HOLDER]
 
     def _sync(self) -> None:
         """At every call of the model: if its parameters are no longer the ones the wrapper was built
@@ -735,7 +771,9 @@ class PerSampleModule:
         for handle in self._accumulate_handles:
             handle.remove()
         self._accumulate_handles.clear()
+        self._release_nodes()
         self._engine.accumulators.clear()
+        self._engine.unhooked.clear()
 
     @property
     def removed(self) -> bool:

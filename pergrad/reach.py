@@ -15,19 +15,27 @@ the later ones compare by identity, with no host sync:
   tensor: the kept one is referenced, so it is never summed into in place). Only then are the values
   compared (a host sync): a term that is exactly zero (``loss + 0 * p.sum()``) is let through.
 
+The user's tensor hooks on a parameter (``p.register_hook``: a gradient logger, a hook that rescales)
+run in its ``AccumulateGrad`` node before pergrad's pre-hook, and may return another tensor. pergrad
+keeps a hook of its own first among them (``Unhooked``): it sees the sum autograd hands the node
+before any of the user's hooks, which is what the tap is compared with (and what the first backward's
+check and the statistics read as autograd's gradient).
+
 Not tapped (left as before): parameters that run detached (their ``AccumulateGrad`` runs only when
 something else reaches them, see ``Engine.on_accumulate``), layers whose rule covers a subtree or
 parametrized tensors, layers that do not read their parameters from ``_parameters`` at call time
-(``nn.RNN``'s flat weights: the tap never fires, so nothing is compared), parameters with tensor
-hooks (``p.register_hook`` may return another tensor), FSDP2, ``verify=False``.
+(``nn.RNN``'s flat weights: the tap never fires, so nothing is compared), FSDP2, ``verify=False``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 
 class Taps:
@@ -54,3 +62,83 @@ class Taps:
 
     def clear(self) -> None:
         self._generation, self._taps = -1, {}
+
+
+class _First:
+    """pergrad's tensor hook on a parameter (``Unhooked``): hands on the gradient it sees, changes nothing.
+    Copied or pickled (should a copy of the parameter carry its hooks), it becomes one that does nothing."""
+
+    def __init__(self, param: nn.Parameter, on_grad: Callable[[nn.Parameter, Tensor], None]) -> None:
+        self.param, self.on_grad = weakref.ref(param), on_grad
+
+    def __call__(self, grad: Tensor) -> None:
+        param = self.param()
+        if param is not None:
+            self.on_grad(param, grad)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Passive:
+        return _Passive()
+
+    def __reduce__(self) -> tuple[type[_Passive], tuple[()]]:
+        return (_Passive, ())
+
+
+class _Passive:
+    """What ``_First`` becomes in a copy: a tensor hook that does nothing."""
+
+    def __call__(self, grad: Tensor) -> None:
+        return None
+
+
+def user_hooks(p: Tensor) -> bool:
+    """Whether ``p.register_hook`` hooks of the user's are on ``p`` (pergrad's own ``_First`` left out)."""
+    hooks = p._backward_hooks
+    if not hooks:
+        return False
+    return any(not isinstance(hook, _First) for hook in hooks.values())
+
+
+class Unhooked:
+    """Keeps a hook of pergrad's first among the ``register_hook`` hooks of each parameter that has hooks
+    of the user's, so that ``on_grad(param, grad)`` gets the gradient autograd summed for it before any
+    of them ran (each may return another tensor, which the next one and ``AccumulateGrad`` get instead).
+
+    Autograd calls a parameter's hooks in the order of its ``_backward_hooks`` dict as stored (the dict
+    itself is what autograd holds): pergrad's is put first by taking the user's out and putting them
+    back after it, their own order kept and their handles still valid. Parameters without hooks of the
+    user's get none of pergrad's."""
+
+    def __init__(self, on_grad: Callable[[nn.Parameter, Tensor], None]) -> None:
+        self._on_grad = on_grad
+        self._keys: dict[nn.Parameter, int] = {}  # parameter -> the key of pergrad's hook in its dict
+
+    def place(self, params: Iterable[nn.Parameter]) -> None:
+        """Put pergrad's hook first on each of ``params`` with hooks of the user's, and take it off
+        those left with none."""
+        for p in params:
+            hooks, key = p._backward_hooks, self._keys.get(p)
+            if not hooks:
+                self._keys.pop(p, None)
+                continue
+            if key is not None and key in hooks:
+                if len(hooks) == 1:  # the user's are gone
+                    del hooks[key], self._keys[p]
+                    continue
+                if next(iter(hooks)) == key:
+                    continue
+                ours = hooks.pop(key)
+            else:
+                ours, key = _First(p, self._on_grad), RemovableHandle(hooks).id  # (a key no handle will take)
+            theirs = list(hooks.items())
+            hooks.clear()
+            hooks[key] = ours
+            hooks.update(theirs)
+            self._keys[p] = key
+
+    def clear(self) -> None:
+        """Take pergrad's hooks off every parameter (the user's stay, in their order)."""
+        for p, key in self._keys.items():
+            hooks = p._backward_hooks
+            if hooks is not None:
+                hooks.pop(key, None)
+        self._keys.clear()

@@ -175,6 +175,25 @@ def check_taps(state: Backward, detached: Collection[nn.Parameter], names: dict[
             )
 
 
+def check_hooked(state: Backward, names: dict[nn.Parameter, str]) -> None:
+    """A tensor hook of the user's (``p.register_hook``) on a parameter whose ``.grad`` pergrad writes
+    from the transformed per-sample gradients may observe autograd's sum but not change it: what it
+    returns would be dropped. Values are read only where a hook returned another tensor."""
+    for param, pairs in state.autograd.rehooked.items():
+        for summed, returned in pairs:
+            if returned.shape == summed.shape and torch.equal(returned, summed):
+                continue
+            raise HookStateError(
+                f"parameter {names[param]!r}: a hook registered on it with register_hook returned a gradient other "
+                "than the one autograd gave it, but a transform covers this parameter, so pergrad writes its .grad "
+                "from the transformed per-sample gradients and the hook's change would be dropped (a tensor hook "
+                "sees autograd's gradient of the whole batch, untransformed). Return None from the hook (to observe "
+                "the gradient), or change the gradient pergrad writes: in a post-accumulate-grad hook, which runs "
+                "once .grad is final (p.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(0.5))), or per "
+                "sample, in the transform."
+            )
+
+
 def stepped_by_opacus(param: nn.Parameter) -> bool:
     """Whether Opacus's ``DPOptimizer`` steps ``param``: it gives every parameter it steps a
     ``summed_grad`` attribute when made (``make_private``), and clips ``p.grad_sample`` into it."""
