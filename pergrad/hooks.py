@@ -69,6 +69,23 @@ class _Inert:
         return None
 
 
+class InertWhenCopied:
+    """A hook calling ``fn`` whose copy (``copy.deepcopy`` or pickling of the model it is on) does nothing
+    and holds nothing: for the hooks pergrad's features put on a model."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Inert:
+        return _Inert()
+
+    def __reduce__(self) -> tuple[type[_Inert], tuple[()]]:
+        return (_Inert, ())
+
+
 class ModuleHook:
     """A module hook owned by one ``LayerHooks``. Copying or pickling the model copies no pergrad
     state: the copy gets a ``_Inert`` hook in its place."""

@@ -973,3 +973,18 @@ def test_pergrad_does_not_import_privacy_nor_its_accountant() -> None:
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             names += [alias.name for alias in node.names] if isinstance(node, ast.Import | ast.ImportFrom) else []
             assert not any("privacy" in name for name in names), f"{path} imports pergrad.privacy"
+
+
+def test_a_model_under_dpsgd_copies_and_pickles_without_it() -> None:
+    """``copy.deepcopy`` and ``pickle`` of the model (``AveragedModel``, ``torch.save``) copy none of
+    DPSGD's hooks: a copy is a plain model."""
+    import pickle
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with PerSampleModule(model) as psm:
+        dp = DPSGD(psm, opt, sampler(N, Q, 2), max_grad_norm=C, noise_multiplier=1.0)
+        for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            copied(X[:3]).sum().backward()  # a plain backward: nothing of DPSGD runs
+            assert all(p.grad is not None for p in copied.parameters())
+        dp.remove()

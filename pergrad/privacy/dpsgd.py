@@ -22,7 +22,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import lm_loss
+from ..audit import Audit, AuditError, LossFn, Select
 from ..errors import PrivacyError, TargetError
+from ..hooks import InertWhenCopied
 from ..loss_scale import factor_reader
 from ..module import PerSampleModule
 from ..transforms import ClipNorm
@@ -197,6 +199,7 @@ class DPSGD:
         # what the running step has done so far: samples clipped, forwards run, noise added
         self._counted, self._forwards, self._noised = 0, 0, False
         self.standing_in = False  # inside stand_in(): backward passes that stand in for an empty share
+        self._audit: PrivateAudit | None = None
         previous = _OWNERS.get(optimizer)
         if previous is not None:
             if not previous.psm.removed:
@@ -219,8 +222,8 @@ class DPSGD:
         self._handles: list[RemovableHandle] = [
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
-            psm.module.register_forward_pre_hook(self._on_forward),
-            psm.module.register_forward_hook(self._on_output, with_kwargs=True),
+            psm.module.register_forward_pre_hook(InertWhenCopied(self._on_forward)),
+            psm.module.register_forward_hook(InertWhenCopied(self._on_output), with_kwargs=True),
         ]
         _OWNERS[optimizer] = self
 
@@ -470,11 +473,20 @@ class DPSGD:
     def add_noise(self) -> None:
         """Add ``N(0, sigma^2 C^2 I) / (q N)`` to the ``.grad`` of every parameter DPSGD covers (a ``.grad``
         of None, where no backward reached it or the batch was empty, becomes the noise alone) and count one
-        step, after checking the step (see the class docstring). ``optimizer.step()`` calls it where the step's
-        code did not."""
+        step, after checking the step (see the class docstring); with an ``audit``, audit it where due.
+        ``optimizer.step()`` calls it where the step's code did not."""
         self._check_step()
         params = self.params()
         std = self.noise_multiplier * self.max_grad_norm / self.expected_batch_size
+        audit = self._audit
+        before = None
+        if audit is not None and audit.due:
+            if audit._batches is None:
+                raise AuditError(
+                    "the privacy audit is due this step, but audit.check(*batches) was not called: call it after the "
+                    "step's backward passes, before optimizer.step(), with the step's batches (one per backward)"
+                )
+            before = [None if p.grad is None else p.grad.detach().clone() for p in params]
         generator = None
         if params and self.noise_multiplier > 0 and not self.secure_mode:
             generator = self._generator(params[0])
@@ -486,9 +498,47 @@ class DPSGD:
                 p.grad.add_(noise)
         self.steps += 1
         self._noised = True
+        if audit is not None:
+            batches, audit._batches = audit._batches or (), None
+            audit.audit.check_private(
+                *batches,
+                max_grad_norm=self.max_grad_norm,
+                noise_std=std,
+                expected_batch_size=self.expected_batch_size,
+                params=params,
+                grad_before_noise=before,
+            )
+
+    def audit(
+        self,
+        loss_fn: LossFn,
+        *,
+        every: int = 100,
+        samples: int = 4,
+        seed: int = 0,
+        rtol: float | None = None,
+        select: Select | None = None,
+    ) -> PrivateAudit:
+        """A privacy audit of this run (``pergrad.audit``), made before the training loop: on the first step
+        and every ``every``-th, at the noise, ``samples`` samples' gradients are recomputed with plain autograd
+        on a copy of the model (``loss_fn(model, batch)``, the loss the loop backpropagates), and the step is
+        refused (``AuditError``, before the parameters move) unless every sample's clipped contribution is at
+        most ``C`` and equal to pergrad's, the per-sample gradients add up to autograd's batch gradient (a loss
+        whose reduction was not declared, a regulariser, samples mixing), ``.grad`` is their clipped sum, and
+        the noise is there, once, with std ``sigma C / (q N)``. In the loop, ``audit.check(*batches)`` after the
+        step's backward passes (one batch per backward), before ``optimizer.step()``: it hands the step's
+        batches over; on a due step without it, the step is refused. One process; cost: docs/guides/audit.md."""
+        if self._audit is not None:
+            raise PrivacyError("this DPSGD already has an audit: use it, or close() it first")
+        self._audit = PrivateAudit(
+            Audit(self.psm, loss_fn, every=every, samples=samples, seed=seed, rtol=rtol, select=select), self
+        )
+        return self._audit
 
     def remove(self) -> None:
         """Take DPSGD's hooks off the optimizer and the model: its steps are no longer DP-SGD steps."""
+        if self._audit is not None:
+            self._audit.close()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -542,3 +592,36 @@ class DPSGD:
             f"DPSGD({self._label()}, max_grad_norm={self.max_grad_norm}, noise_multiplier={self.noise_multiplier}, "
             f"sample_rate={self.sample_rate}, expected_batch_size={self.expected_batch_size}, steps={self.steps})"
         )
+
+
+class PrivateAudit:
+    """The privacy audit of a ``DPSGD`` (``dp.audit(loss_fn, every=...)``): ``check(*batches)`` hands it each
+    step's batches, and the step's noise runs the audit where it is due (``Audit.check_private``)."""
+
+    def __init__(self, audit: Audit, dp: DPSGD) -> None:
+        self.audit, self.dp = audit, dp
+        self._batches: tuple[Any, ...] | None = None
+
+    @property
+    def due(self) -> bool:
+        """Whether the running step is audited (its ``check`` is then required)."""
+        return self.audit.due
+
+    @property
+    def audited(self) -> int:
+        """The steps audited (and passed) so far."""
+        return self.audit.audited
+
+    def check(self, *batches: Any) -> None:
+        """The running step's batches (one per backward pass, in order), after its backward passes and before
+        the noise (``optimizer.step()``, or an ``add_noise()`` of yours); the audit runs at the noise."""
+        self._batches = batches
+
+    def close(self) -> None:
+        """Stop auditing: the hook and what the audit held are removed."""
+        self.audit.close()
+        if self.dp._audit is self:
+            self.dp._audit = None
+
+    def __repr__(self) -> str:
+        return f"PrivateAudit({self.audit!r})"
