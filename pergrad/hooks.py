@@ -70,8 +70,15 @@ class ModuleHook:
 
     def __init__(self, owner: LayerHooks, fn: Callable[..., Any], aside: bool = False) -> None:
         self.owner, self.fn, self.aside = owner, fn, aside
+        self.removed = False
 
     def __call__(self, *args: Any) -> Any:
+        if self.removed:
+            # removed while its module's call was running: torch runs the hooks it listed when the call
+            # began (a lazy root materialised in its own pre-hook, then rebound by the model's) and no
+            # longer knows which took keyword arguments; the hooks installed in its place run from the
+            # next call on
+            return None
         if self.aside:  # a layer's hook: pergrad's own ops are not the model's (``Provenance.aside``)
             following = self.owner.following()
             if following is not None:
@@ -365,6 +372,10 @@ class LayerHooks:
 
     def uninstall(self) -> None:
         for handle in self._handles:
+            hooks = handle.hooks_dict_ref()
+            hook = None if hooks is None else hooks.get(handle.id)
+            if isinstance(hook, ModuleHook):
+                hook.removed = True
             handle.remove()
         self._handles.clear()
         self._captures.clear()
