@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -147,6 +148,22 @@ class PerSampleModule:
                 "wrappers would each write .grad. Call .remove() on the first one (or leave its `with` block) first."
             )
         self.module = model
+        # what a copy is built with (``__deepcopy__``, ``__reduce__``); the loss scale as it is then
+        self._options: dict[str, Any] = dict(
+            loss_reduction=loss_reduction,
+            reduction=reduction,
+            batch_first=batch_first,
+            keep_grad_sample=keep_grad_sample,
+            track_norms=track_norms,
+            track_statistics=requested(track_statistics),
+            accumulate=accumulate,
+            keep_activation_grads=keep_activation_grads,
+            verify=verify,
+            fallback=fallback,
+            rules=rules,
+            detach_transformed=detach_transformed,
+            grad_scaler=grad_scaler,
+        )
         self._loss_scale = loss_scale
         self._grad_scaler, self._accumulate = grad_scaler, accumulate
         self.loss_reduction = loss_reduction
@@ -160,7 +177,7 @@ class PerSampleModule:
             reduction=reduction,
             keep_grad_sample=keep_grad_sample,
             track_norms=track_norms,
-            track_statistics=requested(track_statistics),
+            track_statistics=self._options["track_statistics"],
             accumulate=accumulate,
             keep_activation_grads=keep_activation_grads,
             verify_backwards=1 if verify else 0,
@@ -326,7 +343,8 @@ class PerSampleModule:
             f"PerSampleModule has no attribute {name!r}: it is not an nn.Module but a plain object that hooks the "
             f"model it wraps, whose parameters, state_dict keys and checkpoints stay the model's own.{where} Call "
             "the model's own methods on the model (psm.module.to(device), psm.module.config, "
-            "psm.module.save_pretrained(...)), and give frameworks the model, not the wrapper: for HuggingFace's "
+            "psm.module.save_pretrained(...)), and give frameworks the model, not the wrapper (AveragedModel(psm.module)): "
+            "for HuggingFace's "
             "Trainer use pergrad.hf.PerSampleTrainer(model=model, ...), which wraps it."
         )
 
@@ -733,6 +751,43 @@ class PerSampleModule:
         self._clear_grad_sample()
         self._engine.pool.clear()
 
+    # -- copies: a new wrapper on a copy of the model -----------------------------------------------
+
+    def _recipe(self) -> tuple[nn.Module, dict[str, Any], list[Any], list[Any], list[str], bool]:
+        """What a copy is built from: the model, the options, the transforms and projections as
+        registered, the tracked factors, and whether the wrapper was removed."""
+        if self._engine.world is not None:
+            raise PergradError(
+                "a PerSampleModule under DistributedDataParallel or FSDP2 cannot be copied or pickled (its hooks are "
+                "part of the parallel back-end of this process). Save the model's state_dict "
+                "(torch.save(psm.module.state_dict(), path)) and wrap the model again where it is loaded."
+            )
+        options = {**self._options, "loss_scale": self._loss_scale}
+        projections = [
+            (ref, spec, grads, per_token, budget.limit) for ref, spec, grads, per_token, budget in self._projections
+        ]
+        factors = list(self._engine.factors.names)
+        return self.module, options, list(self._targets), projections, factors, self._engine.closed
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PerSampleModule:
+        """A new wrapper, with the same options, transforms and projections, on ``copy.deepcopy`` of the
+        model (the copy shares nothing with this one: no ``grad_sample``, norms or kept state; its
+        first backward is checked again). ``copy.deepcopy(psm.module)`` is the model alone, unwrapped."""
+        return _rebuilt(*copy.deepcopy(self._recipe(), memo))
+
+    def __copy__(self) -> PerSampleModule:
+        raise PergradError(
+            "copy.copy(psm) would be a second wrapper of the same model (two wrappers would each write .grad): use "
+            "the wrapper itself, or copy.deepcopy(psm) for a new wrapper on a copy of the model"
+        )
+
+    def __reduce__(self) -> tuple[Callable[..., PerSampleModule], tuple[Any, ...]]:
+        """Pickling (``torch.save(psm, ...)``) saves the model, the options and the registered transforms
+        and projections; loading builds a new wrapper on the loaded model, as ``__deepcopy__`` does. The
+        transforms must be picklable (a lambda is not). To keep the weights alone, save
+        ``psm.module.state_dict()``."""
+        return _rebuilt, self._recipe()
+
     def __enter__(self) -> PerSampleModule:
         return self
 
@@ -744,6 +799,36 @@ class PerSampleModule:
             f"PerSampleModule({type(self.module).__name__}, loss_reduction={self.loss_reduction!r}, "
             f"reduction={self.reduction!r}, layers={len(self._layers)}, transforms={len(self._engine.targets)})"
         )
+
+
+def _rebuilt(
+    model: nn.Module,
+    options: dict[str, Any],
+    targets: list[tuple[nn.Module | str, Transform]],
+    projections: list[tuple[nn.Module | str, Spec, bool, bool, int]],
+    factors: list[str],
+    removed: bool,
+) -> PerSampleModule:
+    """A wrapper on ``model`` as ``PerSampleModule._recipe`` describes it (a copy, or an unpickled one)."""
+    psm = PerSampleModule(model, **options)
+    for target, transform in targets:
+        psm.register_transform(target, transform)
+    for target, spec, grads, per_token, limit in projections:
+        psm.register_projection(
+            target,
+            dim=spec.dim,
+            kind=spec.kind,
+            seed=spec.seed,
+            dtype=spec.dtype,
+            grads=grads,
+            per_token=per_token,
+            cache_mb=limit / 2**20,
+        )
+    if factors:
+        psm.track_projected_factors(*factors)
+    if removed:
+        psm.remove()
+    return psm
 
 
 class PerSampleNorms(dict[str, Tensor]):

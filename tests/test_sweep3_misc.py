@@ -6,6 +6,8 @@ autograd loop on a separate copy of the model, float64, on several steps."""
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 import warnings
 from collections.abc import Callable
 
@@ -13,12 +15,15 @@ import pytest
 import torch
 from reference import assert_close
 from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
 
 from pergrad import (
+    PergradError,
     PerSampleModule,
     TokenLossWarning,
     transforms,
 )
+from pergrad.hooks import owners
 
 Loss = Callable[[Tensor], Tensor]  # the model's output -> each sample's own loss, [B]
 BOUND = 0.3
@@ -62,6 +67,118 @@ def assert_grads(model: nn.Module, expected: dict[str, Tensor], what: str) -> No
     for n, p in model.named_parameters():
         assert p.grad is not None, f"{what}: {n} has no .grad"
         assert_close(p.grad, expected[n], f"{what}: {n}")
+
+
+# -- item 10: copies and pickles -----------------------------------------------------------------------
+
+
+def step_and_check(psm: PerSampleModule, x: Tensor, what: str) -> None:
+    """One clipped step of ``psm`` (clip over its whole model) against the reference on a copy."""
+    model = psm.module
+    reference = copy.deepcopy(model)
+    psm.zero_grad()
+    squares(psm(x)).mean().backward()
+    assert_grads(model, {n: g.mean(0) for n, g in clip(per_sample(reference, x, squares)).items()}, what)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+
+
+def clipped_wrapper() -> PerSampleModule:
+    torch.manual_seed(7)
+    model = mlp()
+    psm = PerSampleModule(model, keep_grad_sample=False)
+    psm.register_transform(model, transforms.clip_norm(BOUND))
+    psm.register_projection(model[0], dim=4, seed=3)
+    return psm
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copy_of_the_wrapper_is_a_new_wrapper_on_a_copy_of_the_model(how: str) -> None:
+    psm = clipped_wrapper()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    step_and_check(psm, x, "before copying")
+    if how == "deepcopy":
+        other = copy.deepcopy(psm)
+    elif how == "pickle":
+        other = pickle.loads(pickle.dumps(psm))
+    else:
+        buffer = io.BytesIO()
+        torch.save(psm, buffer)
+        buffer.seek(0)
+        other = torch.load(buffer, weights_only=False)
+    assert isinstance(other, PerSampleModule) and other.module is not psm.module
+    assert list(other.registered_transforms()) == ["the whole model"]
+    for (n, p), q in zip(psm.module.named_parameters(), other.module.parameters(), strict=True):
+        assert p is not q and torch.equal(p, q), n
+    for step in range(3):
+        x = torch.randn(5, 3, dtype=torch.float64)
+        step_and_check(other, x, f"copy, step {step}")
+        step_and_check(psm, x, f"original, step {step}")
+        assert_close(other.per_sample_projections()["0"], psm.per_sample_projections()["0"], "projections")
+    other.remove()
+    assert owners(psm.module) and not owners(other.module)
+    step_and_check(psm, x, "original after removing the copy")
+    psm.remove()
+
+
+def test_copies_of_the_wrapped_model_are_unwrapped_and_train_as_plain_autograd() -> None:
+    psm = clipped_wrapper()
+    model = psm.module
+    step_and_check(psm, torch.randn(5, 3, dtype=torch.float64), "first")
+    averaged = AveragedModel(model)
+    for step in range(3):
+        copied = copy.deepcopy(model)
+        loaded = pickle.loads(pickle.dumps(model))
+        for other in (copied, loaded, averaged.module):
+            assert not owners(other)
+        x = torch.randn(5, 3, dtype=torch.float64)
+        plain = mlp()
+        plain.load_state_dict(model.state_dict())
+        squares(plain(x)).mean().backward()
+        for other in (copied, loaded):
+            squares(other(x)).mean().backward()
+            for (n, p), q in zip(other.named_parameters(), plain.parameters(), strict=True):
+                assert_close(p.grad, q.grad, f"step {step}, {n}")
+        step_and_check(psm, x, f"the wrapped model, step {step}")
+        averaged.update_parameters(model)
+    assert int(averaged.n_averaged) == 3
+    psm.remove()
+
+
+class Holder(nn.Module):
+    """A module keeping the wrapper of its network as a plain attribute (as a LightningModule may)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+        self.psm = PerSampleModule(self.net)
+        self.psm.register_transform(self.net[2], transforms.clip_norm(BOUND))
+
+
+def test_a_module_holding_a_wrapper_copies_with_a_wrapper_on_its_copied_network() -> None:
+    torch.manual_seed(8)
+    holder = Holder()
+    copied = copy.deepcopy(holder)
+    assert copied.psm.module is copied.net and copied.net is not holder.net
+    for step in range(2):
+        reference = copy.deepcopy(copied.net)
+        x = torch.randn(4, 3, dtype=torch.float64)
+        copied.psm.zero_grad()
+        squares(copied.psm(x)).mean().backward()
+        g = per_sample(reference, x, squares)
+        expected = {n: t.mean(0) for n, t in g.items()}
+        expected.update({n: t.mean(0) for n, t in clip({n: g[n] for n in ("2.weight", "2.bias")}).items()})
+        assert_grads(copied.net, expected, f"step {step}")
+    copied.psm.remove()
+    holder.psm.remove()
+
+
+def test_a_shallow_copy_of_the_wrapper_is_refused() -> None:
+    psm = PerSampleModule(mlp())
+    with pytest.raises(PergradError, match=r"copy.copy\(psm\) would be a second wrapper of the same model"):
+        copy.copy(psm)
+    psm.remove()
 
 
 # -- item 12: a lazy root, nn.LinearCrossEntropyLoss with ignore_index outside the classes --------------
