@@ -83,6 +83,8 @@ class Written:
 
     params: dict[nn.Parameter, None] = field(default_factory=dict)  # in order
     prior: dict[nn.Parameter, float] = field(default_factory=dict)  # samples already averaged into .grad
+    # .grad holds a part of this backward's forward already (an earlier backward of it): its samples are counted
+    again: dict[nn.Parameter, None] = field(default_factory=dict)
 
 
 @dataclass

@@ -379,19 +379,23 @@ class PerSampleModule:
     # -- what the last backward measured ---------------------------------------------------------
 
     def _materialized(self) -> tuple[Materialized, dict[nn.Parameter, str], int]:
-        names = {p: n for p, n in self._engine.param_names.items() if hasattr(p, "grad_sample")}
+        """The last backward's own ``g_i`` (not ``grad_sample``, which a second backward of the same forward
+        adds to), as a source."""
+        last = self._engine.grad_sample.last
+        names = {p: n for p, n in self._engine.param_names.items() if p in last}
         if not self._engine.keep_grad_sample or not names:
             raise PergradError(
                 "nothing to measure: run a backward first; with keep_grad_sample=False pass "
                 "track_norms=True (for per_sample_norms) or track_statistics=True (for statistics) to the wrapper"
             )
-        grads = {p: p.grad_sample for p in names}
+        grads = {p: last[p] for p in names}
         return Materialized(grads), names, next(iter(grads.values())).shape[0]
 
     def per_sample_norms(self) -> dict[str, Tensor]:
         """``{qualified param name: Tensor[B]}``: ``||g_i||`` of each parameter in the last backward,
         before any transform (the norms clipping compared with its bound; unscaled under
-        ``grad_scaler``). The norm of a module's or the model's gradient is ``sqrt(sum of squares)``
+        ``grad_scaler``): of that backward's own ``g_i``, also after a second backward through the same
+        forward (where ``grad_sample`` holds the sum over both). The norm of a module's or the model's gradient is ``sqrt(sum of squares)``
         of these. Which parameters it holds:
 
         - ``track_norms=True`` (or ``track_statistics=True``): every parameter the backward reached;

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
 from pergrad import (
+    HookStateError,
     PergradError,
     PerSampleModule,
     TokenLossWarning,
@@ -67,6 +68,143 @@ def assert_grads(model: nn.Module, expected: dict[str, Tensor], what: str) -> No
     for n, p in model.named_parameters():
         assert p.grad is not None, f"{what}: {n} has no .grad"
         assert_close(p.grad, expected[n], f"{what}: {n}")
+
+
+# -- item 5: two losses of one forward, backwarded separately ------------------------------------------
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("transform", ["none", "scale"])
+def test_accumulate_samples_counts_the_samples_of_one_forward_once(keep: bool, transform: str) -> None:
+    """``accumulate="samples"``, two micro-batches per step, each forward backwarded twice (two losses):
+    ``.grad`` is the mean over the step's samples of ``T(g1_i + g2_i)`` (T linear: no transform, or
+    fixed per-sample weights, which run the weights detached from the second step)."""
+    torch.manual_seed(0)
+    model = mlp()
+    sizes = (3, 5) if transform == "none" else (4, 4)
+    weights = torch.rand(4, dtype=torch.float64) + 0.5
+    psm = PerSampleModule(model, accumulate="samples", keep_grad_sample=keep)
+    if transform == "scale":
+        psm.register_transform(model, transforms.scale(weights))
+    for step in range(3):
+        reference = copy.deepcopy(model)
+        psm.zero_grad()
+        total: dict[str, Tensor] = {}
+        for size in sizes:
+            x = torch.randn(size, 3, dtype=torch.float64)
+            out = psm(x)
+            squares(out).mean().backward(retain_graph=True)
+            sines(out).mean().backward()
+            for n, g in per_sample(reference, x, squares, sines).items():
+                w = weights.view(-1, *([1] * (g.dim() - 1))) if transform == "scale" else 1.0
+                total[n] = total.get(n, 0) + (w * g).sum(0)
+        assert_grads(model, {n: t / sum(sizes) for n, t in total.items()}, f"step {step}")
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    psm.remove()
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("accumulate", ["backward", "samples"])
+def test_a_second_backward_of_one_forward_into_a_clipped_grad_is_refused(keep: bool, accumulate: str) -> None:
+    """``T(g1_i) + T(g2_i)`` is not ``T(g1_i + g2_i)``: refused at the second backward's first arrival, with
+    ``.grad`` as the first left it. Cleared between the two (each backward a step of its own), the second
+    gives the clipped mean of its own ``g2_i``."""
+    torch.manual_seed(1)
+    model = mlp()
+    psm = PerSampleModule(model, keep_grad_sample=keep, accumulate=accumulate)
+    psm.register_transform(model, transforms.clip_norm(BOUND))
+    for step in range(3):
+        reference = copy.deepcopy(model)
+        x = torch.randn(6, 3, dtype=torch.float64)
+        psm.zero_grad()
+        out = psm(x)
+        squares(out).mean().backward(retain_graph=True)
+        first = {n: g.mean(0) for n, g in clip(per_sample(reference, x, squares)).items()}
+        assert_grads(model, first, f"step {step}, first")
+        with pytest.raises(
+            HookStateError,
+            match=r"a second backward through the same forward \(retain_graph=True\) reaches \['0.weight', "
+            r"'0.bias', '2.weight', '2.bias'\].*the whole model is not additive.*\(\(loss1 \+ loss2\).backward\(\)\)",
+        ):
+            sines(out).mean().backward(retain_graph=True)
+        assert_grads(model, first, f"step {step}, after the refusal")
+        psm.zero_grad()
+        sines(out).mean().backward()
+        second = {n: g.mean(0) for n, g in clip(per_sample(reference, x, sines)).items()}
+        assert_grads(model, second, f"step {step}, second after zero_grad")
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    psm.remove()
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.head1, self.head2 = nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = torch.tanh(self.trunk(x))
+        return self.head1(h), self.head2(h)
+
+
+@pytest.mark.parametrize("accumulate", ["backward", "samples"])
+def test_a_second_backward_that_misses_the_clipped_parameters_is_exact(accumulate: str) -> None:
+    """The other side: the clip covers ``head1``, which the second loss does not reach; the trunk gets
+    autograd's sum of both losses' gradients, counted once per sample."""
+    torch.manual_seed(2)
+    model = TwoHeads().double()
+    psm = PerSampleModule(model, accumulate=accumulate)
+    psm.register_transform(model.head1, transforms.clip_norm(BOUND))
+    for step in range(3):
+        reference = copy.deepcopy(model)
+        x = torch.randn(5, 3, dtype=torch.float64)
+        psm.zero_grad()
+        o1, o2 = psm(x)
+        squares(o1).mean().backward(retain_graph=True)
+        sines(o2).mean().backward()
+        g = per_sample(reference, x, lambda o: squares(o[0]), lambda o: sines(o[1]))
+        expected = {n: t.mean(0) for n, t in g.items()}
+        # (the second loss does not reach head1: its g_i are the first loss's)
+        expected.update({n: t.mean(0) for n, t in clip({n: g[n] for n in ("head1.weight", "head1.bias")}).items()})
+        assert_grads(model, expected, f"step {step}")
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    psm.remove()
+
+
+# -- item 11: norms after two backward passes of one forward --------------------------------------------
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_per_sample_norms_are_the_last_backwards_both_ways(keep: bool) -> None:
+    """``per_sample_norms()`` holds the norms of the last backward's own ``g_i`` with ``keep_grad_sample``
+    True or False; ``grad_sample`` (True) is the sum over the forward's backward passes."""
+    torch.manual_seed(3)
+    model = mlp()
+    psm = PerSampleModule(model, keep_grad_sample=keep, track_norms=not keep)
+    for step in range(3):
+        reference = copy.deepcopy(model)
+        x = torch.randn(6, 3, dtype=torch.float64)
+        psm.zero_grad()
+        out = psm(x)
+        squares(out).mean().backward(retain_graph=True)
+        sines(out).mean().backward()
+        expected = norms_of(per_sample(reference, x, sines))
+        found = psm.per_sample_norms()
+        for n in expected:
+            assert_close(found[n], expected[n], f"step {step}, {n}")
+        if keep:
+            both = per_sample(reference, x, squares, sines)
+            for n, p in model.named_parameters():
+                assert_close(p.grad_sample, both[n], f"step {step}, grad_sample {n}")
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    psm.remove()
 
 
 # -- item 10: copies and pickles -----------------------------------------------------------------------
