@@ -69,6 +69,7 @@ class Accumulated:
     ran: dict[nn.Parameter, None] = field(default_factory=dict)  # AccumulateGrad ran (autograd's part)
     batch_grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # autograd's, in the samples' units
     overwrite: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad holds autograd's sum only
+    fresh: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad was None when its AccumulateGrad ran
     probed: bool = False  # a probe anchor's AccumulateGrad ran (``detach.Detached``)
     tapped: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # what each tap passed on
     # what else reached a tapped parameter's AccumulateGrad: checked against its tap at the end

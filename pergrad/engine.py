@@ -213,13 +213,17 @@ class Engine:
                 self.after_removal.on_output_grad(kept, d)
             return
         computes = self.keep_grad_sample or self.keep_activation_grads or kept.layer.spec.parametrized
-        if not (computes or torch.is_grad_enabled()):  # records (a, d) only: nothing to compute
-            self._arrived(kept, d, part)
-            return
-        # rules compute in the parameters' dtype; they build a graph only in a backward with
-        # create_graph=True (grad mode is on in its hooks), where per-sample gradients are differentiable
-        with no_autocast(d.device.type):
-            self._arrived(kept, d, part)
+        try:
+            if not (computes or torch.is_grad_enabled()):  # records (a, d) only: nothing to compute
+                self._arrived(kept, d, part)
+                return
+            # rules compute in the parameters' dtype; they build a graph only in a backward with
+            # create_graph=True (grad mode is on in its hooks), where per-sample gradients are differentiable
+            with no_autocast(d.device.type):
+                self._arrived(kept, d, part)
+        except Exception:  # the backward stops here: its end never runs
+            self.writer.abandon(self.backwards.state())
+            raise
 
     def _arrived(self, kept: Kept, d: Tensor, part: int | None) -> None:
         state = self.backwards.state()
@@ -407,6 +411,8 @@ class Engine:
         if state.through_second_order:
             return None  # autograd's own sum
         seen = state.autograd
+        if param.grad is None and param not in seen.ran:
+            seen.fresh[param] = None
         seen.reached[param] = None
         seen.ran[param] = None
         if grad is None:  # pergrad writes its .grad; autograd calls its post-accumulate hooks now
@@ -424,6 +430,7 @@ class Engine:
             return self.writer.autograd_part(param, grad, state)
         # .grad is written at the end of the backward
         if detached and not self.detacher.is_touch_zero(grad) and bool(grad.any()):  # (rare: a sync is fine)
+            self.writer.abandon(state)
             raise HookStateError(
                 unattributable(
                     self.param_names[param], "it arrived although every call of its layer ran with the weight detached"
@@ -484,6 +491,7 @@ class Engine:
         try:
             self._compute(state)  # unless it ran before DDP's communication
             if state.error is not None:
+                self.writer.abandon(state)
                 raise state.error
             if not self.closed:
                 self.writer.count_samples(state)

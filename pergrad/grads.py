@@ -128,6 +128,17 @@ class GradWriter:
         else:
             grad.add_(reduced)
 
+    def abandon(self, state: Backward) -> None:
+        """A backward failed (an error raised in it, or at its end): every ``.grad`` that was None before it
+        is None again, so no ``.grad`` keeps autograd's own sum where pergrad was to replace it (a parameter
+        a transform covers: ``hold``). A ``.grad`` that held something before keeps it: pergrad's part of a
+        parameter it writes is added in full or not at all; autograd's part of another is added (in place,
+        as plain autograd does: it cannot be taken back)."""
+        if self.world is not None:  # the parallel back-end's buckets hold .grad: left to it
+            return
+        for param in (*state.autograd.fresh, *state.autograd.overwrite):
+            param.grad = None
+
     def samples_in_grad(self, param: nn.Parameter) -> float:
         """How many samples the running mean in ``param.grad`` holds: 0 once ``.grad`` was set to
         None, replaced, or changed in place (``zero_grad(set_to_none=False)``) since pergrad wrote it."""

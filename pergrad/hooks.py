@@ -29,10 +29,11 @@ from . import lm_loss
 from .calls import Detached, HookedLayer, Kept
 from .coupling import refuse_batch_statistics
 from .detach import anchor_output
-from .errors import RECOMPUTED, BatchMixingError, BatchSizeError, SharedInputError, module_label
+from .errors import RECOMPUTED, BatchMixingError, BatchSizeError, SharedInputError, UnsupportedLayerError, module_label
 from .layout import batch_to_front
 from .parametrized import Capture, Computed, parametrizations_of, sites
 from .registry import LayerCall, output_tensors
+from .rules.fallback import RERUNNING, drawing, random_modules
 from .shared import (
     BatchInfo,
     Group,
@@ -113,6 +114,38 @@ def _refuse_batch_statistics(name: str) -> Callable[[nn.Module, tuple[Any, ...]]
                 "depends on every other sample and per-sample gradients are undefined, for every layer before it too. "
                 "Put it in eval mode with running statistics (model.eval(), or module.eval()), or use nn.GroupNorm "
                 "or nn.LayerNorm instead."
+            )
+
+    return check
+
+
+def _refuse_random_draws(layer: HookedLayer, drawers: list[tuple[str, nn.Module]]) -> Callable[..., None]:
+    """A forward pre-hook for a layer whose rule runs its forward again in the backward
+    (``rules.fallback.RERUNNING``): a random draw in that forward (dropout in training mode) would be
+    drawn anew there, so the per-sample gradients would not be those of the forward that ran."""
+
+    def check(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for sub, drawer in drawers:
+            found = drawing(drawer)
+            if found is None:
+                continue
+            what, attr = found
+            where = ".".join(n for n in (layer.name, sub) if n)
+            label = f"its submodule {where!r} ({type(drawer).__name__})" if sub else "it"
+            off = (
+                f"set model.get_submodule({where!r}).{attr} = 0.0 (it stays 0 through model.train())"
+                if attr
+                else f"replace {where!r} by nn.LeakyReLU"
+            )
+            raise UnsupportedLayerError(
+                f"{layer.label}: {label} draws {what} in training mode, and pergrad computes this layer's per-sample "
+                "gradients by running its forward again for each sample in the backward, which would draw new random "
+                "numbers, not the ones this forward drew: the gradients would not be this forward's. To train it "
+                f"with pergrad, {off}, or run the model in eval mode. (A dropout between hooked layers, such as the "
+                "nn.Dropout modules of nn.TransformerEncoderLayer around its attention, is fine: only the layers "
+                "whose forward pergrad runs again are concerned.)"
             )
 
     return check
@@ -317,6 +350,10 @@ class LayerHooks:
             enter = ModuleHook(self, self._direct_call([layer.name], batch_dim))  # (no op of its own in a model call)
             self._handles.append(layer.module.register_forward_pre_hook(enter, with_kwargs=True))
             spec = layer.spec
+            drawers = random_modules(layer.module) if spec.fn in RERUNNING else []
+            if drawers:  # before anything is swapped in for the call
+                refuse = ModuleHook(self, _refuse_random_draws(layer, drawers))
+                self._handles.append(layer.module.register_forward_pre_hook(refuse))
             detachable = not (spec.all_inputs or spec.subtree or spec.parametrized)
             if self._to_detach is not None and detachable and (self._may_detach is None or self._may_detach(layer)):
                 # before the keeper: the output it keeps is the one with the probe added

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from reference import assert_close
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
@@ -22,6 +23,7 @@ from pergrad import (
     PergradError,
     PerSampleModule,
     TokenLossWarning,
+    UnsupportedLayerError,
     transforms,
 )
 from pergrad.hooks import owners
@@ -204,6 +206,117 @@ def test_per_sample_norms_are_the_last_backwards_both_ways(keep: bool) -> None:
         with torch.no_grad():
             for p in model.parameters():
                 p -= 0.1 * p.grad
+    psm.remove()
+
+
+# -- item 8: random draws in layers whose forward pergrad runs again ------------------------------------
+
+
+def encoder() -> nn.Module:
+    torch.manual_seed(4)
+    return nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True).double()  # dropout=0.1
+
+
+def test_attention_dropout_is_refused_in_the_forward_naming_the_layer_and_the_fix() -> None:
+    model = encoder()
+    psm = PerSampleModule(model)
+    psm.register_transform(model, transforms.clip_norm(BOUND))
+    with pytest.raises(
+        UnsupportedLayerError,
+        match=r"layer 'self_attn' \(MultiheadAttention\): it draws a dropout mask on its attention weights "
+        r"\(dropout=0.1\) in training mode.*set model.get_submodule\('self_attn'\).dropout = 0.0",
+    ):
+        psm(torch.randn(3, 4, 8, dtype=torch.float64))
+    assert all(p.grad is None for p in model.parameters())
+    psm.remove()
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_fix_trains_with_the_other_dropouts_exactly(keep: bool) -> None:
+    """``self_attn.dropout = 0``: the layer's other dropouts (``nn.Dropout`` modules between hooked layers)
+    draw their masks in the forward, and the per-sample gradients are those of that forward (the
+    reference: the same masks, drawn from the same seed, each sample's loss through the batched graph)."""
+    model = encoder()
+    model.self_attn.dropout = 0.0
+    psm = PerSampleModule(model, keep_grad_sample=keep)
+    psm.register_transform(model, transforms.clip_norm(BOUND))
+    for step in range(3):
+        reference = copy.deepcopy(model)
+        x = torch.randn(3, 4, 8, dtype=torch.float64)
+        torch.manual_seed(100 + step)
+        out = reference(x)
+        params = dict(reference.named_parameters())
+        rows = [torch.autograd.grad(squares(out)[i], list(params.values()), retain_graph=True) for i in range(3)]
+        g = {n: torch.stack([row[k] for row in rows]) for k, n in enumerate(params)}
+        psm.zero_grad()
+        torch.manual_seed(100 + step)
+        squares(psm(x)).mean().backward()
+        assert_grads(model, {n: t.mean(0) for n, t in clip(g).items()}, f"step {step}")
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    model.eval()  # the attention's dropout back on: eval mode draws nothing
+    model.self_attn.dropout = 0.1
+    psm(torch.randn(3, 4, 8, dtype=torch.float64)).sum().backward()
+    psm.remove()
+
+
+class Custom(nn.Module):
+    """Raw parameters and a dropout inside: computed by the fallback as one unit."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+        self.functional = functional
+        self.drop = nn.Dropout(0.0 if functional else 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x @ self.w.T
+        return F.dropout(h, 0.5, self.training) if self.functional else self.drop(h)
+
+
+def test_a_dropout_module_inside_a_fallback_module_is_refused_in_the_forward() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), Custom(functional=False), nn.Linear(4, 2)).double()
+    psm = PerSampleModule(model, fallback=True)
+    with pytest.raises(
+        UnsupportedLayerError,
+        match=r"layer '1' \(Custom\): its submodule '1.drop' \(Dropout\) draws a dropout mask \(p=0.5\).*"
+        r"model.get_submodule\('1.drop'\).p = 0.0",
+    ):
+        psm(torch.randn(4, 3, dtype=torch.float64))
+    model[1].drop.p = 0.0  # the fix it names
+    torch.manual_seed(5)
+    for step in range(2):
+        reference = copy.deepcopy(model)
+        x = torch.randn(4, 3, dtype=torch.float64)
+        psm.zero_grad()
+        squares(psm(x)).mean().backward()
+        assert_grads(model, {n: g.mean(0) for n, g in per_sample(reference, x, squares).items()}, f"step {step}")
+    psm.remove()
+
+
+@pytest.mark.parametrize("before", ["none", "accumulated"])
+def test_a_functional_dropout_raises_in_the_backward_and_leaves_grad_as_it_was(before: str) -> None:
+    """``F.dropout`` inside a fallback module is only seen when the fallback runs: the backward raises,
+    naming the layer and the cause, and no ``.grad`` keeps autograd's unclipped sum: a ``.grad`` that was
+    None is None again, a clipped one from an earlier micro-batch is unchanged."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(3, 3), Custom(functional=True), nn.Linear(4, 2)).double()
+    psm = PerSampleModule(model, fallback=True)
+    psm.register_transform(model, transforms.clip_norm(BOUND))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    if before == "accumulated":  # a first micro-batch in eval mode: F.dropout draws nothing
+        model.eval()
+        squares(psm(x)).mean().backward()
+        model.train()
+    held = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    with pytest.raises(UnsupportedLayerError, match=r"layer '1' \(Custom\): the forward of this Custom draws random"):
+        squares(psm(x)).mean().backward()
+    for n, p in model.named_parameters():
+        if held[n] is None:
+            assert p.grad is None, n
+        else:
+            assert_close(p.grad, held[n], n)
     psm.remove()
 
 
