@@ -113,7 +113,8 @@ def _refuse_batch_statistics(name: str) -> Callable[[nn.Module, tuple[Any, ...]]
                 f"({'training mode' if module.training else 'track_running_stats=False'}), so each sample's output "
                 "depends on every other sample and per-sample gradients are undefined, for every layer before it too. "
                 "Put it in eval mode with running statistics (model.eval(), or module.eval()), or use nn.GroupNorm "
-                "or nn.LayerNorm instead."
+                "or nn.LayerNorm instead: pergrad.fix_batchnorm(model) replaces every BatchNorm of the model by a "
+                "GroupNorm of the same channels (before you build the optimizer: its parameters are new)."
             )
 
     return check

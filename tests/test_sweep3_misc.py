@@ -18,7 +18,9 @@ from reference import assert_close
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
+import pergrad
 from pergrad import (
+    BatchMixingError,
     HookStateError,
     PergradError,
     PerSampleModule,
@@ -492,3 +494,78 @@ def test_linear_cross_entropy_with_class_weights_and_an_ignore_index_outside_the
         for n, p in module.named_parameters():
             assert_close(p.grad_sample, g[n], f"step {step}, {n}")
     psm.remove()
+
+
+# -- BatchNorm -> GroupNorm ----------------------------------------------------------------------------
+
+
+class Norms(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 6, 3)
+        self.bn2 = nn.BatchNorm2d(6, eps=1e-3)
+        self.bn3 = nn.BatchNorm3d(2, affine=False)
+        self.shared = nn.BatchNorm1d(5)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(6, 5), self.shared)])
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.bn2(self.conv(x)))  # [B, 6, 3, 3]
+        h = h + self.bn3(h.reshape(h.shape[0], 2, 3, 3, 3)).reshape(h.shape)
+        h = self.blocks[0](h.mean((2, 3)))
+        return self.head(self.shared(h))
+
+
+def test_fix_batchnorm_replaces_every_batch_norm_and_trains_exactly() -> None:
+    torch.manual_seed(11)
+    model = Norms().double()
+    with torch.no_grad():
+        model.bn2.weight.uniform_(0.5, 1.5)
+        model.bn2.bias.uniform_(-1, 1)
+    bn2 = model.bn2
+    psm = PerSampleModule(model)
+    with pytest.raises(BatchMixingError, match=r"layer 'bn2' \(BatchNorm2d\).*pergrad.fix_batchnorm\(model\)"):
+        psm(torch.randn(4, 2, 5, 5, dtype=torch.float64))
+    psm.remove()
+    assert pergrad.fix_batchnorm(model) is model
+    assert isinstance(model.bn2, nn.GroupNorm) and (model.bn2.num_groups, model.bn2.num_channels) == (6, 6)
+    assert model.bn2.eps == 1e-3 and torch.equal(model.bn2.weight, bn2.weight) and torch.equal(model.bn2.bias, bn2.bias)
+    assert model.bn2.weight.dtype == torch.float64 and model.bn2.training
+    assert isinstance(model.bn3, nn.GroupNorm) and not model.bn3.affine and model.bn3.num_groups == 2
+    assert model.shared is model.blocks[0][1] and isinstance(model.shared, nn.GroupNorm)  # one, where it sat twice
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    psm = PerSampleModule(model)
+    psm.register_transform(model, transforms.clip_norm(BOUND))
+    for step in range(3):
+        reference = copy.deepcopy(model)
+        x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
+        psm.zero_grad()
+        squares(psm(x)).mean().backward()
+        assert_grads(model, {n: g.mean(0) for n, g in clip(per_sample(reference, x, squares)).items()}, f"step {step}")
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    psm.remove()
+
+
+def test_fix_batchnorm_groups_and_its_errors() -> None:
+    model = nn.Sequential(nn.Linear(3, 48), nn.BatchNorm1d(48), nn.Linear(48, 12), nn.BatchNorm1d(12))
+    assert [
+        m.num_groups for m in pergrad.fix_batchnorm(copy.deepcopy(model)).modules() if isinstance(m, nn.GroupNorm)
+    ] == [1, 1]
+    assert [
+        m.num_groups
+        for m in pergrad.fix_batchnorm(copy.deepcopy(model), groups=4).modules()
+        if isinstance(m, nn.GroupNorm)
+    ] == [4, 4]
+    halves = pergrad.fix_batchnorm(copy.deepcopy(model), groups=lambda c: c // 2)
+    assert [m.num_groups for m in halves.modules() if isinstance(m, nn.GroupNorm)] == [24, 6]
+    wide = pergrad.fix_batchnorm(nn.Sequential(nn.Conv2d(1, 48, 1), nn.BatchNorm2d(48), nn.BatchNorm3d(7)))
+    assert [m.num_groups for m in wide.modules() if isinstance(m, nn.GroupNorm)] == [24, 7]
+    with pytest.raises(ValueError, match=r"layer '3' \(BatchNorm1d\) has 12 channels, which 8 groups do not divide"):
+        pergrad.fix_batchnorm(model, groups=8)
+    assert isinstance(model[1], nn.BatchNorm1d)  # all or nothing
+    root = pergrad.fix_batchnorm(nn.BatchNorm2d(3))
+    assert isinstance(root, nn.GroupNorm) and root.num_groups == 3
+    with pytest.raises(ValueError, match=r"the root module \(LazyBatchNorm1d\) is lazy"):
+        pergrad.fix_batchnorm(nn.LazyBatchNorm1d())
