@@ -806,10 +806,11 @@ class PerSampleModule:
         return _rebuilt(*copy.deepcopy(self._recipe(), memo))
 
     def __copy__(self) -> PerSampleModule:
-        raise PergradError(
-            "copy.copy(psm) would be a second wrapper of the same model (two wrappers would each write .grad): use "
-            "the wrapper itself, or copy.deepcopy(psm) for a new wrapper on a copy of the model"
-        )
+        """A shallow copy, as for any object: the same model, hooks and state under a second name (removing
+        either removes both); ``copy.deepcopy`` makes a wrapper of its own."""
+        shallow = PerSampleModule.__new__(PerSampleModule)
+        vars(shallow).update(vars(self))
+        return shallow
 
     def __reduce__(self) -> tuple[Callable[..., PerSampleModule], tuple[Any, ...]]:
         """Pickling (``torch.save(psm, ...)``) saves the model, the options and the registered transforms

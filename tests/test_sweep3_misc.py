@@ -22,7 +22,6 @@ import pergrad
 from pergrad import (
     BatchMixingError,
     HookStateError,
-    PergradError,
     PerSampleModule,
     TokenLossWarning,
     UnsupportedLayerError,
@@ -427,11 +426,14 @@ def test_a_module_holding_a_wrapper_copies_with_a_wrapper_on_its_copied_network(
     holder.psm.remove()
 
 
-def test_a_shallow_copy_of_the_wrapper_is_refused() -> None:
+def test_a_shallow_copy_of_the_wrapper_shares_its_state() -> None:
+    """``copy.copy`` is the same wrapper under a second name (not a second wrapper of the model, which
+    ``__reduce__`` would build and the model's hooks refuse)."""
     psm = PerSampleModule(mlp())
-    with pytest.raises(PergradError, match=r"copy.copy\(psm\) would be a second wrapper of the same model"):
-        copy.copy(psm)
-    psm.remove()
+    shallow = copy.copy(psm)
+    assert shallow is not psm and shallow.module is psm.module and vars(shallow) == vars(psm)
+    shallow.remove()
+    assert not owners(psm.module)
 
 
 # -- item 12: a lazy root, nn.LinearCrossEntropyLoss with ignore_index outside the classes --------------
