@@ -6,6 +6,7 @@ loss_fn(psm(x), y).backward()                 # p.grad_sample: [B, *p.shape]; p.
 """
 
 from . import rules, transforms
+from .convert import fix_batchnorm
 from .errors import (
     BatchMixingError,
     BatchSizeError,
@@ -54,6 +55,7 @@ __all__ = [
     "UnsupportedLayerError",
     "WrapperAttributeError",
     "default_registry",
+    "fix_batchnorm",
     "per_sample_lm_loss",
     "register_rule",
     "rules",

@@ -69,6 +69,7 @@ class Accumulated:
     ran: dict[nn.Parameter, None] = field(default_factory=dict)  # AccumulateGrad ran (autograd's part)
     batch_grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # autograd's, in the samples' units
     overwrite: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad holds autograd's sum only
+    fresh: dict[nn.Parameter, None] = field(default_factory=dict)  # .grad was None when its AccumulateGrad ran
     probed: bool = False  # a probe anchor's AccumulateGrad ran (``detach.Detached``)
     tapped: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # what each tap passed on
     # what else reached a tapped parameter's AccumulateGrad: checked against its tap at the end
@@ -87,6 +88,8 @@ class Written:
 
     params: dict[nn.Parameter, None] = field(default_factory=dict)  # in order
     prior: dict[nn.Parameter, float] = field(default_factory=dict)  # samples already averaged into .grad
+    # .grad holds a part of this backward's forward already (an earlier backward of it): its samples are counted
+    again: dict[nn.Parameter, None] = field(default_factory=dict)
 
 
 @dataclass

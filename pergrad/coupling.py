@@ -46,5 +46,6 @@ def refuse_batch_statistics(outputs: Iterable[Tensor]) -> None:
             f"the model's forward normalises with statistics of the whole batch (a batch norm in training mode, "
             f"e.g. F.batch_norm(..., training=True), on an input of shape {shape}): each sample's output depends on "
             "every other sample, so per-sample gradients are undefined. Use training=False with running statistics, "
-            "or a per-sample normalisation (nn.GroupNorm, nn.LayerNorm, F.instance_norm)."
+            "or a per-sample normalisation (nn.GroupNorm, nn.LayerNorm, F.instance_norm; pergrad.fix_batchnorm(model) "
+            "replaces nn.BatchNorm modules by nn.GroupNorm)."
         )

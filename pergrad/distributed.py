@@ -323,10 +323,12 @@ class DataParallel(World):
     def _count(self, state: Backward) -> None:
         """How many samples each parameter's ``.grad`` will average on this rank and on all (one
         all-reduce of one number per parameter), before the first bucket is sent."""
-        engine, batch = self.engine, float(state.batch_size or 0)
+        engine = self.engine
         params = list(engine.param_names)  # the same order on every rank
         local = [
-            (state.written.prior[p] if p in state.written.prior else engine.samples_in_grad(p)) + batch for p in params
+            (state.written.prior[p] if p in state.written.prior else engine.samples_in_grad(p))
+            + engine.new_samples(p, state)
+            for p in params
         ]
         total = torch.tensor(local, dtype=torch.float64)
         dist.all_reduce(total, group=self.group)

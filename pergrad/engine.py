@@ -179,6 +179,9 @@ class Engine:
     def samples_in_grad(self, param: nn.Parameter) -> float:
         return self.writer.samples_in_grad(param)
 
+    def new_samples(self, param: nn.Parameter, state: Backward) -> float:
+        return self.writer.new_samples(param, state)
+
     def backward_state(self) -> Backward:
         """The state of the running backward pass."""
         return self.backwards.state()
@@ -218,13 +221,17 @@ class Engine:
                 self.after_removal.on_output_grad(kept, d)
             return
         computes = self.keep_grad_sample or self.keep_activation_grads or kept.layer.spec.parametrized
-        if not (computes or torch.is_grad_enabled()):  # records (a, d) only: nothing to compute
-            self._arrived(kept, d, part)
-            return
-        # rules compute in the parameters' dtype; they build a graph only in a backward with
-        # create_graph=True (grad mode is on in its hooks), where per-sample gradients are differentiable
-        with no_autocast(d.device.type):
-            self._arrived(kept, d, part)
+        try:
+            if not (computes or torch.is_grad_enabled()):  # records (a, d) only: nothing to compute
+                self._arrived(kept, d, part)
+                return
+            # rules compute in the parameters' dtype; they build a graph only in a backward with
+            # create_graph=True (grad mode is on in its hooks), where per-sample gradients are differentiable
+            with no_autocast(d.device.type):
+                self._arrived(kept, d, part)
+        except Exception:  # the backward stops here: its end never runs
+            self.writer.abandon(self.backwards.state())
+            raise
 
     def _arrived(self, kept: Kept, d: Tensor, part: int | None) -> None:
         state = self.backwards.state()
@@ -272,6 +279,7 @@ class Engine:
         layer = kept.layer
         if state.generation is None:
             state.generation, state.batch_size, state.first_layer = kept.generation, kept.batch_size, layer.name
+            self._refuse_transforming_twice(kept.generation)
             check_opacus_stale(self.grad_sample.held(kept.generation), self.param_names)
             self.grad_sample.drop_stale(kept.generation)
             self.pool.begin()
@@ -296,6 +304,29 @@ class Engine:
                 f"{layer.label}: output gradient of shape {tuple(d.shape)} does not match the "
                 f"batch of {kept.batch_size} samples of its input"
             )
+
+    def _refuse_transforming_twice(self, generation: int) -> None:
+        """A backward through a forward that an earlier backward already ran through (``retain_graph=True``)
+        may not reach a parameter whose ``.grad`` holds that backward's transformed reduction, for a
+        transform that is not additive: each sample's gradient of the forward is ``g1_i + g2_i``, and
+        ``T(g1_i) + T(g2_i)`` is not ``T(g1_i + g2_i)``. Raised at the backward's first arrival, before any
+        ``.grad`` changes."""
+        held = [p for p in self.targets.nonlinear if self.writer.holds(p, generation)]
+        nodes = [self.accumulators.get(p) for p in held]
+        reached = [p for p, node in zip(held, nodes, strict=True) if node is not None and will_accumulate([node])]
+        if not reached:
+            return
+        target = self.targets.covering(reached[0])
+        names = [name for p, name in self.param_names.items() if p in set(reached)]
+        raise HookStateError(
+            f"a second backward through the same forward (retain_graph=True) reaches {names}, whose .grad already "
+            f"holds the first backward's reduction of T(g_i) for these samples, and the transform registered for "
+            f"{target.label if target else 'them'} is not additive: each sample's gradient is the sum g1_i + g2_i "
+            "of its gradients in both backward passes, and T(g1_i) + T(g2_i) is not T(g1_i + g2_i) (clip_norm(C) "
+            "would let each sample contribute up to 2C). Backward the sum of the losses once ((loss1 + "
+            "loss2).backward()), or, if each backward is a step of its own, clear .grad between them "
+            "(psm.zero_grad() or optimizer.zero_grad())."
+        )
 
     def _check_second_order(self, kept: Kept, accumulates: bool) -> None:
         """A backward with ``create_graph=True`` differentiates what pergrad computes (or, where it does
@@ -398,6 +429,8 @@ class Engine:
         if state.through_second_order:
             return None  # autograd's own sum
         seen = state.autograd
+        if param.grad is None and param not in seen.ran:
+            seen.fresh[param] = None
         seen.reached[param] = None
         seen.ran[param] = None
         if grad is None:  # pergrad writes its .grad; autograd calls its post-accumulate hooks now
@@ -417,6 +450,7 @@ class Engine:
             return self.writer.autograd_part(param, grad, state)
         # .grad is written at the end of the backward
         if detached and not self.detacher.is_touch_zero(summed) and bool(summed.any()):  # (rare: a sync is fine)
+            self.writer.abandon(state)
             raise HookStateError(
                 unattributable(
                     self.param_names[param], "it arrived although every call of its layer ran with the weight detached"
@@ -526,6 +560,7 @@ class Engine:
         try:
             self._compute(state)  # unless it ran before DDP's communication
             if state.error is not None:
+                self.writer.abandon(state)
                 raise state.error
             if not self.closed:
                 self.writer.count_samples(state)

@@ -34,10 +34,11 @@ from . import lm_loss
 from .calls import Detached, HookedLayer, Kept
 from .coupling import refuse_batch_statistics
 from .detach import anchor_output
-from .errors import RECOMPUTED, BatchMixingError, BatchSizeError, SharedInputError, module_label
+from .errors import RECOMPUTED, BatchMixingError, BatchSizeError, SharedInputError, UnsupportedLayerError, module_label
 from .layout import batch_to_front
 from .parametrized import Capture, Computed, parametrizations_of, sites
 from .registry import LayerCall, output_tensors
+from .rules.fallback import RERUNNING, drawing, random_modules
 from .shared import (
     BatchInfo,
     Group,
@@ -92,8 +93,15 @@ class ModuleHook:
 
     def __init__(self, owner: LayerHooks, fn: Callable[..., Any], aside: bool = False) -> None:
         self.owner, self.fn, self.aside = owner, fn, aside
+        self.removed = False
 
     def __call__(self, *args: Any) -> Any:
+        if self.removed:
+            # removed while its module's call was running: torch runs the hooks it listed when the call
+            # began (a lazy root materialised in its own pre-hook, then rebound by the model's) and no
+            # longer knows which took keyword arguments; the hooks installed in its place run from the
+            # next call on
+            return None
         if self.aside:  # a layer's hook: pergrad's own ops are not the model's (``Provenance.aside``)
             following = self.owner.following()
             if following is not None:
@@ -127,7 +135,40 @@ def _refuse_batch_statistics(name: str) -> Callable[[nn.Module, tuple[Any, ...]]
                 f"({'training mode' if module.training else 'track_running_stats=False'}), so each sample's output "
                 "depends on every other sample and per-sample gradients are undefined, for every layer before it too. "
                 "Put it in eval mode with running statistics (model.eval(), or module.eval()), or use nn.GroupNorm "
-                "or nn.LayerNorm instead."
+                "or nn.LayerNorm instead: pergrad.fix_batchnorm(model) replaces every BatchNorm of the model by a "
+                "GroupNorm of the same channels (before you build the optimizer: its parameters are new)."
+            )
+
+    return check
+
+
+def _refuse_random_draws(layer: HookedLayer, drawers: list[tuple[str, nn.Module]]) -> Callable[..., None]:
+    """A forward pre-hook for a layer whose rule runs its forward again in the backward
+    (``rules.fallback.RERUNNING``): a random draw in that forward (dropout in training mode) would be
+    drawn anew there, so the per-sample gradients would not be those of the forward that ran."""
+
+    def check(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for sub, drawer in drawers:
+            found = drawing(drawer)
+            if found is None:
+                continue
+            what, attr = found
+            where = ".".join(n for n in (layer.name, sub) if n)
+            label = f"its submodule {where!r} ({type(drawer).__name__})" if sub else "it"
+            off = (
+                f"set model.get_submodule({where!r}).{attr} = 0.0 (it stays 0 through model.train())"
+                if attr
+                else f"replace {where!r} by nn.LeakyReLU"
+            )
+            raise UnsupportedLayerError(
+                f"{layer.label}: {label} draws {what} in training mode, and pergrad computes this layer's per-sample "
+                "gradients by running its forward again for each sample in the backward, which would draw new random "
+                "numbers, not the ones this forward drew: the gradients would not be this forward's. To train it "
+                f"with pergrad, {off}, or run the model in eval mode. (A dropout between hooked layers, such as the "
+                "nn.Dropout modules of nn.TransformerEncoderLayer around its attention, is fine: only the layers "
+                "whose forward pergrad runs again are concerned.)"
             )
 
     return check
@@ -345,6 +386,10 @@ class LayerHooks:
             enter = ModuleHook(self, self._direct_call([layer.name], batch_dim))  # (no op of its own in a model call)
             self._handles.append(layer.module.register_forward_pre_hook(enter, with_kwargs=True))
             spec = layer.spec
+            drawers = random_modules(layer.module) if spec.fn in RERUNNING else []
+            if drawers:  # before anything is swapped in for the call
+                refuse = ModuleHook(self, _refuse_random_draws(layer, drawers))
+                self._handles.append(layer.module.register_forward_pre_hook(refuse))
             detachable = not (spec.all_inputs or spec.subtree or spec.parametrized)
             if self._to_detach is not None and detachable and (self._may_detach is None or self._may_detach(layer)):
                 # before the keeper: the output it keeps is the one with the probe added
@@ -401,6 +446,10 @@ class LayerHooks:
 
     def uninstall(self) -> None:
         for handle in self._handles:
+            hooks = handle.hooks_dict_ref()
+            hook = None if hooks is None else hooks.get(handle.id)
+            if isinstance(hook, ModuleHook):
+                hook.removed = True
             handle.remove()
         self._handles.clear()
         self._captures.clear()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -25,11 +27,12 @@ from .errors import (
     PergradError,
     ProjectionError,
     TargetError,
+    TrainerConfigError,
     TransformError,
     WrapperAttributeError,
 )
 from .hooks import LayerHooks, owners
-from .loss_scale import GradScalerLike, LossScaleLike, factor_reader, loss_scale_reader
+from .loss_scale import GradScalerLike, LossScaleLike, factor_reader, lightning_divisor, loss_scale_reader
 from .projectors import Budget, Projector, Spec
 from .registry import RuleRegistry, default_registry
 from .sources import Materialized
@@ -150,6 +153,22 @@ class PerSampleModule:
                 "wrappers would each write .grad. Call .remove() on the first one (or leave its `with` block) first."
             )
         self.module = model
+        # what a copy is built with (``__deepcopy__``, ``__reduce__``); the loss scale as it is then
+        self._options: dict[str, Any] = dict(
+            loss_reduction=loss_reduction,
+            reduction=reduction,
+            batch_first=batch_first,
+            keep_grad_sample=keep_grad_sample,
+            track_norms=track_norms,
+            track_statistics=requested(track_statistics),
+            accumulate=accumulate,
+            keep_activation_grads=keep_activation_grads,
+            verify=verify,
+            fallback=fallback,
+            rules=rules,
+            detach_transformed=detach_transformed,
+            grad_scaler=grad_scaler,
+        )
         self._loss_scale = loss_scale
         self._grad_scaler, self._accumulate = grad_scaler, accumulate
         self.loss_reduction = loss_reduction
@@ -163,7 +182,7 @@ class PerSampleModule:
             reduction=reduction,
             keep_grad_sample=keep_grad_sample,
             track_norms=track_norms,
-            track_statistics=requested(track_statistics),
+            track_statistics=self._options["track_statistics"],
             accumulate=accumulate,
             keep_activation_grads=keep_activation_grads,
             verify_backwards=1 if verify else 0,
@@ -313,6 +332,8 @@ class PerSampleModule:
                 world.install()
                 self._engine.world = world
         self._engine.on_forward()
+        if not self._engine.closed and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self._check_loss_divisor()
         if self._engine.closed or layout_of(self._submodules, self._canonical) == self._layout:
             return
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
@@ -326,6 +347,28 @@ class PerSampleModule:
         for param in before - set(self._engine.param_names):
             self._engine.grad_sample.drop(param)  # no grad_sample left on parameters the model no longer holds
         self._engine.verify_backwards = 1 if self._verify else 0
+
+    def _check_loss_divisor(self) -> None:
+        """Refuse a call from the training step of a Lightning module whose Trainer divides each
+        micro-batch's loss by ``k = accumulate_grad_batches`` while ``loss_scale`` does not say ``1/k``:
+        pergrad would see ``g_i / k`` (``clip_norm(C)`` clipping each sample at ``kC``)."""
+        found = lightning_divisor(self.module)
+        if found is None:
+            return
+        k, holder = found
+        factor = None if self._engine.loss_factor is None else self._engine.loss_factor()
+        if factor is not None and math.isclose(float(factor), 1.0 / k, rel_tol=1e-9):
+            return
+        said = "no loss_scale" if factor is None else f"loss_scale={float(factor):g}"
+        raise TrainerConfigError(
+            f"the wrapped {type(self.module).__name__} is called from the training_step of {type(holder).__name__}, "
+            f"whose Trainer(accumulate_grad_batches={k}) divides each micro-batch's loss by {k} before its backward, "
+            f"but the wrapper has {said}: pergrad would see each sample's gradient divided by {k} (a clip_norm(C) "
+            f"would clip it at {k}C, a privacy bound {k} times weaker than set). Pass "
+            "loss_scale=lambda: 1 / self.trainer.accumulate_grad_batches to PerSampleModule (or set psm.loss_scale "
+            "so), or let pergrad.lightning.PerSample('<attribute of the network>', transforms={...}) wrap it: it "
+            "sets the loss scale and checks the Trainer's other options."
+        )
 
     def _after_call(self) -> None:
         """At the end of every call of the model while it holds lazy modules before their first
@@ -363,7 +406,8 @@ class PerSampleModule:
             f"PerSampleModule has no attribute {name!r}: it is not an nn.Module but a plain object that hooks the "
             f"model it wraps, whose parameters, state_dict keys and checkpoints stay the model's own.{where} Call "
             "the model's own methods on the model (psm.module.to(device), psm.module.config, "
-            "psm.module.save_pretrained(...)), and give frameworks the model, not the wrapper: for HuggingFace's "
+            "psm.module.save_pretrained(...)), and give frameworks the model, not the wrapper (AveragedModel(psm.module)): "
+            "for HuggingFace's "
             "Trainer use pergrad.hf.PerSampleTrainer(model=model, ...), which wraps it."
         )
 
@@ -398,19 +442,23 @@ class PerSampleModule:
     # -- what the last backward measured ---------------------------------------------------------
 
     def _materialized(self) -> tuple[Materialized, dict[nn.Parameter, str], int]:
-        names = {p: n for p, n in self._engine.param_names.items() if hasattr(p, "grad_sample")}
+        """The last backward's own ``g_i`` (not ``grad_sample``, which a second backward of the same forward
+        adds to), as a source."""
+        last = self._engine.grad_sample.last
+        names = {p: n for p, n in self._engine.param_names.items() if p in last}
         if not self._engine.keep_grad_sample or not names:
             raise PergradError(
                 "nothing to measure: run a backward first; with keep_grad_sample=False pass "
                 "track_norms=True (for per_sample_norms) or track_statistics=True (for statistics) to the wrapper"
             )
-        grads = {p: p.grad_sample for p in names}
+        grads = {p: last[p] for p in names}
         return Materialized(grads), names, next(iter(grads.values())).shape[0]
 
     def per_sample_norms(self) -> dict[str, Tensor]:
         """``{qualified param name: Tensor[B]}``: ``||g_i||`` of each parameter in the last backward,
         before any transform (the norms clipping compared with its bound; unscaled under
-        ``grad_scaler``). The norm of a module's or the model's gradient is ``sqrt(sum of squares)``
+        ``grad_scaler``): of that backward's own ``g_i``, also after a second backward through the same
+        forward (where ``grad_sample`` holds the sum over both). The norm of a module's or the model's gradient is ``sqrt(sum of squares)``
         of these. Which parameters it holds:
 
         - ``track_norms=True`` (or ``track_statistics=True``): every parameter the backward reached;
@@ -786,6 +834,44 @@ class PerSampleModule:
         self._clear_grad_sample()
         self._engine.pool.clear()
 
+    # -- copies: a new wrapper on a copy of the model -----------------------------------------------
+
+    def _recipe(self) -> tuple[nn.Module, dict[str, Any], list[Any], list[Any], list[str], bool]:
+        """What a copy is built from: the model, the options, the transforms and projections as
+        registered, the tracked factors, and whether the wrapper was removed."""
+        if self._engine.world is not None:
+            raise PergradError(
+                "a PerSampleModule under DistributedDataParallel or FSDP2 cannot be copied or pickled (its hooks are "
+                "part of the parallel back-end of this process). Save the model's state_dict "
+                "(torch.save(psm.module.state_dict(), path)) and wrap the model again where it is loaded."
+            )
+        options = {**self._options, "loss_scale": self._loss_scale}
+        projections = [
+            (ref, spec, grads, per_token, budget.limit) for ref, spec, grads, per_token, budget in self._projections
+        ]
+        factors = list(self._engine.factors.names)
+        return self.module, options, list(self._targets), projections, factors, self._engine.closed
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PerSampleModule:
+        """A new wrapper, with the same options, transforms and projections, on ``copy.deepcopy`` of the
+        model (the copy shares nothing with this one: no ``grad_sample``, norms or kept state; its
+        first backward is checked again). ``copy.deepcopy(psm.module)`` is the model alone, unwrapped."""
+        return _rebuilt(*copy.deepcopy(self._recipe(), memo))
+
+    def __copy__(self) -> PerSampleModule:
+        """A shallow copy, as for any object: the same model, hooks and state under a second name (removing
+        either removes both); ``copy.deepcopy`` makes a wrapper of its own."""
+        shallow = PerSampleModule.__new__(PerSampleModule)
+        vars(shallow).update(vars(self))
+        return shallow
+
+    def __reduce__(self) -> tuple[Callable[..., PerSampleModule], tuple[Any, ...]]:
+        """Pickling (``torch.save(psm, ...)``) saves the model, the options and the registered transforms
+        and projections; loading builds a new wrapper on the loaded model, as ``__deepcopy__`` does. The
+        transforms must be picklable (a lambda is not). To keep the weights alone, save
+        ``psm.module.state_dict()``."""
+        return _rebuilt, self._recipe()
+
     def __enter__(self) -> PerSampleModule:
         return self
 
@@ -797,6 +883,36 @@ class PerSampleModule:
             f"PerSampleModule({type(self.module).__name__}, loss_reduction={self.loss_reduction!r}, "
             f"reduction={self.reduction!r}, layers={len(self._layers)}, transforms={len(self._engine.targets)})"
         )
+
+
+def _rebuilt(
+    model: nn.Module,
+    options: dict[str, Any],
+    targets: list[tuple[nn.Module | str, Transform]],
+    projections: list[tuple[nn.Module | str, Spec, bool, bool, int]],
+    factors: list[str],
+    removed: bool,
+) -> PerSampleModule:
+    """A wrapper on ``model`` as ``PerSampleModule._recipe`` describes it (a copy, or an unpickled one)."""
+    psm = PerSampleModule(model, **options)
+    for target, transform in targets:
+        psm.register_transform(target, transform)
+    for target, spec, grads, per_token, limit in projections:
+        psm.register_projection(
+            target,
+            dim=spec.dim,
+            kind=spec.kind,
+            seed=spec.seed,
+            dtype=spec.dtype,
+            grads=grads,
+            per_token=per_token,
+            cache_mb=limit / 2**20,
+        )
+    if factors:
+        psm.track_projected_factors(*factors)
+    if removed:
+        psm.remove()
+    return psm
 
 
 class PerSampleNorms(dict[str, Tensor]):

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .calls import Call, HookedLayer, Kept
-from .errors import ProjectionError, SecondOrderError
+from .errors import ProjectionError, SecondOrderError, UnsupportedLayerError
 from .layout import new_buffer, recorded, recording_buffers
 from .projectors import Projector
 from .registry import FusedRule, OutputGrads
@@ -180,7 +180,17 @@ def run_rule(layer: HookedLayer, a: Any, d: Tensor | OutputGrads, scale: float =
     goes on a copy of ``d`` where that is far smaller than the per-sample gradients (a Linear on
     ``[B, D]``), and otherwise on the per-sample gradients the rule returns: in place where they are
     its own memory (a ``new_buffer``, or ``layout.owned``), so no copy of either is made (a copy of
-    ``d`` as large as the gradients would double what a convolution's rule holds)."""
+    ``d`` as large as the gradients would double what a convolution's rule holds). A rule's
+    ``UnsupportedLayerError`` (it knows the module, not where it is) is raised again naming the layer."""
+    try:
+        return _run_rule(layer, a, d, scale)
+    except UnsupportedLayerError as err:
+        if layer.label in str(err):
+            raise
+        raise UnsupportedLayerError(f"{layer.label}: {err}") from err
+
+
+def _run_rule(layer: HookedLayer, a: Any, d: Tensor | OutputGrads, scale: float) -> dict[str, Tensor]:
     if recorded():  # second order: checked to carry the graph; nothing in place, nothing into out= buffers
         return _differentiable(layer, d, layer.spec.fn(layer.module, a, _times(d, scale)))
     if scale == 1.0:

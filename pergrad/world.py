@@ -43,6 +43,11 @@ class Host(Protocol):
         """How many samples the running mean in ``param.grad`` holds."""
         ...
 
+    def new_samples(self, param: nn.Parameter, state: Backward) -> float:
+        """How many samples the running backward adds to the running mean in ``param.grad`` (none for a
+        second backward through the same forward)."""
+        ...
+
     def on_accumulate(self, param: nn.Parameter, grad: Tensor | None) -> Tensor | None:
         """What autograd adds to ``param.grad`` in place of ``grad`` (None: ``grad`` itself)."""
         ...

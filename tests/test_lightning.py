@@ -19,7 +19,7 @@ from reference import clipped, reference_grad_sample
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from pergrad import PerSampleModule, transforms
+from pergrad import PerSampleModule, TrainerConfigError, transforms
 from pergrad.lightning import DPSGD, LightningOptionError, PerSample, per_sample_module, poisson_loader
 from pergrad.privacy import epsilon_of
 
@@ -195,6 +195,44 @@ def test_gradient_clip_val_is_refused_and_leaves_the_model_unwrapped(tmp_path: P
 def test_an_unknown_module_name_lists_the_children(tmp_path: Path) -> None:
     with pytest.raises(LightningOptionError, match=r"Net has no submodule 'net'.*children are \['model'\]"):
         trainer(tmp_path, callbacks=[PerSample("net")]).fit(Net(), DataLoader(data(8), batch_size=4))
+
+
+class HandWrapped(Net):
+    """The network wrapped by hand in the LightningModule (no ``PerSample`` callback), clipped over all of it;
+    ``training_step`` calls ``self.model`` as ``Net``'s does (its hooks are the wrapper's)."""
+
+    def __init__(self, scaled: bool) -> None:
+        super().__init__()
+        self.psm = PerSampleModule(
+            self.model, loss_scale=(lambda: 1 / self.trainer.accumulate_grad_batches) if scaled else None
+        )
+        self.psm.register_transform("", transforms.clip_norm(BOUND))
+
+
+def test_a_hand_wrapped_network_under_accumulate_grad_batches_without_its_loss_scale_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Lightning divides each micro-batch's loss by k: without ``loss_scale=1/k`` pergrad would clip at kC.
+    Refused at the first forward (nothing written); the fix the message names trains exactly, and k = 1
+    needs none."""
+    net = HandWrapped(scaled=False)
+    with pytest.raises(
+        TrainerConfigError,
+        match=r"wrapped Sequential is called from the training_step of HandWrapped, whose "
+        r"Trainer\(accumulate_grad_batches=2\) divides each micro-batch's loss by 2.*no loss_scale.*clip it at 2C.*"
+        r"loss_scale=lambda: 1 / self.trainer.accumulate_grad_batches.*pergrad.lightning.PerSample",
+    ):
+        trainer(tmp_path, accumulate_grad_batches=2).fit(net, DataLoader(data(16), batch_size=4))
+    assert not net.records and all(p.grad is None for p in net.model.parameters())
+    net.psm.remove()
+    net = HandWrapped(scaled=True)
+    trainer(tmp_path, accumulate_grad_batches=2).fit(net, DataLoader(data(16), batch_size=4))
+    check_steps(net, k=2, steps=4)
+    net.psm.remove()
+    net = HandWrapped(scaled=False)
+    trainer(tmp_path).fit(net, DataLoader(data(8), batch_size=4))
+    check_steps(net, k=1, steps=4)
+    net.psm.remove()
 
 
 def test_loss_scale_is_the_callbacks() -> None:

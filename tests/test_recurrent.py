@@ -68,12 +68,19 @@ def test_recurrent_layers_match_per_sample_autograd(
 
 
 def test_recurrent_dropout_in_training_is_a_clear_error() -> None:
+    """Refused in the forward (nothing is written); in eval mode the same model runs."""
     model = Classifier(nn.LSTM, 2, False, True)
     model.rnn.dropout = 0.5
     with PerSampleModule(model) as psm:
-        loss = psm(torch.randint(0, 11, (2, 3))).sum()
-        with pytest.raises(UnsupportedLayerError, match=r"dropout=0.5 .* Use dropout=0 or eval\(\)"):
-            loss.backward()
+        with pytest.raises(
+            UnsupportedLayerError,
+            match=r"layer 'rnn' \(LSTM\): it draws a dropout mask between its layers \(dropout=0.5\) in training mode.*"
+            r"model.get_submodule\('rnn'\).dropout = 0.0",
+        ):
+            psm(torch.randint(0, 11, (2, 3)))
+        assert all(p.grad is None for p in model.parameters())
+        model.eval()
+        psm(torch.randint(0, 11, (2, 3))).sum().backward()
 
 
 class PackedClassifier(nn.Module):

@@ -22,6 +22,9 @@ class GradSample:
 
     def __init__(self) -> None:
         self._generation: dict[nn.Parameter, int] = {}  # the forward each grad_sample belongs to
+        # the last backward's own g_i (per_sample_norms() and statistics() read them): grad_sample itself
+        # unless that backward added to an earlier one's
+        self.last: dict[nn.Parameter, Tensor] = {}
 
     def reads(self, kept: Kept) -> bool:
         return False  # built as the output gradients arrive, not from kept (a, d)
@@ -29,8 +32,9 @@ class GradSample:
     def consume(self, batch: Batch) -> None:
         grads = batch.state.arrived.grads
         generation = batch.state.generation
+        self.last = {}
         for param in batch.params:
-            g = grads[param]
+            g = self.last[param] = grads[param]
             previous: Tensor | None = getattr(param, "grad_sample", None)
             same_forward = self._generation.get(param) == generation
             if previous is not None and same_forward and previous.shape == g.shape:
@@ -57,6 +61,7 @@ class GradSample:
     def drop(self, param: nn.Parameter) -> None:
         """Drop ``param.grad_sample`` (the pool takes its memory back once no one else refers to it)."""
         self._generation.pop(param, None)
+        self.last.pop(param, None)
         param.__dict__.pop("grad_sample", None)
 
 

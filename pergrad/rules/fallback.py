@@ -9,6 +9,7 @@ with ``vmap``. Exact for any forward, at the cost of one more forward and backwa
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -149,11 +150,52 @@ def fallback(
     except PergradError:
         raise
     except Exception as err:  # torch.func cannot run every forward (nn.LSTM, data-dependent control flow)
+        if "randomness" in str(err):  # vmap refuses a random draw: the re-run would not draw the forward's
+            raise UnsupportedLayerError(
+                f"the forward of this {type(layer).__name__} draws random numbers (dropout in training mode, "
+                "F.dropout, torch.rand, ...): the torch.func fallback computes its per-sample gradients by running "
+                "that forward again for each sample, which would draw new ones, not those of the forward that ran, "
+                "so the gradients would not be this forward's. Turn the draw off while training with pergrad "
+                "(dropout p=0, or eval mode), move it out of the module (a dropout applied to the module's output, "
+                "between hooked layers, is fine), or register a rule for the module."
+            ) from err
         raise UnsupportedLayerError(
             f"the torch.func fallback could not compute per-sample gradients of a {type(layer).__name__} "
             f"({type(err).__name__}: {str(err)[:200]}). Register a rule for it with "
             f"@pergrad.register_rule({type(layer).__name__})."
         ) from err
+
+
+#: the rules that compute a layer's per-sample gradients by running its forward again, in the backward
+RERUNNING: set[Callable[..., Any]] = set()
+
+_RANDOM = (nn.modules.dropout._DropoutNd, nn.MultiheadAttention, nn.RNNBase, nn.RReLU)
+
+
+def random_modules(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``layer`` (name ``""``) and its submodules whose forward may draw random numbers (dropout, RReLU)."""
+    return [(name, m) for name, m in layer.named_modules() if isinstance(m, _RANDOM)]
+
+
+def drawing(module: nn.Module) -> tuple[str, str] | None:
+    """What a module of ``random_modules`` draws at random in its forward now, and the attribute that
+    turns it off; None where it draws nothing (eval mode, a probability of 0)."""
+    if not module.training:
+        return None
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return (f"a dropout mask (p={module.p})", "p") if module.p > 0 else None
+    if isinstance(module, nn.MultiheadAttention):
+        return (
+            (f"a dropout mask on its attention weights (dropout={module.dropout})", "dropout")
+            if module.dropout > 0
+            else None
+        )
+    if isinstance(module, nn.RNNBase):
+        between = module.dropout > 0 and module.num_layers > 1
+        return (f"a dropout mask between its layers (dropout={module.dropout})", "dropout") if between else None
+    if isinstance(module, nn.RReLU):
+        return ("a random slope per element (RReLU)", "") if module.lower != module.upper else None
+    return None
 
 
 def _returned(g: Tensor, batch_dim: int | None) -> Tensor:
@@ -185,3 +227,4 @@ def multihead_attention(layer: nn.Module, call: LayerCall, d: OutputGrads | Tens
 default_registry.register(nn.MultiheadAttention, all_inputs=True, subtree=True, output_dims=_attention_dims)(
     multihead_attention
 )
+RERUNNING.update((fallback, multihead_attention))

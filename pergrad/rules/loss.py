@@ -43,7 +43,8 @@ def _check_mean(weight: Tensor | None, target: Tensor, ignore_index: int) -> Non
     without class weights): each sample's share is the mean of its own positions' losses only when
     every sample counts as much. Warn (one host sync per backward) when they differ."""
     counted = target != ignore_index
-    each = counted.to(torch.float64) if weight is None else torch.where(counted, weight[target.clamp(min=0)], 0)
+    # an ignore_index outside [0, C) indexes no class weight: those positions count 0, whatever they would index
+    each = counted.to(torch.float64) if weight is None else torch.where(counted, weight[target.where(counted, 0)], 0)
     per_sample = each.reshape(target.shape[0], -1).sum(1)
     if per_sample.numel() > 1 and bool(per_sample.min() != per_sample.max()):
         warnings.warn(

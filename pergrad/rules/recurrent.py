@@ -19,6 +19,7 @@ from torch.nn.utils.rnn import PackedSequence
 from ..errors import UnsupportedLayerError
 from ..layout import recorded
 from ..registry import LayerCall, OutputGrads, default_registry, output_tensors
+from .fallback import RERUNNING
 
 _Recurrent = (nn.RNN, nn.GRU, nn.LSTM)
 
@@ -91,6 +92,9 @@ def recurrent(layer: nn.Module, call: LayerCall, d: OutputGrads | Tensor) -> dic
         else like.new_zeros((0, *p.shape))
         for k, (name, p) in enumerate(params.items())
     }
+
+
+RERUNNING.add(recurrent)
 
 
 def _or_zeros(g: Tensor | None, p: Tensor, like: Tensor) -> Tensor:
