@@ -213,6 +213,16 @@ def saving(node: Any, depth: int = 2) -> Any:
     return None
 
 
+def accumulator_of(param: Tensor) -> Any:
+    """``param``'s current ``AccumulateGrad`` node (the one a backward through a new forward runs): torch
+    replaces it when the parameter gets data of another dtype or device (``model.to``, ``.double()``),
+    also when a second conversion brings dtype and device back."""
+    with torch.enable_grad():
+        view = param.view_as(param)
+    assert view.grad_fn is not None
+    return view.grad_fn.next_functions[0][0]
+
+
 def will_accumulate(nodes: Iterable[Any]) -> bool:
     """Whether the running backward runs every one of these ``AccumulateGrad`` nodes: not in
     ``torch.autograd.grad`` (which captures its inputs' gradients instead), nor for the parameters that

@@ -235,6 +235,10 @@ class Detacher:
         self._generation, self._decided, self.current = -1, {}, set()
         self._guards = {}
 
+    def renew_guards(self) -> None:
+        """The parameters have new ``AccumulateGrad`` nodes: each layer's guard is made again at its next call."""
+        self._guards = {}
+
     def _ok(self, p: Any) -> bool:
         if not (isinstance(p, nn.Parameter) and p.requires_grad):
             return False

@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
-from .backward import Backward, Backwards, queue_at_end, saving, will_accumulate
+from .backward import Backward, Backwards, accumulator_of, queue_at_end, saving, will_accumulate
 from .calls import Call, HookedLayer, Kept
 from .consumers import Batch, Consumer
 from .consumers.factors import ProjectedFactors
@@ -142,6 +143,8 @@ class Engine:
         self.holding = Holding(self.targets)  # per-sample gradients held for an audit: last, so .grad is as unarmed
         self.consumers.append(self.holding)
         self.accumulators: dict[nn.Parameter, Any] = {}  # each parameter's hooked AccumulateGrad node (the wrapper's)
+        # called at a backward's start where a parameter's AccumulateGrad node is no longer the hooked one
+        self.on_stale: Callable[[], None] | None = None
 
     # -- what the rest of the wrapper asks -------------------------------------------------------
 
@@ -492,6 +495,8 @@ class Engine:
     def _start(self, task: int) -> Backward:
         """A new backward pass (a previous one that failed midway may have left its state: dropped)."""
         self.writer.restore_hooks()
+        if self.on_stale is not None and any(accumulator_of(p) is not node for p, node in self.accumulators.items()):
+            self.on_stale()  # new data since the wrapper last bound (a conversion there and back): hooked again
         self.unhooked.place(self.accumulators)  # (hooks the user registered since the last backward included)
         amp = None if self.loss_scale is None else self.loss_scale()
         factor = None if self.loss_factor is None else self.loss_factor()

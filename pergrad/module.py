@@ -218,6 +218,7 @@ class PerSampleModule:
             )
             self._install_hooks()
             self._install_accumulate_hooks()
+            self._engine.on_stale = self._rehook
             if self._engine.world is not None:
                 self._engine.world.install()
         except BaseException:
@@ -291,6 +292,14 @@ class PerSampleModule:
         for node in nodes.values():
             node.metadata[_HOLDER] = weakref.ref(self)
         self._accumulate_handles = [node.register_prehook(self._accumulate_hook(p)) for p, node in nodes.items()]
+
+    def _rehook(self) -> None:
+        """At a backward's start, where a parameter's ``AccumulateGrad`` node is not the hooked one (a
+        conversion there and back since the last forward that bound, which left the dtype, device and
+        tensor, and so the layers and their rules, as they were): the hooks go on the current nodes,
+        before they run, and the detached weights' guards are made again on them."""
+        self._install_accumulate_hooks()
+        self._engine.detacher.renew_guards()
 
     def _refuse_other_holder(self, param: nn.Parameter, node: Any) -> None:
         """Refuse a parameter that another wrapper (not removed) hooks too: a weight shared by two wrapped

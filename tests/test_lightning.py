@@ -422,7 +422,7 @@ def test_dpsgd_refuses_an_epoch_cut_inside_an_accumulation_window(tmp_path: Path
             torch.testing.assert_close(g, expected[n], rtol=1e-10, atol=1e-12, msg=f"step {t}, {n}")
 
 
-class HandWrapped(Net):
+class ConvertedByPrecision(Net):
     """A LightningModule that wraps its own network (no pergrad callback) and clips it."""
 
     def __init__(self) -> None:
@@ -440,7 +440,7 @@ class HandWrapped(Net):
 def test_a_hand_wrapped_network_converted_by_the_trainers_precision_stays_exact(tmp_path: Path) -> None:
     """Trainer(precision="64-true") converts the LightningModule to float64 after it wrapped its network:
     every parameter gets new data and a new AccumulateGrad node; pergrad wraps again at the first forward."""
-    net = HandWrapped()
+    net = ConvertedByPrecision()
     trainer(tmp_path, precision="64-true").fit(net, DataLoader(data(12, dtype=torch.float32), batch_size=4))
     assert all(p.dtype == torch.float64 for p in net.model.parameters())
     check_steps(net, steps=6)

@@ -50,6 +50,8 @@ MOVES = {
     "to_float64": lambda m: m.to(torch.float64),
     "float_back": lambda m: m.float(),
     "bfloat16": lambda m: m.bfloat16(),
+    # there and back: dtype, device and tensor as before, new AccumulateGrad nodes (seen at the backward)
+    "round_trip": lambda m: m.float().double(),
 }
 
 
@@ -68,7 +70,7 @@ def test_every_step_is_exact_before_and_after_each_move(keep: bool, transform: b
     psm = PerSampleModule(model, keep_grad_sample=keep)
     if transform:
         psm.register_transform(model, transforms.clip_norm(C))
-    schedule = ["double", None, None, "float_back", None, "to_float64", None, "bfloat16", None]
+    schedule = ["double", None, "round_trip", None, "float_back", None, "to_float64", "round_trip", "bfloat16", None]
     generator = torch.Generator().manual_seed(1)
     for step, move in enumerate(schedule):
         if move is not None:
