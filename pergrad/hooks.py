@@ -71,6 +71,7 @@ class ModuleHook:
     def __init__(self, owner: LayerHooks, fn: Callable[..., Any], aside: bool = False) -> None:
         self.owner, self.fn, self.aside = owner, fn, aside
 
+    @torch.compiler.disable  # pergrad's bookkeeping runs eagerly, also in a compiled model (``Provenance``)
     def __call__(self, *args: Any) -> Any:
         if self.aside:  # a layer's hook: pergrad's own ops are not the model's (``Provenance.aside``)
             following = self.owner.following()

@@ -32,6 +32,9 @@ model's forward), never from its size alone:
   that dim turns out to be the batch (``_defer``). Where an op cannot tell (``einsum``), or the
   output reaches the loss undecided, pergrad raises.
 
+Under ``torch.compile`` pergrad's hooks, this mode and ``Shared`` are never traced: the model's forward
+runs eagerly, so every op is seen.
+
 Outside the model's forward (a submodule called on its own, recomputation under checkpointing)
 nothing is followed: a layer input with autograd history or a float one that is not a buffer
 counts as batched by its size, as before, and nothing there counts as evidence that resolves a
@@ -54,6 +57,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._C import DisableTorchFunctionSubclass
+from torch._dynamo.decorators import skip
 from torch.nn.utils.rnn import PackedSequence
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
@@ -283,6 +287,7 @@ class Shared(Tensor):
     origins: tuple[Origin, ...]
 
     @classmethod
+    @torch.compiler.disable  # (Dynamo would trace pergrad's bookkeeping: a compiled model runs eagerly under it)
     def __torch_function__(
         cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
@@ -656,7 +661,8 @@ class Provenance(TorchFunctionMode):
     (``torch.arange(T)``, ``torch.ones``, ``x.new_zeros(...)``, ``torch.zeros_like(x)``: their
     values do not come from ``x``), buffers and their slices, parameters, and what ops compute from
     those alone do not, whatever their size. Active (a ``TorchFunctionMode``, so every torch op is
-    seen) for the model's forward only; tensors are held by weak reference."""
+    seen) for the model's forward only; tensors are held by weak reference. Dynamo never traces it:
+    a compiled model's forward runs eagerly under it, so no op is hidden from it."""
 
     def __init__(self, seeds: list[Tensor]) -> None:
         super().__init__()
@@ -685,10 +691,16 @@ class Provenance(TorchFunctionMode):
         base = t._base
         return base is not None and _marked(self._marks, base)
 
+    @skip  # never traced nor compiled by Dynamo; a compiled model's frames run eagerly under it
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        kwargs = kwargs or {}
+        if _dynamo_callback() is not None:  # called from code Dynamo compiled: nothing called from here may be
+            return _without_dynamo(self._follow_op, func, args, kwargs or {})
+        return self._follow_op(func, args, kwargs or {})
+
+    def _follow_op(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``func`` and mark what it returns (see the class docstring)."""
         result = func(*args, **kwargs)
         if result is not None and not isinstance(result, Tensor | tuple | list):
             return result  # x.dim(), x.numel(), x.shape, x.item(): nothing to mark
@@ -733,6 +745,15 @@ class Provenance(TorchFunctionMode):
     def __exit__(self, *exc: object) -> None:
         _local.provenance = self._before
         super().__exit__(*exc)
+
+
+_dynamo_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback  # (torch is pinned: a private name)
+
+
+@torch.compiler.disable
+def _without_dynamo(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with Dynamo's frame evaluation off."""
+    return fn(*args)
 
 
 def provenance() -> Provenance | None:
