@@ -34,7 +34,9 @@ class BatchMixingError(PergradError, RuntimeError):
 
 
 class BatchSizeError(PergradError, ValueError):
-    """Layers or per-sample gradients disagree on the batch size."""
+    """Layers or per-sample gradients disagree on the batch size, or where the batch is in a layer's
+    input cannot be told (folded into another dim, moved where the layer cannot take it, or computed
+    by code pergrad does not see run)."""
 
 
 class TransformError(PergradError, ValueError):

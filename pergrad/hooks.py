@@ -34,12 +34,14 @@ from . import lm_loss
 from .calls import Detached, HookedLayer, Kept
 from .coupling import refuse_batch_statistics
 from .detach import anchor_output
+from .dims import LOST, carries
 from .errors import RECOMPUTED, BatchMixingError, BatchSizeError, SharedInputError, UnsupportedLayerError, module_label
 from .layout import batch_to_front
 from .parametrized import Capture, Computed, parametrizations_of, sites
 from .registry import LayerCall, output_tensors
 from .rules.fallback import RERUNNING, drawing, random_modules
 from .shared import (
+    SEEN,
     BatchInfo,
     Group,
     Origin,
@@ -47,7 +49,9 @@ from .shared import (
     Shared,
     batch_of_call,
     classify,
+    located,
     per_sample_input,
+    provenance,
     pulling,
     track,
 )  # fmt: skip
@@ -95,6 +99,7 @@ class ModuleHook:
         self.owner, self.fn, self.aside = owner, fn, aside
         self.removed = False
 
+    @torch.compiler.disable  # pergrad's bookkeeping runs eagerly, also in a compiled model (``Provenance``)
     def __call__(self, *args: Any) -> Any:
         if self.removed:
             # removed while its module's call was running: torch runs the hooks it listed when the call
@@ -204,6 +209,35 @@ def _output_dims(layer: HookedLayer, returned: Any, batch_dim: int) -> tuple[int
             f"{layer.name!r}, which returned {found} tensors"
         )
     return dims
+
+
+def _check_layout(module: nn.Module, first: Any, dim: int, label: str) -> None:
+    """Refuse a layer with a layout of its own (``batch_first`` of ``nn.LSTM``, ``nn.MultiheadAttention``)
+    called with the batch on another dim of its input (``dim``, as the forward put it): it would take
+    the samples for time steps and mix them."""
+    own = getattr(module, "batch_first", None)
+    found = provenance()
+    if not isinstance(own, bool) or found is None or not isinstance(first, Tensor) or found.where(first) < 0:
+        return
+    if first.dim() >= 3 and dim != (0 if own else 1):
+        raise BatchMixingError(
+            f"{label} has batch_first={own}, so it takes dim {0 if own else 1} of its "
+            f"input for the batch, but the model's forward gives it the batch on dim {dim} (input shape "
+            f"{tuple(first.shape)}): it would mix the samples. Build it with batch_first={not own}, or move the "
+            f"batch to dim {0 if own else 1} before calling it"
+        )
+
+
+def _place_outputs(returned: Any, dims: tuple[int | None, ...], size: int) -> None:
+    """Tell the running forward's ``Provenance`` that the tensors a batched layer call returned have the
+    batch where its rule takes their gradients' batch (``dims``: the input's batch dim for one output),
+    whatever ops the layer ran inside (HuggingFace's ``Conv1D`` folds it: ``x.view(-1, D)``)."""
+    found = provenance()
+    if found is None:
+        return
+    for t, dim in zip(output_tensors(returned), dims, strict=False):
+        if dim is not None and t.dim() > dim and t.shape[dim] == size:
+            found.mark(t, dim)
 
 
 def _first_tensor(output: Any, nested: bool) -> Tensor | None:
@@ -503,9 +537,10 @@ class LayerHooks:
         else:
             tensors = tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, PackedSequence))[0]
         dim, size = batch.dim, batch.size
-        seeds = [t for t in tensors if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == size]
-        seeds += [t.data for t in tensors if isinstance(t, PackedSequence) and int(t.batch_sizes[0]) == size]
-        found = Provenance(seeds)
+        seeds = [(t, dim) for t in tensors if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == size]
+        seeds += [(t.data, LOST) for t in tensors if isinstance(t, PackedSequence) and int(t.batch_sizes[0]) == size]
+        seen = [t for t in tensors if isinstance(t, Tensor)]
+        found = Provenance(seeds, seen, size)
         found.__enter__()
         self._provenance.append(found)
 
@@ -588,7 +623,10 @@ class LayerHooks:
             if torch.compiler.is_compiling():
                 return
             batch_dim = 0 if self._batch_first or layer.spec.batch_dim_fixed else 1
-            found = to_detach(layer, _first_input(args, {}), batch_dim, self.generation)
+            a = _first_input(args, {})
+            following = provenance()
+            at = following.where(a) if following is not None and isinstance(a, Tensor) else LOST
+            found = to_detach(layer, a, at if at >= 0 else batch_dim, self.generation)
             if found is None:
                 return
             self._detached[layer.name] = found
@@ -615,8 +653,12 @@ class LayerHooks:
                 return None
             anchored = anchor_output(output, found.anchor)  # (aside from the forward's Provenance: marked here)
             following = self._provenance[-1] if self._provenance else None
-            if anchored is not output and following is not None and following.carries(output):
-                following.mark(anchored)
+            if anchored is not output and following is not None:
+                at = following.where(output)
+                if carries(at):
+                    following.mark(anchored, at)
+                elif at == SEEN:
+                    following.see(anchored)
             return anchored
 
         return reattach
@@ -672,31 +714,37 @@ class LayerHooks:
                 return None  # torch.func is differentiating the model itself (vmap/grad): not ours to track
             capture = captures.get(name) if captures else None
             computed = None if capture is None else capture.take(layer.label)
-            a = LayerCall(args, kwargs, batch_dim) if all_inputs else _first_input(args, kwargs)
+            first = _first_input(args, kwargs)
+            dim = batch_dim  # where the batch is in this call's input (the forward may have moved it)
+            if self.batch is not None:
+                dim = located(first, batch_dim, self.batch.size, layer.label, spec.batch_dim_fixed)
+                if all_inputs:
+                    _check_layout(module, first, dim, layer.label)
+            a = LayerCall(args, kwargs, dim) if all_inputs else first
             batched = output if all_inputs else a
-            dims = _output_dims(layer, returned, batch_dim) if every else ()
+            dims = _output_dims(layer, returned, dim) if every else ()
             reduced = bool(dims) and all(dim is None for dim in dims)
             if reduced:  # it returns no batch (a loss reduced over it): the batch is its first input's
                 batched = _first_input(args, kwargs)
             if not isinstance(batched, Tensor):
                 raise TypeError(f"pergrad: {layer.label} was called without a tensor input")
             if self.batch is not None and not all_inputs:
-                group = classify(a, output, batch_dim, self.batch, layer.label)
+                group = classify(a, output, dim, self.batch, layer.label)
                 if group is not None:
                     assert isinstance(a, Tensor)
                     self._refuse_direct(layer.label, f"on an input shared by the batch (shape {tuple(a.shape)})")
-                    return self._keep_shared(layer, a, output, batch_dim, group, detached, computed)
+                    return self._keep_shared(layer, a, output, dim, group, detached, computed)
             shape = output.shape
-            if packed_batch is None and (batched.dim() <= batch_dim or (len(shape) <= batch_dim and not reduced)):
+            if packed_batch is None and (batched.dim() <= dim or (len(shape) <= dim and not reduced)):
                 raise BatchSizeError(
                     f"{layer.label} got input of shape {tuple(batched.shape)}, which has "
-                    f"no batch dim {batch_dim}; pergrad needs batched inputs"
+                    f"no batch dim {dim}; pergrad needs batched inputs"
                     + ("" if batch_first else " (batch_first=False puts the batch on dim 1)")
                 )
-            batch_size = batched.shape[batch_dim] if packed_batch is None else packed_batch
+            batch_size = batched.shape[dim] if packed_batch is None else packed_batch
             if isinstance(a, LayerCall) and every:
                 a = replace(a, output_dims=dims, batch_size=batch_size)
-            kept_input: Any = a if isinstance(a, LayerCall) or batch_first else batch_to_front(a, False)
+            kept_input: Any = a if isinstance(a, LayerCall) or dim == 0 else a.movedim(dim, 0)
             if computed is not None:
                 kept_input = Computed(kept_input, computed)
             kept = Kept(
@@ -709,11 +757,13 @@ class LayerHooks:
                 detached,
                 self._recomputed(),
             )
+            if self.batch is not None and packed_batch is None:
+                _place_outputs(returned if every else output, dims if every else (dim,), batch_size)
             if isinstance(a, LayerCall) and a.output_dims:  # the rule takes every output's gradient
                 _catch_outputs(kept, returned, (args, kwargs), on_output_grad)
                 return None
             produced = _producer(output)
-            node, index, turn = produced.grad_fn, produced.output_nr, not (kept.packed or batch_first)
+            node, index, turn = produced.grad_fn, produced.output_nr, 0 if kept.packed else dim
             assert node is not None
 
             def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
@@ -721,7 +771,7 @@ class LayerHooks:
                 if d is not None and not pulling():
                     if d.shape != shape:  # the producer is the output's base (see _producer)
                         d = d.reshape(shape)
-                    on_output_grad(kept, batch_to_front(d, False) if turn else d)
+                    on_output_grad(kept, d.movedim(turn, 0) if turn else d)
 
             node.register_prehook(catch)
             return None

@@ -65,8 +65,11 @@ class PerSampleModule:
         model: the model; it is not modified beyond hooks, which ``remove()`` takes away.
         loss_reduction: how the loss combines the samples' losses: ``"mean"`` or ``"sum"``.
         reduction: how ``.grad`` combines the transformed per-sample gradients (default: same).
-        batch_first: the batch is dim 0 of every layer input (False: dim 1, for sequence-first
-            layers; convolution inputs always have the batch on dim 0).
+        batch_first: the batch is dim 0 of the model's input (False: dim 1, for a sequence-first
+            model). pergrad follows it from there through the forward, so a layer inside may take it
+            on another dim (``x.transpose(0, 1)`` into ``nn.LSTM()`` or
+            ``nn.TransformerEncoderLayer(batch_first=False)``); convolutions and norms over the batch
+            layout must get it on dim 0.
         keep_grad_sample: store ``p.grad_sample`` after each backward. With False, nothing of size
             ``B x #params`` is built where a fused path exists: scaling transforms (``clip_norm``,
             ``normalize``, ``scale``) and norms come from each layer's input and output gradient.

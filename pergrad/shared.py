@@ -21,7 +21,9 @@ and the batch dim, follows from where the input came from (``Provenance`` follow
 model's forward), never from its size alone:
 
 - computed from the model's batched tensor arguments (a view, ``labels[:, :-1]``, a shifted copy
-  written in place, a mask): batched; without the batch on the batch dim, an error (it was folded);
+  written in place, a mask): batched, on the dim the forward moved the batch to (``pergrad.dims``:
+  ``x.transpose(0, 1)`` into sequence-first layers puts it on dim 1; ``located``); without the batch
+  on a dim of its own, an error (it was folded);
 - derived from a shared tensor (a ``Shared`` input), a parameter, or anything else without the batch
   on the batch dim (its size there is 1, or missing, or another): shared;
 - created inside the forward with B on the batch dim (``torch.arange(T)`` with T == B,
@@ -31,6 +33,11 @@ model's forward), never from its size alone:
   tensor broadcast along such a dim before either met the batch is caught there for the case
   that dim turns out to be the batch (``_defer``). Where an op cannot tell (``einsum``), or the
   output reaches the loss undecided, pergrad raises.
+
+Code whose ops the mode does not see (TorchScript) hands the model tensors it never saw: one with
+autograd history that reaches a layer or meets a shared tensor is refused (``UNTRACKED``). Under
+``torch.compile`` pergrad's hooks, this mode and ``Shared`` are never traced: the model's forward runs
+eagerly, so every op is seen.
 
 Outside the model's forward (a submodule called on its own, recomputation under checkpointing)
 nothing is followed: a layer input with autograd history or a float one that is not a buffer
@@ -54,10 +61,12 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._C import DisableTorchFunctionSubclass
+from torch._dynamo.decorators import skip
 from torch.nn.utils.rnn import PackedSequence
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
+from .dims import LOST, attribute_dim, carries, folded, result_dims, written
 from .errors import BatchSizeError, SharedInputError
 
 
@@ -201,9 +210,50 @@ def _argument(path: tuple[Any, ...]) -> str:
     return name + "".join(str(k) for k in where[1:])
 
 
+UNTRACKED = (
+    "computed by code whose ops pergrad does not see run (TorchScript: a torch.jit.script or torch.jit.trace "
+    "function or module, whose ops run outside Python; or a tensor with autograd history made before this call of "
+    "the model), so pergrad cannot tell whether or where it carries the batch. Call the plain Python function or "
+    "module instead of its scripted or traced form inside the wrapped model, or pass such a tensor to the model "
+    "as an argument"
+)
+
+
+def located(a: Any, dim: int, size: int, where: str, fixed: bool) -> int:
+    """The batch dim of a layer's input ``a`` in this call: where the model's forward put it
+    (``Provenance``: ``x.transpose(0, 1)`` puts it on dim 1), else the wrapper's ``dim``. ``fixed``: the
+    layer takes the batch on ``dim`` only (a convolution's ``N``); elsewhere is an error."""
+    found = provenance()
+    if found is None or not isinstance(a, Tensor) or isinstance(a, Shared):
+        return dim
+    at = found.where(a)
+    if at == UNSEEN and a.grad_fn is not None:
+        raise BatchSizeError(f"{where} got an input of shape {tuple(a.shape)} " + UNTRACKED + ".")
+    if at == LOST:  # an op pergrad could not follow: where the shape cannot tell either, an error
+        same = [j for j, s in enumerate(a.shape) if s == size]
+        if size > 1 and len(same) > 1 and dim in same:
+            after = found.lost_by(a)
+            raise BatchSizeError(
+                f"{where} got an input of shape {tuple(a.shape)} computed from the batch, but pergrad lost track of "
+                f"where the batch is in it{f' at the op {after}' if after else ''}, and its dims {same} all have the "
+                f"batch's size {size}. Move the batch with ops pergrad follows (transpose, permute, movedim, view, "
+                "reshape, basic indexing), or keep it on its own dim"
+            )
+        return dim
+    if at < 0 or at == dim:
+        return dim
+    if fixed:
+        raise BatchSizeError(
+            f"{where} takes the batch on dim {dim} of its input, but the model's forward moved it to dim {at} "
+            f"(input shape {tuple(a.shape)}, e.g. by x.transpose(0, 1)): the layer would mix the samples. Move the "
+            f"batch back before calling it (x.movedim({at}, {dim}))"
+        )
+    return at
+
+
 def classify(a: Any, output: Tensor, dim: int, batch: BatchInfo, where: str) -> Group | None:
-    """The group of a layer call on input ``a`` with ``output`` (batch on ``dim``), or None where
-    it is an ordinary batched call. See the module docstring."""
+    """The group of a layer call on input ``a`` with ``output`` (batch on ``dim``, as ``located``
+    finds it), or None where it is an ordinary batched call. See the module docstring."""
     if isinstance(a, Shared):
         live = [o for o in a.origins if o.live()]
         return live[0].group if live else None
@@ -215,10 +265,18 @@ def classify(a: Any, output: Tensor, dim: int, batch: BatchInfo, where: str) -> 
     carried = a.grad_fn is not None if found is None else found.carries(a)  # outside the forward: by its history
     if carried:
         if not has_batch and not (size == 1 and len(out_shape) > dim and out_shape[dim] == 1):
+            after = "" if found is None else found.lost_by(a)
             raise BatchSizeError(
                 f"{where} got input of shape {tuple(a.shape)} computed from the batch, but the model was called with "
                 f"a batch of {size} samples on dim {dim}: keep the batch on its own dim (a reshape that folds it into "
-                "another dim mixes samples for pergrad)"
+                "another dim, or indexing that picks samples out of it, mixes samples for pergrad)"
+                + (
+                    f"; pergrad lost track of the batch at the op {after}, which folded it, picked samples out of it, "
+                    "or moved it in a way pergrad does not follow (move it with transpose, permute, movedim, view "
+                    "or reshape)"
+                    if after
+                    else ""
+                )
             )
         return None
     if not has_batch or (isinstance(a, torch.nn.Parameter) and not batch.from_inputs(a)):
@@ -283,6 +341,7 @@ class Shared(Tensor):
     origins: tuple[Origin, ...]
 
     @classmethod
+    @torch.compiler.disable  # (Dynamo would trace pergrad's bookkeeping: a compiled model runs eagerly under it)
     def __torch_function__(
         cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
@@ -333,16 +392,46 @@ def _label(origins: list[Origin]) -> str:
 
 def _batch_evidence(flat: list[Any], group: Group, aligned: Callable[[Tensor], int | None]) -> bool:
     """Whether an untracked tensor operand computed from the batch (``Provenance``) has it where
-    ``aligned`` puts the batch dim. Outside the model's forward nothing is known to carry it."""
+    ``aligned`` puts the batch dim (None: wherever the operand has it). Outside the model's forward
+    nothing is known to carry it."""
     found = provenance()
     if found is None:
         return False
     for t in flat:
-        if isinstance(t, Tensor) and not isinstance(t, Shared) and found.carries(t):
-            k = aligned(t)
-            if k is not None and 0 <= k < t.dim() and t.shape[k] == group.batch and t.stride(k) != 0:
-                return True
+        if not isinstance(t, Tensor) or isinstance(t, Shared):
+            continue
+        at = found.where(t)
+        if at == UNSEEN and t.grad_fn is not None:
+            raise BatchSizeError(
+                f"{_label([o for o in _tracked_origins(flat) if o.live()])} is shared by the batch, and it meets a "
+                f"tensor of shape {tuple(t.shape)} " + UNTRACKED + "."
+            )
+        if not carries(at):
+            continue
+        k = aligned(t)
+        if k is None:
+            k = at if at >= 0 else group.dim
+        if 0 <= k < t.dim() and t.shape[k] == group.batch and t.stride(k) != 0 and (at in (k, LOST) or folded(at)):
+            return True
     return False
+
+
+def _tracked_origins(flat: list[Any]) -> list[Origin]:
+    """The origins of the tracked tensors among ``flat``."""
+    return list(dict.fromkeys(o for t in flat if isinstance(t, Shared) for o in t.origins))
+
+
+def _meeting_dim(flat: list[Any], group: Group, rank: int) -> int:
+    """Where the batch is in the result (``rank`` dims) of a broadcasting op: where the operands
+    computed from the batch have it (aligned from the right; ``Provenance``), else the group's dim."""
+    found = provenance()
+    if found is None:
+        return group.dim
+    dims = set()
+    for t in flat:
+        if isinstance(t, Tensor) and not isinstance(t, Shared) and (at := found.where(t)) >= 0:
+            dims.add(at + rank - t.dim())
+    return dims.pop() if len(dims) == 1 else group.dim
 
 
 def _out_shape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...] | None:
@@ -420,16 +509,17 @@ def _meet(
     """A broadcasting op (elementwise, matmul, attention mask) with tracked operands."""
     group = origins[0].group
     out = _out_shape(func, args, kwargs)
-    if out is None or len(out) <= group.dim or out[group.dim] != group.batch:
+    rank = 0 if out is None else len(out)
+    dim = _meeting_dim(flat, group, rank)
+    if out is None or rank <= dim or out[dim] != group.batch:
         return _wrap(_plain(func, args, kwargs), origins)  # no batch in the result: still shared
-    rank = len(out)
 
     def aligned(t: Tensor) -> int:
-        return group.dim - (rank - t.dim())
+        return dim - (rank - t.dim())
 
     if not _batch_evidence(flat, group, aligned):  # only shared tensors and constants: still shared
         return _defer(func, args, kwargs, origins, rank, aligned)
-    if func in _MATMUL and group.dim == rank - 2:
+    if func in _MATMUL and dim == rank - 2:
         left, right = (args[1], args[0]) if func is Tensor.__rmatmul__ else (args[0], args[1])
         if isinstance(right, Shared) and isinstance(left, Tensor) and not isinstance(left, Shared) and left.dim() >= 2:
             # the batch is the rows of the left operand ([T, B, r] @ [r, D], [B, r] @ [r, D]): make each
@@ -438,7 +528,7 @@ def _meet(
                 rows = left.unsqueeze(-2)
             found = provenance()
             if found is not None:  # (ops inside an op the mode sees are not seen again)
-                found.mark(rows)
+                found.mark(rows, found.where(left))
             out_rows = torch.matmul(rows, right)
             with DisableTorchFunctionSubclass():
                 return out_rows.squeeze(-2)
@@ -453,7 +543,7 @@ def _meet(
         if k < 0 or x.shape[k] == 1:  # broadcast over the batch: it meets the batch here
             for o in live:
                 o.group.state = "shared"
-            return _expanded(x, _roots(live), rank)
+            return _expanded(x, _roots(live), rank, dim)
         direct = [o for o in live if not o.unless]  # (stand-ins: broadcast along this dim, see _defer)
         maybe = [o for o in direct if o.group.state == "maybe"]
         if maybe and len(maybe) == len(direct):  # aligned with the batch of an operand that carries it
@@ -575,14 +665,17 @@ def _embedding(args: tuple[Any, ...], kwargs: dict[str, Any], origins: list[Orig
     for o in live:
         o.group.state = "shared"
     per_sample = _expanded(weight, _roots(live), weight.dim() + 1, dim=0)  # [B, V, D]
+    found = provenance()
+    at = LOST if found is None else found.where(ids)
+    dim = at if at >= 0 else group.dim
     with DisableTorchFunctionSubclass():
-        ids_b = ids.movedim(group.dim, 0)
+        ids_b = ids.movedim(dim, 0)
         samples = torch.arange(group.batch, device=ids.device).view(-1, *([1] * (ids_b.dim() - 1)))
         out = per_sample[samples, ids_b]  # [B, *ids_b.shape[1:], D]
         if padding_idx is not None:
             pad = padding_idx if padding_idx >= 0 else padding_idx + weight.shape[0]
             out = torch.where((ids_b == pad).unsqueeze(-1), out.detach(), out)
-        return out.movedim(0, group.dim)
+        return out.movedim(0, dim)
 
 
 def _unknown(
@@ -593,7 +686,7 @@ def _unknown(
     candidates = flat
     if func in _LAYER_OPS:  # weights never carry the batch: only the layer's input can
         candidates = [args[0]] if args else []
-    if _batch_evidence(candidates, group, lambda t: group.dim):
+    if _batch_evidence(candidates, group, lambda t: None):
         if func is _F.embedding and len(args) > 1 and isinstance(args[1], Shared) and not isinstance(args[0], Shared):
             return _embedding(args, kwargs, origins)
         name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
@@ -640,14 +733,12 @@ def _tensors(values: Any) -> Iterator[Tensor]:
             yield from (t for t in v if isinstance(t, Tensor))
 
 
-def _marked(marks: dict[int, weakref.ref[Tensor]], t: Tensor) -> bool:
-    """Whether ``marks`` holds ``t`` itself (not an earlier tensor that had the same id)."""
-    found = marks.get(id(t))
-    return found is not None and found() is t
+SEEN = -2  # ``Provenance.where``: seen computed in the forward, without the batch
+UNSEEN = -3  # ``Provenance.where``: never seen (held before the call, or computed by code the mode does not see)
 
 
 class Provenance(TorchFunctionMode):
-    """Which tensors of one forward of the model carry the batch, by where they came from.
+    """Which tensors of one forward of the model carry the batch, by where they came from, and on which dim.
 
     The model's tensor arguments with the batch on the batch dim carry it, and so does every tensor
     an op computes from one of them (``labels[:, :-1]``, ``ids != pad``, ``x.clone()``,
@@ -655,60 +746,131 @@ class Provenance(TorchFunctionMode):
     labels[:, :-1]`` makes ``shifted`` carry it). Tensors created inside the forward
     (``torch.arange(T)``, ``torch.ones``, ``x.new_zeros(...)``, ``torch.zeros_like(x)``: their
     values do not come from ``x``), buffers and their slices, parameters, and what ops compute from
-    those alone do not, whatever their size. Active (a ``TorchFunctionMode``, so every torch op is
-    seen) for the model's forward only; tensors are held by weak reference."""
+    those alone do not, whatever their size. Where an op moves the batch to another dim
+    (``x.transpose(0, 1)``), ``pergrad.dims`` follows it. Active (a ``TorchFunctionMode``, so every
+    torch op is seen) for the model's forward only; tensors are held by weak reference.
 
-    def __init__(self, seeds: list[Tensor]) -> None:
+    Code whose ops the mode does not see (TorchScript) makes tensors it never saw: ``where`` says so.
+    Dynamo never traces it: a compiled model's forward runs eagerly under it, so no op is hidden from it."""
+
+    def __init__(self, seeds: list[tuple[Tensor, int]], seen: list[Tensor], size: int) -> None:
         super().__init__()
-        # by id, with a weak reference telling that tensor from a later one given the same id (no
-        # callback: a callback removing the entry would make a reference cycle through this dict)
-        self._marks: dict[int, weakref.ref[Tensor]] = {}
+        self._size = size  # the batch size of the call
+        # by id: a weak reference telling that tensor from a later one given the same id (no callback:
+        # a callback removing the entry would make a reference cycle through this dict), its batch
+        # position (``pergrad.dims``; SEEN: no batch), and the op that lost it (for LOST)
+        self._marks: dict[int, tuple[weakref.ref[Tensor], int, str]] = {}
         self._before: Provenance | None = None
-        for t in seeds:
-            self.mark(t)
+        for t in seen:
+            self.see(t)
+        for t, dim in seeds:
+            self.mark(t, dim)
 
-    def mark(self, t: Tensor) -> None:
-        """Count ``t`` as carrying the batch."""
-        if not _marked(self._marks, t):
-            self._marks[id(t)] = weakref.ref(t)
+    def mark(self, t: Tensor, dim: int, by: str = "") -> None:
+        """Count ``t`` as carrying the batch on ``dim`` (LOST: on no dim followed, after op ``by``)."""
+        self._marks[id(t)] = (weakref.ref(t), dim, by)
+
+    def see(self, t: Tensor) -> None:
+        """Count ``t`` as seen computed in the forward, without the batch (unless it carries it)."""
+        if self._own(t) == UNSEEN:
+            self._marks[id(t)] = (weakref.ref(t), SEEN, "")
+
+    def _own(self, t: Tensor) -> int:
+        found = self._marks.get(id(t))
+        return found[1] if found is not None and found[0]() is t else UNSEEN
+
+    def where(self, t: Tensor) -> int:
+        """``t``'s batch dim; LOST where it carries the batch on a dim not followed; SEEN where it was
+        computed in the forward without the batch; UNSEEN where the mode never saw it (a view of a seen
+        tensor counts as that tensor, its batch dim kept where the view has the same shape)."""
+        found = self._own(t)
+        if found != UNSEEN:
+            return found
+        with torch._C.DisableTorchFunction():
+            return self._where_base(t)
+
+    def _where_base(self, t: Tensor) -> int:  # (where torch functions are not seen: in this mode's handler)
+        found = self._own(t)
+        if found != UNSEEN:
+            return found
+        base = t._base
+        if base is None:
+            return UNSEEN
+        found = self._own(base)
+        return found if not carries(found) or base.shape == t.shape else LOST
 
     def carries(self, t: Tensor) -> bool:
         """Whether ``t`` was computed from the batch (itself, or the tensor it is a view of)."""
-        if _marked(self._marks, t):
-            return True
-        with torch._C.DisableTorchFunction():
-            return self._carries(t)
+        return carries(self.where(t))
 
-    def _carries(self, t: Tensor) -> bool:  # (where torch functions are not seen: in this mode's handler)
-        if _marked(self._marks, t):
-            return True
-        base = t._base
-        return base is not None and _marked(self._marks, base)
+    def lost_by(self, t: Tensor) -> str:
+        """The op after which ``t``'s batch dim could not be followed (empty if not known)."""
+        found = self._marks.get(id(t))
+        return found[2] if found is not None and found[0]() is t else ""
 
+    @skip  # never traced nor compiled by Dynamo; a compiled model's frames run eagerly under it
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        kwargs = kwargs or {}
+        if _dynamo_callback() is not None:  # called from code Dynamo compiled: nothing called from here may be
+            return _without_dynamo(self._follow_op, func, args, kwargs or {})
+        return self._follow_op(func, args, kwargs or {})
+
+    def _follow_op(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``func`` and mark what it returns (see the class docstring)."""
         result = func(*args, **kwargs)
         if result is not None and not isinstance(result, Tensor | tuple | list):
             return result  # x.dim(), x.numel(), x.shape, x.item(): nothing to mark
         name = getattr(func, "__name__", "")
         if name == "__get__":  # an attribute: x.T, x.data, x.shape (the last not a tensor)
-            if isinstance(result, Tensor) and args and isinstance(args[0], Tensor) and self._carries(args[0]):
-                self.mark(result)
+            if isinstance(result, Tensor) and args and isinstance(args[0], Tensor):
+                found = self._where_base(args[0])
+                if carries(found):
+                    self.mark(result, attribute_dim(func, args[0].dim(), found))
+                else:
+                    self.see(result)
             return result
         operands = args[1:] if func in _NEW else args  # x.new_zeros(n): nothing of x's values
-        if not any(self._carries(t) for t in _tensors((*operands, *kwargs.values()))):
-            return result
-        if _writes_into_first(name) and args and isinstance(args[0], Tensor):
-            self.mark(args[0])
-            base = args[0]._base
-            if base is not None:
-                self.mark(base)
+        carried = []
+        for t in _tensors(operands if not kwargs else (*operands, *kwargs.values())):
+            k = self._where_base(t)
+            if carries(k):
+                carried.append((t, k))
         out = kwargs.get("out")
-        for t in _tensors((result, *(out if isinstance(out, tuple | list) else (out,)))):
-            self.mark(t)
+        if isinstance(result, Tensor) and out is None:
+            results = [result]
+        else:
+            results = list(_tensors((result, *(out if isinstance(out, tuple | list) else (out,)))))
+        if not carried:
+            for t in results:
+                self.see(t)
+            return result
+        if _writes_into_first(name) and args and isinstance(args[0], Tensor) and not carries(self._where_base(args[0])):
+            self._written(name, args, carried)
+        for t, dim in zip(results, result_dims(func, args, kwargs, results, carried, self._size), strict=True):
+            if dim == LOST:  # (named after the op that lost it first)
+                self.mark(t, dim, next((by for u, k in carried if k == LOST and (by := self.lost_by(u))), name))
+            else:
+                self.mark(t, dim)
         return result
+
+    def _written(self, name: str, args: tuple[Any, ...], carried: list[tuple[Tensor, int]]) -> None:
+        """Mark ``args[0]``, which did not carry the batch, and the tensor it is a view of, as carrying it
+        now that an op wrote into it from ``carried`` (``x[i] = y``, ``x.copy_(y)``): on the dim the
+        writer's batch lands on (aligned from the right; through the index for ``x[i] = y``)."""
+        target: Tensor = args[0]
+        value, k = carried[-1]
+        dim = LOST
+        if k >= 0 and name == "__setitem__" and len(args) > 2 and value is args[2]:
+            dim = written(args[1], target.dim(), k, value.dim())
+        elif k >= 0:
+            dim = k + target.dim() - value.dim()
+        if not (0 <= dim < target.dim() and target.shape[dim] == value.shape[k]):
+            dim = LOST
+        self.mark(target, dim, name if dim == LOST else "")
+        base = target._base
+        if base is not None and not carries(self._own(base)):
+            self.mark(base, dim if base.shape == target.shape else LOST, name)
 
     def aside(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` with this mode off the stack of torch function modes (it must be on top):
@@ -733,6 +895,15 @@ class Provenance(TorchFunctionMode):
     def __exit__(self, *exc: object) -> None:
         _local.provenance = self._before
         super().__exit__(*exc)
+
+
+_dynamo_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback  # (torch is pinned: a private name)
+
+
+@torch.compiler.disable
+def _without_dynamo(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with Dynamo's frame evaluation off."""
+    return fn(*args)
 
 
 def provenance() -> Provenance | None:
