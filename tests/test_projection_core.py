@@ -479,7 +479,8 @@ def test_features_are_the_same_numbers_at_the_end_of_the_backward_or_as_each_gra
 ) -> None:
     """The first backward (its check reads every call at the end) and the later ones (a call only the
     projection reads is projected as its output gradient arrives) give the same batch the same features,
-    bit for bit, and those of torch.func."""
+    to float64 round-off (the two paths may sum in another order: bit-for-bit equality held on some
+    machines, not on others, for the recurrent layers), and those of torch.func."""
     torch.manual_seed(0)
     net, batch_of, out_shape = CASES[family](17)
     net = net.double()
@@ -493,7 +494,7 @@ def test_features_are_the_same_numbers_at_the_end_of_the_backward_or_as_each_gra
         found.append(psm.per_sample_projections()[""])
     assert_close(found[0], _features(reference_grad_sample(net, x, y), net, Spec(DIM, kind, seed=3)), "torch.func")
     for step in (1, 2):
-        assert torch.equal(found[step], found[0]), f"step {step}"
+        assert_close(found[step], found[0], f"step {step}")
     psm.remove()
 
 
