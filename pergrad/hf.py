@@ -372,6 +372,13 @@ class PerSampleTrainer(Trainer):
                 f"the expected batch size per optimizer step, per_device_train_batch_size * "
                 f"gradient_accumulation_steps * world_size = {expected}, exceeds the {n} training samples"
             )
+        if privacy.seed is not None and privacy.seed == self.args.seed:
+            raise TrainerConfigError(
+                f"DPConfig(seed={privacy.seed}) is TrainingArguments.seed: the training seed is public (it is in the "
+                "arguments, the logs and usually the code), and whoever knows it replays every Poisson batch. Leave "
+                "DPConfig(seed=None) (the batches then come from the operating system's entropy), or give it a "
+                "secret seed of its own"
+            )
         generator = None if privacy.seed is None else torch.Generator().manual_seed(privacy.seed)
         return PoissonBatchSampler(
             n,

@@ -204,6 +204,7 @@ class DPSGD(PerSample):
         if not 0 < delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {delta!r}")
         options.setdefault("reduction", "sum")
+        options.setdefault("keep_grad_sample", False)  # (DPSGD refuses True: raw per-sample gradients on the model)
         super().__init__(module, **options)
         self.max_grad_norm, self.noise_multiplier, self.delta = max_grad_norm, noise_multiplier, delta
         self.target, self.generator, self.accountant, self.log_epsilon = target, generator, accountant, log_epsilon

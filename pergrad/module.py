@@ -836,6 +836,11 @@ class PerSampleModule:
         self._engine.unhooked.clear()
 
     @property
+    def keep_grad_sample(self) -> bool:
+        """Whether each backward stores ``p.grad_sample`` (see the ``keep_grad_sample`` argument)."""
+        return self._engine.keep_grad_sample
+
+    @property
     def removed(self) -> bool:
         """Whether ``remove()`` was called (or the construction failed): the model is no longer hooked."""
         return self._engine.closed

@@ -424,11 +424,11 @@ def test_dp_sgd_without_noise_is_the_sum_of_clipped_gradients_over_the_expected_
     .grad is sum_i clip(g_i) / 2 over the samples the Poisson draw put in the step, an empty step included
     (no forward; .grad 0, the noise alone)."""
     base = gpt2()
-    privacy = DPConfig(max_grad_norm=LM_CLIP, noise_multiplier=0.0, delta=1e-5, seed=0)  # reproducible batches
+    privacy = DPConfig(max_grad_norm=LM_CLIP, noise_multiplier=0.0, delta=1e-5, seed=5)  # reproducible batches
     recorder, trainer = run(copy.deepcopy(base), lm_data(13), tmp_path, args=dp_arguments(tmp_path), privacy=privacy)
     sizes = [[b["input_ids"].shape[0] for b in step["batches"]] for step in recorder.steps]
     assert len(sizes) == 6 and all(len(s) == 2 for s in sizes)
-    # with seed 0: [[0, 0], [1, 0], [1, 0], [1, 1], [1, 1], [2, 1]]
+    # with seed 5: [[0, 0], [1, 1], [1, 1], [2, 2], [1, 1], [1, 0]]
     assert [0, 0] in sizes and len({sum(s) for s in sizes}) > 2, sizes  # an empty step; the batch size varies
     NORMS.clear()
     for k, step in enumerate(recorder.steps):

@@ -40,6 +40,14 @@ from tests.test_distributed import Pool
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+@pytest.fixture(autouse=True)
+def _torch_seed_of_its_own() -> None:
+    """torch's global seed, set apart from the small seeds the samplers here take: a sampler seeded like
+    torch's default generator is refused, and which seed an earlier test left must not decide a test."""
+    torch.manual_seed(987654321)
+
+
 # -- the sampler -----------------------------------------------------------------------------------
 
 
@@ -216,7 +224,7 @@ def test_the_shares_of_the_draws_wait_for_dpsgd_in_order() -> None:
 
 
 def make_model() -> nn.Sequential:
-    torch.manual_seed(0)
+    torch.manual_seed(987654321)  # (not a seed the samplers here use: a sampler seeded like torch is refused)
     return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
 
 
@@ -276,7 +284,7 @@ def test_grad_is_the_sum_of_clipped_gradients_over_the_expected_batch(setting: s
     later = options.pop("loss_scale") if setting == "loss_scale_later" else None
     batches = sampler(N, Q, 8, seed=41, micro_batches=2)
     sizes = []
-    with PerSampleModule(model, **options) as psm:
+    with PerSampleModule(model, **{"keep_grad_sample": False, **options}) as psm:
         dp = DPSGD(psm, optimizer, batches, max_grad_norm=C, noise_multiplier=0.0)
         if later is not None:
             psm.loss_scale = later
@@ -308,7 +316,7 @@ def test_a_module_target_clips_its_own_parameters_together() -> None:
         m[2].requires_grad_(False)  # outside the target: frozen
     optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)
     batches = sampler(N, Q, 5, seed=1)
-    with PerSampleModule(model) as psm:
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
         dp = DPSGD(psm, optimizer, batches, max_grad_norm=C, noise_multiplier=0.0, target="0")
         for (rows,) in steps_of(batches):
             model.zero_grad()
@@ -439,7 +447,7 @@ def test_the_noise_is_independent_of_the_batch_choice() -> None:
 def test_a_noise_generator_tied_to_the_batches_or_to_torch_s_seed_is_refused() -> None:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with PerSampleModule(model) as psm:
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
         batches = sampler(N, Q, 3, seed=11)
         tied = r"the sampler's generator or seeded like it \(11\).*membership attack.*Leave generator=None"
         with pytest.raises(PrivacyError, match=tied):
@@ -454,18 +462,13 @@ def test_a_noise_generator_tied_to_the_batches_or_to_torch_s_seed_is_refused() -
                 generator=torch.Generator().manual_seed(11),
             )
         torch.manual_seed(5)
-        default = r"torch's default generator or seeded like it \(5\).*regenerate the noise"
-        with pytest.raises(PrivacyError, match=default):
-            DPSGD(psm, optimizer, batches, max_grad_norm=C, noise_multiplier=1.0, generator=torch.default_generator)
-        with pytest.raises(PrivacyError, match=default):
-            DPSGD(
-                psm,
-                optimizer,
-                batches,
-                max_grad_norm=C,
-                noise_multiplier=1.0,
-                generator=torch.Generator().manual_seed(5),
-            )
+        public = (
+            r"noise generator is public: it (is torch's default generator|is seeded like torch's default "
+            r"generator \(5|was never seeded).*regenerate the noise"
+        )
+        for generator in (torch.default_generator, torch.Generator().manual_seed(5), torch.Generator()):
+            with pytest.raises(PrivacyError, match=public):
+                DPSGD(psm, optimizer, batches, max_grad_norm=C, noise_multiplier=1.0, generator=generator)
         secure = PoissonBatchSampler(N, Q, secure_mode=True)
         with pytest.raises(PrivacyError, match=r"sampler is in secure mode.*pass generator=None"):
             DPSGD(
@@ -484,7 +487,7 @@ def test_resuming_counts_the_steps_and_continues_a_seeded_noise() -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         batches = sampler(N, Q, 6, seed=4)
         grads = []
-        psm = PerSampleModule(model)
+        psm = PerSampleModule(model, keep_grad_sample=False)
         dp = DPSGD(
             psm, optimizer, batches, max_grad_norm=C, noise_multiplier=1.0, generator=torch.Generator().manual_seed(3)
         )
@@ -492,7 +495,7 @@ def test_resuming_counts_the_steps_and_continues_a_seeded_noise() -> None:
             if split and step == 2:  # a new wrapper and DPSGD from the saved state
                 state = copy.deepcopy(dp.state_dict())
                 psm.remove()
-                psm = PerSampleModule(model)
+                psm = PerSampleModule(model, keep_grad_sample=False)
                 other = torch.Generator().manual_seed(99)
                 dp = DPSGD(psm, optimizer, batches, max_grad_norm=C, noise_multiplier=1.0, generator=other)
                 dp.load_state_dict(state)
@@ -515,7 +518,7 @@ def test_epsilon_is_the_accountants_for_the_steps_taken() -> None:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = sampler(N, Q, 3)
-    with PerSampleModule(model) as psm:
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
         dp = DPSGD(psm, optimizer, batches, max_grad_norm=C, noise_multiplier=1.1)
         assert dp.epsilon(1e-5) == 0.0
         for (rows,) in steps_of(batches):
@@ -538,12 +541,18 @@ def test_refused_settings_say_what_to_do() -> None:
     with pytest.raises(PrivacyError, match=r"needs the PerSampleModule wrapping the model, got Sequential"):
         DPSGD(model, opt, batches, **kw)  # type: ignore[arg-type]
     scaled = r"grad_scaler= \(fp16 loss scaling\).*Train in bfloat16"
-    with PerSampleModule(model, grad_scaler=2.0) as psm, pytest.raises(PrivacyError, match=scaled):
+    with (
+        PerSampleModule(model, grad_scaler=2.0, keep_grad_sample=False) as psm,
+        pytest.raises(PrivacyError, match=scaled),
+    ):
         DPSGD(psm, opt, batches, **kw)
     samples = r"accumulate='samples' with reduction='mean'.*accumulate='backward'"
-    with PerSampleModule(model, accumulate="samples") as psm, pytest.raises(PrivacyError, match=samples):
+    with (
+        PerSampleModule(model, accumulate="samples", keep_grad_sample=False) as psm,
+        pytest.raises(PrivacyError, match=samples),
+    ):
         DPSGD(psm, opt, batches, **kw)
-    with PerSampleModule(model) as psm:
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
         with pytest.raises(PrivacyError, match=r"needs the torch.optim.Optimizer that steps the model"):
             DPSGD(psm, None, batches, **kw)  # type: ignore[arg-type]
         loader = DataLoader(TensorDataset(X, Y), batch_size=4, shuffle=True)
@@ -558,7 +567,7 @@ def test_refused_settings_say_what_to_do() -> None:
         psm.register_transform(model[2], transforms.clip_norm(1.0))
         with pytest.raises(PrivacyError, match=r"cannot clip the whole model: .*overlaps module '2'.*only transform"):
             DPSGD(psm, opt, batches, **kw)
-    with PerSampleModule(model) as psm:
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
         dp = DPSGD(psm, opt, batches, **kw)
         with pytest.raises(PrivacyError, match=r"saved DP-SGD state has noise_multiplier=2.0, this DPSGD 1.0"):
             dp.load_state_dict({"steps": 3, "noise_multiplier": 2.0})
@@ -579,7 +588,7 @@ class WithTemperature(nn.Module):
 def test_a_trained_parameter_outside_the_clipping_is_refused() -> None:
     holder = WithTemperature()
     opt = torch.optim.SGD(holder.parameters(), lr=0.1)
-    with PerSampleModule(holder.net) as psm:
+    with PerSampleModule(holder.net, keep_grad_sample=False) as psm:
         with pytest.raises(
             PrivacyError,
             match=r"optimizer steps 1 trainable parameter\(s\) DPSGD does not clip.*"
@@ -608,7 +617,7 @@ def test_misuse_is_refused_at_the_step() -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kw: dict[str, Any] = dict(max_grad_norm=C, noise_multiplier=1.0)
-    psm = PerSampleModule(model)
+    psm = PerSampleModule(model, keep_grad_sample=False)
     batches = sampler(N, 0.5, 20, seed=8)
     dp = DPSGD(psm, opt, batches, **kw)
     steps = steps_of(batches)
@@ -651,7 +660,7 @@ def test_misuse_is_refused_at_the_step() -> None:
         opt.step()
     # wrapping again with a new DPSGD replaces the stale one; dp.remove() lets plain training go on
     opt.zero_grad()
-    psm = PerSampleModule(model)
+    psm = PerSampleModule(model, keep_grad_sample=False)
     again = DPSGD(psm, opt, sampler(N, 0.5, 2, seed=9), **kw)
     again.remove()
     psm.remove()
@@ -662,7 +671,7 @@ def test_the_steps_the_noise_was_calibrated_for_are_a_budget() -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = sampler(N, Q, 3, seed=6)
-    with PerSampleModule(model) as psm:
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
         dp = DPSGD(psm, opt, batches, max_grad_norm=C, noise_multiplier=1.0, max_steps=3)
         for (rows,) in steps_of(batches):
             _one_step(psm, rows)
@@ -680,7 +689,7 @@ def test_a_closure_step_gets_the_noise_after_its_backward() -> None:
     model, reference = make_model(), make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     batches = sampler(N, Q, 4, seed=2)
-    with PerSampleModule(model) as psm:
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
         dp = DPSGD(psm, opt, batches, max_grad_norm=C, noise_multiplier=0.0)
         for (rows,) in steps_of(batches):
 
@@ -721,7 +730,7 @@ def test_a_models_own_token_mean_loss_is_refused() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = PoissonBatchSampler(8, 1.0, steps=2, generator=torch.Generator().manual_seed(0))
     ids = torch.randint(0, 7, (8, 6), generator=torch.Generator().manual_seed(1))
-    with PerSampleModule(model) as psm:
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
         dp = DPSGD(psm, opt, batches, max_grad_norm=1.0, noise_multiplier=0.0)
         rows = next(iter(batches))
         labels = ids[rows].clone()
@@ -841,16 +850,16 @@ def ddp_refusals(rank: int, world: int, what: str) -> str:
     model = make_model()
     try:
         if what == "mean":
-            psm = PerSampleModule(DistributedDataParallel(model))
+            psm = PerSampleModule(DistributedDataParallel(model), keep_grad_sample=False)
             DPSGD(
                 psm,
                 torch.optim.SGD(model.parameters()),
-                PoissonBatchSampler(DDP_N, DDP_Q),
+                PoissonBatchSampler(DDP_N, DDP_Q, num_replicas=world, rank=rank),
                 max_grad_norm=C,
                 noise_multiplier=1.0,
             )
         elif what == "generators":
-            psm = PerSampleModule(DistributedDataParallel(model), reduction="sum")
+            psm = PerSampleModule(DistributedDataParallel(model), reduction="sum", keep_grad_sample=False)
             batches = PoissonBatchSampler(DDP_N, DDP_Q, num_replicas=world, rank=rank)
             dp = DPSGD(
                 psm,
@@ -868,7 +877,7 @@ def ddp_refusals(rank: int, world: int, what: str) -> str:
             list(PoissonBatchSampler(DDP_N, DDP_Q, generator=own, num_replicas=world, rank=rank))
         elif what == "skipped":  # the recipe that skipped an empty batch: a step whose draw is empty on both ranks
             ddp = DistributedDataParallel(model)
-            psm = PerSampleModule(ddp, reduction="sum")
+            psm = PerSampleModule(ddp, reduction="sum", keep_grad_sample=False)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
             batches = PoissonBatchSampler(
                 DDP_N, 0.001, num_replicas=world, rank=rank, generator=torch.Generator().manual_seed(0)
@@ -982,9 +991,147 @@ def test_a_model_under_dpsgd_copies_and_pickles_without_it() -> None:
 
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with PerSampleModule(model) as psm:
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
         dp = DPSGD(psm, opt, sampler(N, Q, 2), max_grad_norm=C, noise_multiplier=1.0)
         for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
             copied(X[:3]).sum().backward()  # a plain backward: nothing of DPSGD runs
             assert all(p.grad is not None for p in copied.parameters())
         dp.remove()
+
+
+# -- an adversary's review: ways around the checks, each now refused ---------------------------------------
+
+
+def _dp(model: nn.Module, **kwargs: Any) -> tuple[PerSampleModule, torch.optim.Optimizer, PoissonBatchSampler, DPSGD]:
+    psm = PerSampleModule(model, keep_grad_sample=False)
+    opt = kwargs.pop("optimizer", None) or torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = kwargs.pop("batches", None) or sampler(N, 0.5, 20, seed=31)
+    return psm, opt, batches, DPSGD(psm, opt, batches, max_grad_norm=C, noise_multiplier=1.0, **kwargs)
+
+
+def test_an_update_made_from_the_noiseless_gradient_is_refused() -> None:
+    """A hand-written update, an optimizer made after DPSGD (no hook), another optimizer stepping first:
+    the parameters move from the clipped sum before any noise. Refused at the noise, or at the next forward."""
+    model = make_model()
+    psm, opt, batches, dp = _dp(model)
+    steps = steps_of(batches)
+    _one_step(psm, next(steps)[0])
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad  # type: ignore[operator]
+    with pytest.raises(PrivacyError, match=r"changed before this forward, after the step's backward.*hand-written"):
+        _one_step(psm, next(steps)[0])
+    dp.remove()
+    psm.remove()
+    model = make_model()
+    psm, opt, batches, dp = _dp(model)
+    other = torch.optim.SGD(model.parameters(), lr=0.1)  # (re-running the optimizer's cell)
+    steps = steps_of(batches)
+    _one_step(psm, next(steps)[0])
+    other.step()
+    with pytest.raises(PrivacyError, match=r"changed before this forward"):
+        _one_step(psm, next(steps)[0])
+    dp.remove()
+    psm.remove()
+    model = make_model()
+    head = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    psm, opt, batches, dp = _dp(model, optimizer=torch.optim.SGD(model[0].parameters(), lr=0.1))
+    _one_step(psm, next(steps_of(batches))[0])
+    head.step()  # the head's update before the body's optimizer adds the noise
+    with pytest.raises(PrivacyError, match=r"\['2.weight', '2.bias'\] changed before the noise"):
+        opt.step()
+    dp.remove()
+    psm.remove()
+
+
+def test_a_closure_evaluated_twice_in_a_step_is_refused() -> None:
+    model = make_model()
+    psm = PerSampleModule(model, keep_grad_sample=False)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=4)
+    batches = sampler(N, 0.5, 3, seed=32)
+    dp = DPSGD(psm, opt, batches, max_grad_norm=C, noise_multiplier=1.0)
+    (rows,) = next(steps_of(batches))
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        loss = loss_of(psm(X[rows]), Y[rows], "mean")
+        loss.backward()
+        return loss
+
+    with pytest.raises(PrivacyError, match=r"LBFGS evaluated its closure again within one step"):
+        opt.step(closure)
+    dp.remove()
+    psm.remove()
+
+
+def test_a_backward_after_the_noise_is_refused() -> None:
+    model = make_model()
+    psm, _, batches, dp = _dp(model)
+    rows = next(steps_of(batches))[0]
+    _one_step(psm, rows)
+    dp.add_noise()
+    before = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    with pytest.raises(PrivacyError, match=r"a backward after this step's noise and before optimizer.step"):
+        _one_step(psm, rows)
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))  # type: ignore[arg-type]
+    dp.remove()
+    psm.remove()
+
+
+def test_the_samplers_settings_are_the_accountants() -> None:
+    model = make_model()
+    psm, opt, batches, dp = _dp(model)
+    batches.sample_rate = 0.9  # after DPSGD read 0.5
+    (rows,) = next(steps_of(batches))
+    _one_step(psm, rows)
+    with pytest.raises(PrivacyError, match=r"sampler's settings changed after DPSGD was made \(sample_rate 0.9"):
+        opt.step()
+    dp.remove()
+    psm.remove()
+
+
+def test_public_generators_for_the_batches_are_refused() -> None:
+    torch.manual_seed(123)
+    public = (
+        r"PoissonBatchSampler's generator is public: it (is torch's default generator|was never seeded|is seeded like)"
+    )
+    for generator in (torch.default_generator, torch.Generator(), torch.Generator().manual_seed(123)):
+        with pytest.raises(PrivacyError, match=public):
+            PoissonBatchSampler(N, Q, generator=generator)
+
+
+def test_one_sampler_two_dpsgds_and_kept_per_sample_gradients_are_refused() -> None:
+    first, second = make_model(), make_model()
+    psm, _, batches, dp = _dp(first)
+    other = PerSampleModule(second, keep_grad_sample=False)
+    with pytest.raises(PrivacyError, match=r"the sampler already feeds another DPSGD"):
+        DPSGD(other, torch.optim.SGD(second.parameters()), batches, max_grad_norm=C, noise_multiplier=1.0)
+    other.remove()
+    dp.remove()
+    psm.remove()
+    with PerSampleModule(second) as kept, pytest.raises(PrivacyError, match=r"keep_grad_sample=False: with True"):
+        DPSGD(
+            kept, torch.optim.SGD(second.parameters()), sampler(N, Q, 2, seed=33), max_grad_norm=C, noise_multiplier=1.0
+        )
+
+
+def test_public_samples_inside_public_are_clipped_and_not_counted() -> None:
+    """A DP-GAN's discriminator: the real (private) batch from the sampler, the generated batch inside
+    ``dp.public()``: both clipped, only the real one counted against the draw."""
+    model, reference = make_model(), make_model()
+    psm, opt, batches, dp = _dp(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+    dp.noise_multiplier = 0.0
+    (rows,) = next(steps_of(batches))
+    fake = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    fake_y = torch.randint(0, 3, (5,), generator=torch.Generator().manual_seed(10))
+    _one_step(psm, rows)
+    with dp.public():
+        loss_of(psm(fake), fake_y, "mean").backward()
+    dp.add_noise()
+    ref = reference_grad_sample(reference, torch.cat([X[rows], fake]), torch.cat([Y[rows], fake_y]), F.cross_entropy)
+    expected = {n: g.sum(0) / (0.5 * N) for n, g in clipped(ref, C).items()}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-10, atol=1e-13)
+    opt.step()
+    dp.remove()
+    psm.remove()

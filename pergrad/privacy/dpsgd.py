@@ -29,11 +29,13 @@ from ..loss_scale import factor_reader
 from ..module import PerSampleModule
 from ..transforms import ClipNorm
 from .accounting import ACCOUNTANTS, epsilon_of
-from .randomness import SecureStream, entropy_generator, same_on_every_rank, world_size
+from .randomness import SecureStream, entropy_generator, public_seed, same_on_every_rank, world_size
 from .sampling import PoissonBatchSampler
 
-# the live DPSGD of each optimizer: a second one on the same optimizer would add its noise again
+# the live DPSGD of each optimizer (a second one would add its noise again) and of each sampler (two would
+# take each other's draws)
 _OWNERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, DPSGD] = weakref.WeakKeyDictionary()
+_SAMPLERS: weakref.WeakKeyDictionary[PoissonBatchSampler, DPSGD] = weakref.WeakKeyDictionary()
 
 
 class PrivateClip(ClipNorm):
@@ -41,7 +43,8 @@ class PrivateClip(ClipNorm):
     ``sum_i clip_C(g_i) / E[B]`` from each backward, whatever the wrapper's ``reduction`` (its ``"mean"``
     divides by the batch size: the factors multiply by it) and ``loss_scale`` ``s`` (pergrad writes ``s``
     times the reduction: the factors divide by it). ``on_batch`` is told each backward's batch size, and
-    answers whether its samples count (False: a stand-in, whose factors are 0)."""
+    answers whether its samples count (False: a stand-in, whose factors are 0); outside a backward (the
+    audit applying the transform to held gradients) the factors are computed alone."""
 
     def __init__(
         self,
@@ -55,7 +58,9 @@ class PrivateClip(ClipNorm):
         self.psm, self.on_batch = psm, on_batch
 
     def factors(self, norms: Tensor | None, batch_size: int, like: Tensor) -> Tensor:
-        if not self.on_batch(batch_size):  # a stand-in batch: clipped to nothing
+        # in a backward, the batch is reported (outside one, e.g. the audit applying T again: nothing happens)
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and not self.on_batch(batch_size):  # a stand-in batch: clipped to nothing
             return like.new_zeros(batch_size)
         weight = (batch_size if self.psm.reduction == "mean" else 1) / self.expected_batch_size
         factors = super().factors(norms, batch_size, like) * weight
@@ -187,6 +192,7 @@ class DPSGD:
         self.secure_mode = sampler.secure_mode
         self.accountant, self.max_steps = accountant, max_steps
         self.steps = 0
+        self._check_shares()  # (first: a collective, which every rank must reach)
         self._check_wrapper()
         self.target = psm.module if target is None else target
         self._name = self._find_target()
@@ -199,16 +205,30 @@ class DPSGD:
         # what the running step has done so far: samples clipped, forwards run, noise added
         self._counted, self._forwards, self._noised = 0, 0, False
         self.standing_in = False  # inside stand_in(): backward passes that stand in for an empty share
+        self.public_data = False  # inside public(): backward passes of samples that are not private
+        # the covered parameters' versions at the step's last backward: an update before the noise changes them
+        self._versions: list[int] | None = None
+        self._closure_calls = 0
+        # the model inputs of this step's forwards and of the last step's: the same batch in two steps is refused
+        self._inputs: list[weakref.ref[Tensor]] = []
+        self._previous: list[weakref.ref[Tensor]] = []
         self._audit: PrivateAudit | None = None
         previous = _OWNERS.get(optimizer)
         if previous is not None:
-            if not previous.psm.removed:
+            if not previous.removed():
                 raise PrivacyError(
                     f"the optimizer already has a DPSGD ({previous!r}): two would add their noise to one step. Call "
                     "remove() on the first one, or use one DPSGD"
                 )
             previous.remove()
         self._check_optimizer()
+        other = _SAMPLERS.get(sampler)
+        if other is not None and not other.removed():
+            raise PrivacyError(
+                f"the sampler already feeds another DPSGD ({other!r}): each takes the sampler's draws as its own steps, "
+                "so each would check its steps against the other's draws. Give each DPSGD its own "
+                "PoissonBatchSampler (and loader), or call remove() on the other"
+            )
         sampler.track_shares()
         self._clip = PrivateClip(self.max_grad_norm, self.expected_batch_size, psm, self._on_batch)
         try:
@@ -226,11 +246,19 @@ class DPSGD:
             psm.module.register_forward_hook(InertWhenCopied(self._on_output), with_kwargs=True),
         ]
         _OWNERS[optimizer] = self
+        _SAMPLERS[sampler] = self
 
     # -- what is refused ---------------------------------------------------------------------------
 
     def _check_wrapper(self) -> None:
         psm = self.psm
+        if psm.keep_grad_sample:
+            raise PrivacyError(
+                "DPSGD takes a wrapper with keep_grad_sample=False: with True, every parameter holds each sample's raw, "
+                "unclipped gradient (p.grad_sample) after each backward, and so would any copy, pickle or checkpoint "
+                "of the model (torch.save(model), EMA or SWA copies). DP-SGD's clipping needs none of them: "
+                "PerSampleModule(model, keep_grad_sample=False)"
+            )
         if psm.grad_scaler is not None:
             raise PrivacyError(
                 "DPSGD does not take a wrapper with grad_scaler= (fp16 loss scaling): the noise would have to follow "
@@ -252,11 +280,31 @@ class DPSGD:
         self._check_distributed()
 
     def _check_distributed(self) -> None:
-        if self.psm.reduction == "mean" and world_size() > 1:
+        world = world_size()
+        if world == 1:
+            return
+        if self.psm.reduction == "mean":
             raise PrivacyError(
                 "under torch.distributed, DPSGD needs the wrapper's reduction='sum' (pergrad's sum runs over every "
                 "rank's samples; its 'mean' is a mean of each rank's mean): PerSampleModule(ddp_model, "
                 "reduction='sum'); the loss's own reduction (loss_reduction) may stay 'mean'"
+            )
+
+    def _check_shares(self) -> None:
+        """Under ``torch.distributed``, once, with every rank: the samplers' ranks are the processes' (each rank
+        sees every rank's answer, so a misconfigured sampler stops them all instead of leaving the others
+        waiting in their first gradient reduction)."""
+        world = world_size()
+        if world == 1:
+            return
+        found: list[Any] = [None] * world
+        torch.distributed.all_gather_object(found, (self.sampler.num_replicas, self.sampler.rank))
+        if found != [(world, r) for r in range(world)]:
+            raise PrivacyError(
+                f"the ranks' PoissonBatchSamplers have (num_replicas, rank) = {found}, not (world size {world}, the "
+                "process's rank): the ranks would not train on disjoint shares of one draw (every rank on the whole "
+                "draw: each sample twice in the step, sensitivity 2C). Pass PoissonBatchSampler(..., "
+                "num_replicas=world_size, rank=rank) on each rank, or use make_private"
             )
 
     def _find_target(self) -> str:
@@ -322,12 +370,12 @@ class DPSGD:
                 "the sampler is in secure mode: DPSGD then draws its noise from a cryptographically secure stream of "
                 "its own; pass generator=None"
             )
-        if generator is torch.default_generator or generator.initial_seed() == torch.initial_seed():
+        public = public_seed(generator)
+        if public is not None:
             raise PrivacyError(
-                f"DPSGD's noise generator is torch's default generator or seeded like it ({generator.initial_seed()}): "
-                "whoever knows that seed (set by torch.manual_seed, often published with the code) can regenerate "
-                "the noise and subtract it. Leave generator=None (the noise is then seeded from the operating "
-                "system's entropy)"
+                f"DPSGD's noise generator is public: {public}. Whoever knows that seed (code is often published with "
+                "its seeds) can regenerate the noise and subtract it. Leave generator=None (the noise is then seeded "
+                "from the operating system's entropy), or seed it from a secret of yours"
             )
         drawn = self.sampler.generator if self.sampler.seeded else None
         if drawn is not None and (generator is drawn or generator.initial_seed() == drawn.initial_seed()):
@@ -345,10 +393,30 @@ class DPSGD:
     # -- the hooks ---------------------------------------------------------------------------------
 
     def _on_batch(self, batch_size: int) -> bool:
+        if self._noised:
+            raise PrivacyError(
+                "a backward after this step's noise and before optimizer.step(): its clipped sum would reach the "
+                "update without noise of its own. Run every backward of the step before add_noise() (or leave the "
+                "noise to optimizer.step())"
+            )
+        self._versions = [p._version for p in self.params()]
         if self.standing_in:
             return False
-        self._counted += batch_size
+        if not self.public_data:
+            self._counted += batch_size
         return True
+
+    @contextlib.contextmanager
+    def public(self) -> Iterator[None]:
+        """For samples that are not private (a GAN's generated samples through its discriminator): the
+        backward passes inside are clipped and reduced as any other, but their samples are not counted
+        against the sampler's draw. Only for data that is public: private data inside it would be trained
+        on without being one Poisson draw per step, as the accountant assumes."""
+        self.public_data = True
+        try:
+            yield
+        finally:
+            self.public_data = False
 
     @contextlib.contextmanager
     def stand_in(self) -> Iterator[None]:
@@ -362,8 +430,37 @@ class DPSGD:
             self.standing_in = False
 
     def _on_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if torch.is_grad_enabled():
-            self._forwards += 1
+        if not torch.is_grad_enabled():
+            return
+        self._check_unchanged("before this forward")
+        self._forwards += 1
+        x = args[0] if args and isinstance(args[0], Tensor) else None
+        if x is None or self.standing_in or self.public_data:
+            return
+        if any(ref() is x for ref in self._previous):
+            raise PrivacyError(
+                "this forward's input is the batch the last optimizer step trained on: a Poisson draw trained in two "
+                "steps is two queries of it, and the accountant counts one. Take one optimizer step per draw (for "
+                "several local steps, draw a new batch for each)"
+            )
+        self._inputs.append(weakref.ref(x))
+
+    def _check_unchanged(self, when: str) -> None:
+        """Refuse where a parameter DPSGD covers changed since the step's last backward, before its noise:
+        an update (a hand-written one, an optimizer DPSGD does not hook, another optimizer stepping first)
+        that used the noiseless clipped sum."""
+        if self._versions is None or self._noised:
+            return
+        moved = [p for p, v in zip(self.params(), self._versions, strict=False) if p._version != v]
+        if not moved:
+            return
+        names = {id(p): n for n, p in self.psm.module.named_parameters()}
+        raise PrivacyError(
+            f"parameter(s) {[names.get(id(p), '?') for p in moved[:3]]} changed {when}, after the step's backward and "
+            "before DP-SGD's noise: an update made from the noiseless clipped sum (a hand-written p -= lr * p.grad, "
+            "an optimizer made after DPSGD, another optimizer stepping before this one). Step with the optimizer "
+            "DPSGD hooks (a new optimizer needs a new DPSGD), or call dp.add_noise() before any update"
+        )
 
     def _on_output(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         labels = lm_loss.token_labels(kwargs)
@@ -386,6 +483,14 @@ class DPSGD:
             return None
 
         def closure_then_noise() -> Any:
+            self._closure_calls += 1
+            if self._closure_calls > 1:
+                raise PrivacyError(
+                    f"{type(optimizer).__name__} evaluated its closure again within one step (LBFGS and line searches "
+                    "do): each evaluation is one more query of the private batch, which the accountant does not "
+                    "count, and only the first one's gradient would be noised. DP-SGD takes one gradient per step: "
+                    "use SGD, Adam or another first-order optimizer"
+                )
             found = closure()
             self._complete()
             return found
@@ -400,6 +505,8 @@ class DPSGD:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._counted, self._forwards, self._noised = 0, 0, False
+        self._versions, self._closure_calls = None, 0
+        self._previous, self._inputs = self._inputs, []
 
     # -- the noise ---------------------------------------------------------------------------------
 
@@ -422,6 +529,19 @@ class DPSGD:
                 "all taken; one more would spend more than the target epsilon. "
                 "Stop here, or set up the run again for more epochs (make_private(..., epochs=...))"
             )
+        sampler = self.sampler
+        if (sampler.sample_rate, sampler.sample_rate * sampler.num_samples, sampler.secure_mode) != (
+            self.sample_rate,
+            self.expected_batch_size,
+            self.secure_mode,
+        ):
+            raise PrivacyError(
+                f"the sampler's settings changed after DPSGD was made (sample_rate {sampler.sample_rate}, "
+                f"num_samples {sampler.num_samples}, secure_mode {sampler.secure_mode}; DPSGD accounts for "
+                f"sample_rate {self.sample_rate}, expected batch {self.expected_batch_size:g}): the accountant would "
+                "count the steps at a rate they were not drawn at. Make a new sampler and DPSGD for new settings"
+            )
+        self._check_unchanged("before the noise")
         self._check_distributed()
         self._check_outside()
         self._check_optimizer()
@@ -443,7 +563,9 @@ class DPSGD:
                 "exactly one Poisson draw of DPSGD's sampler, so the accounting does not hold. Train on the batches "
                 "of DataLoader(data, batch_sampler=sampler, collate_fn=collate_with_empty(data)) (not on another "
                 "loader), one optimizer step per draw (with micro_batches=k, k backward passes per step), one "
-                "backward per batch (two backward passes of one batch clip each sample twice)"
+                "backward per batch (two backward passes of one batch clip each sample twice). Samples that are not "
+                "private and not from the draw (a GAN's generated samples through its discriminator): backpropagate "
+                "them inside `with dp.public():`"
             )
 
     def _generator(self, like: Tensor) -> torch.Generator:
@@ -544,6 +666,12 @@ class DPSGD:
         self._handles.clear()
         if _OWNERS.get(self.optimizer) is self:
             del _OWNERS[self.optimizer]
+        if _SAMPLERS.get(self.sampler) is self:
+            del _SAMPLERS[self.sampler]
+
+    def removed(self) -> bool:
+        """Whether this DPSGD's hooks are gone (``remove()``) or its wrapper was removed."""
+        return not self._handles or self.psm.removed
 
     # -- accounting and resuming -------------------------------------------------------------------
 

@@ -52,6 +52,19 @@ def same_on_every_rank(generator: torch.Generator) -> bool:
     return len(set(digests)) == 1
 
 
+def public_seed(generator: torch.Generator) -> str | None:
+    """Why ``generator``'s stream is public (anyone who knows the code can replay it), or None: torch's
+    default generator itself, a generator never seeded (torch's fixed default seed), or one seeded like
+    torch's default generator (``torch.manual_seed``'s seed, which the code usually shows)."""
+    if generator is torch.default_generator:
+        return "it is torch's default generator (seeded by torch.manual_seed)"
+    if generator.initial_seed() == torch.Generator().initial_seed():
+        return f"it was never seeded: torch.Generator()'s fixed default seed {generator.initial_seed()}"
+    if generator.initial_seed() == torch.initial_seed():
+        return f"it is seeded like torch's default generator ({generator.initial_seed()}, torch.manual_seed's seed)"
+    return None
+
+
 def entropy_seed() -> int:
     """A fresh seed of 63 bits from the operating system's entropy; rank 0's under ``torch.distributed``."""
     return int(_rank0s(secrets.randbits(63)))

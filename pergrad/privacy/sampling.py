@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.utils.data import Sampler, default_collate
 
 from ..errors import PrivacyError
-from .randomness import SecureStream, entropy_generator, same_on_every_rank, world_size
+from .randomness import SecureStream, entropy_generator, public_seed, same_on_every_rank, world_size
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -82,6 +82,13 @@ class PoissonBatchSampler(Sampler[list[int]]):
             raise PrivacyError(
                 "PoissonBatchSampler(secure_mode=True) draws from a cryptographically secure stream of its own: "
                 "pass generator=None"
+            )
+        public = None if generator is None else public_seed(generator)
+        if public is not None:
+            raise PrivacyError(
+                f"PoissonBatchSampler's generator is public: {public}. Whoever knows that seed replays every batch, "
+                "and the privacy the accountant counts from the sampling is lost. Leave generator=None (seeded from "
+                "the operating system's entropy), or seed it from a secret of yours"
             )
         self.num_samples, self.sample_rate, self.steps = num_samples, float(sample_rate), steps
         self.num_replicas, self.rank, self.micro_batches = num_replicas, rank, micro_batches
