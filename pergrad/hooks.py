@@ -697,6 +697,7 @@ class LayerHooks:
             if isinstance(a, LayerCall) and every:
                 a = replace(a, output_dims=dims, batch_size=batch_size)
             kept_input: Any = a if isinstance(a, LayerCall) or batch_first else batch_to_front(a, False)
+            given = a if isinstance(a, Tensor) and kept_input is not a else None  # (the rule reads a view of it)
             if computed is not None:
                 kept_input = Computed(kept_input, computed)
             kept = Kept(
@@ -708,6 +709,7 @@ class LayerHooks:
                 packed_batch is not None,
                 detached,
                 self._recomputed(),
+                given=given,
             )
             if isinstance(a, LayerCall) and a.output_dims:  # the rule takes every output's gradient
                 _catch_outputs(kept, returned, (args, kwargs), on_output_grad)
