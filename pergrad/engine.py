@@ -122,6 +122,7 @@ class Engine:
         # the hooks such a backward put on its calls' inputs to catch their gradients (``_catch_input_gradients``)
         self._input_hooks: list[RemovableHandle] = []
         self.layers: list[HookedLayer] = []  # the hooked layers (for messages)
+        self._in_recompute = False  # a recomputed layer call announces itself (``on_recompute``)
         self.targets = Targets()
         self.backwards = Backwards(self._start)
         self.writer = GradWriter(loss_reduction=loss_reduction, reduction=reduction, running_mean=self.running_mean)
@@ -212,7 +213,11 @@ class Engine:
         again): that backward's state exists from now on, and a backward that starts while it runs is
         the recomputed segment's (reentrant checkpointing: ``Backwards.state``)."""
         if not self.closed:
-            self.backwards.recomputing()
+            self._in_recompute = True
+            try:
+                self.backwards.recomputing()
+            finally:
+                self._in_recompute = False
 
     def on_output_grad(self, kept: Kept, d: Tensor, part: int | None = None) -> None:
         """The gradient ``d`` of a layer call's output (of its output tensor number ``part``, for a rule
@@ -243,6 +248,9 @@ class Engine:
 
     def _arrived(self, kept: Kept, d: Tensor, part: int | None) -> None:
         state = self.backwards.state()
+        if state.mode_unknown:  # grad mode is the backward's here: on only with create_graph=True
+            state.mode_unknown, state.create_graph = False, torch.is_grad_enabled()
+            self.second_order = self.second_order or state.create_graph
         state.arrived.let_go()
         # the node whose pre-hook delivers d (it runs next), or one of the call's own after it; not for a
         # call on a shared input, delivered at each of its meetings with the batch (``pergrad.shared``)
@@ -541,8 +549,12 @@ class Engine:
         amp = None if self.loss_scale is None else self.loss_scale()
         factor = None if self.loss_factor is None else self.loss_factor()
         scale = amp if factor is None else factor if amp is None else amp * on_device(factor, amp)
-        # in its hooks grad mode is that of the backward: on only with create_graph=True
-        state = Backward(task, loss_scale=scale, amp=amp is not None, create_graph=torch.is_grad_enabled())
+        # in its hooks grad mode is that of the backward: on only with create_graph=True (not in a recomputation)
+        recomputing = self._in_recompute
+        create_graph = torch.is_grad_enabled() and not recomputing
+        state = Backward(
+            task, loss_scale=scale, amp=amp is not None, create_graph=create_graph, mode_unknown=recomputing
+        )
         will_run = torch._C._will_engine_execute_node
         state.through_second_order = any(will_run(node) for node in self._second_order_nodes)
         penalised = next((layer for node, layer in self._input_gradient_nodes if will_run(node)), None)
