@@ -461,6 +461,28 @@ def test_a_penalty_whose_layer_output_gradient_carries_no_graph_is_refused_on_ev
                     assert_close(norms[name], ref[name].flatten(1).norm(dim=1), f"norm of {what}")
 
 
+@pytest.mark.parametrize("replaced", [False, True])
+def test_a_penalty_on_a_single_linear_after_its_parameters_are_replaced_names_the_penalty(replaced: bool) -> None:
+    """The fuzzer's case: one Linear, norms tracked, a step, then (``replaced``) ``load_state_dict(assign=True)``
+    (new parameters, hooked again at the next backward, whose first backward's check then runs), then R1:
+    refused as the backward starts with the cause, not by the check as a part no layer produced."""
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(3, 2))
+    psm = PerSampleModule(model, track_norms=True, accumulate="samples")
+    x, y = torch.randn(2, 3), torch.randn(2, 2)
+    with psm:
+        (psm(x) - y).pow(2).sum(1).mean().backward()
+        if replaced:
+            model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        psm.zero_grad()
+        xg = x.clone().requires_grad_(True)
+        out = psm(xg)
+        (g,) = torch.autograd.grad(out.sum(), xg, create_graph=True)
+        with pytest.raises(SecondOrderError, match=r"computed through layer '0' \(Linear\) \(a gradient penalty"):
+            ((out - y).pow(2).sum(1).mean() + LAM * g.square().sum()).backward()
+        assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize("make", [OneLayer, Tower])
 @pytest.mark.parametrize(("keep", "clip"), [(True, True), (True, False), (False, True)])
 def test_a_penalty_on_the_input_grad_after_a_create_graph_backward_is_autograds(
