@@ -104,6 +104,9 @@ class Backward:
     first_layer: str = ""
     nested: bool = False  # a nested backward of a recomputed segment joined it (reentrant checkpointing)
     create_graph: bool = False  # backward(create_graph=True): what pergrad computes is differentiable too
+    # started inside a recomputation (activation checkpointing), whose grad mode is on whatever the backward's:
+    # ``create_graph`` is read at its first arrival (``Engine._arrived``)
+    mode_unknown: bool = False
     # it differentiates through an earlier create_graph=True backward (a penalty built from per-sample
     # gradients): not a backward of per-sample losses, so autograd's own numbers, pergrad stays out
     through_second_order: bool = False

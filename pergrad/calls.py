@@ -18,8 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from .errors import module_label
-from .parametrized import parametrization_parameters
-from .registry import RuleSpec
+from .parametrized import Computed, parametrization_parameters
+from .registry import LayerCall, RuleSpec, output_tensors
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,17 @@ class Kept:
     # recomputes a segment inside a backward; see ``Engine.on_recompute``); None in a forward
     task: int | None = None
     shared: bool = False  # the input is shared by the batch (``pergrad.shared``): a detached copy is kept
+    given: Tensor | None = None  # the input as the layer got it, where ``a`` is a view of it (batch moved to dim 0)
+
+    def inputs(self) -> tuple[Tensor, ...]:
+        """The tensors the call got as its input (every argument's, for a rule that takes all inputs),
+        as the forward passed them to the layer."""
+        a = self.given if self.given is not None else self.a
+        if isinstance(a, Computed):
+            a = a.input
+        if isinstance(a, LayerCall):
+            return output_tensors((a.args, a.kwargs))
+        return (a,) if isinstance(a, Tensor) else ()
 
 
 @dataclass(frozen=True, eq=False)

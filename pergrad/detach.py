@@ -262,11 +262,15 @@ class Detacher:
         engine = self.engine
         if generation != self._generation:
             self._generation, self._decided, self.current = generation, {}, set()
-        if not engine.detach_transformed or engine.closed or engine.verify_backwards > 0 or engine.second_order:
+        if not engine.detach_transformed or engine.closed or engine.verify_backwards > 0:
             return None
         if engine.world is not None and not engine.world.detaches:
             return None
         first = self._decided.get(layer.name)
+        # no weight runs detached in the forwards after a backward with create_graph=True; a segment that
+        # activation checkpointing computes again inside that backward runs as its forward did
+        if engine.second_order and not first:
+            return None
         found = self._detach(layer, a, batch_dim, decided=first)
         if found is not None and engine.world is None:
             found = self._touched(found, self._guard(layer, found.params), generation)

@@ -39,6 +39,7 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from .backward import Backward, Backwards, accumulator_of, queue_at_end, saving, will_accumulate
 from .calls import Call, HookedLayer, Kept
@@ -111,13 +112,17 @@ class Engine:
         self.loss_factor = loss_factor  # the user's own (loss_scale=: gradient accumulation dividing the loss)
         self.closed = False
         self.second_order = False  # a backward with create_graph=True ran: no weight runs detached any more
-        # the autograd nodes of the output gradients that create_graph=True backward passes of the last
-        # forward caught: a later backward that runs one differentiates through them (``_start``)
+        # the autograd nodes of the output gradients (and the layer inputs' gradients) that create_graph=True
+        # backward passes of the last forward caught: a later backward that runs one differentiates through
+        # them (``_start``)
         self._second_order_nodes: list[Any] = []
         # those of the calls whose parameters such a backward did not accumulate into (torch.autograd.grad of
         # the model's input, for a gradient penalty), with the call's layer: pergrad computed nothing from them
         self._input_gradient_nodes: list[tuple[Any, HookedLayer]] = []
+        # the hooks such a backward put on its calls' inputs to catch their gradients (``_catch_input_gradients``)
+        self._input_hooks: list[RemovableHandle] = []
         self.layers: list[HookedLayer] = []  # the hooked layers (for messages)
+        self._in_recompute = False  # a recomputed layer call announces itself (``on_recompute``)
         self.targets = Targets()
         self.backwards = Backwards(self._start)
         self.writer = GradWriter(loss_reduction=loss_reduction, reduction=reduction, running_mean=self.running_mean)
@@ -201,13 +206,18 @@ class Engine:
         self.backwards.forward()
         self._second_order_nodes.clear()
         self._input_gradient_nodes.clear()
+        self._drop_input_hooks()  # (left by a backward that failed midway)
 
     def on_recompute(self) -> None:
         """A hooked layer is called inside a backward pass (activation checkpointing computes a segment
         again): that backward's state exists from now on, and a backward that starts while it runs is
         the recomputed segment's (reentrant checkpointing: ``Backwards.state``)."""
         if not self.closed:
-            self.backwards.recomputing()
+            self._in_recompute = True
+            try:
+                self.backwards.recomputing()
+            finally:
+                self._in_recompute = False
 
     def on_output_grad(self, kept: Kept, d: Tensor, part: int | None = None) -> None:
         """The gradient ``d`` of a layer call's output (of its output tensor number ``part``, for a rule
@@ -238,6 +248,9 @@ class Engine:
 
     def _arrived(self, kept: Kept, d: Tensor, part: int | None) -> None:
         state = self.backwards.state()
+        if state.mode_unknown:  # grad mode is the backward's here: on only with create_graph=True
+            state.mode_unknown, state.create_graph = False, torch.is_grad_enabled()
+            self.second_order = self.second_order or state.create_graph
         state.arrived.let_go()
         # the node whose pre-hook delivers d (it runs next), or one of the call's own after it; not for a
         # call on a shared input, delivered at each of its meetings with the batch (``pergrad.shared``)
@@ -254,6 +267,8 @@ class Engine:
                 self._second_order_nodes.append(d.grad_fn)
             elif d.grad_fn is not None:
                 self._input_gradient_nodes.append((d.grad_fn, kept.layer))
+            if not kept.shared:
+                self._catch_input_gradients(kept, accumulates)
         layer = kept.layer
         # each sample's own output gradient is scale * d: the loss averaged over the batch
         scale = float(kept.batch_size) if self.loss_reduction == "mean" else 1.0
@@ -350,6 +365,39 @@ class Engine:
             "weight. Pass detach_transformed=False to PerSampleModule (pergrad also stops detaching once it has "
             "seen a backward with create_graph=True)."
         )
+
+    def _catch_input_gradients(self, kept: Kept, accumulates: bool) -> None:
+        """In a backward with ``create_graph=True``, record the autograd node of the gradient that reaches
+        each of the call's inputs as it arrives, as the output gradients' (``_arrived``): it is computed
+        through the layer's backward (``d_input = d_output @ W``), so a term built from it depends on the
+        layer's weights even where ``d`` carries no graph (the constant gradient of ``out.sum()`` at the
+        top layer, a one-layer model). Where the backward ``accumulates`` into the layer's parameters
+        (a penalty on ``x.grad``), a later backward through it is autograd's own (``through_second_order``);
+        where not (``torch.autograd.grad`` of the input, for a gradient penalty), it is refused
+        (``_refuse_input_gradient``). A tensor hook sees the gradient also where ``torch.autograd.grad``
+        returns it (the input is one of its inputs)."""
+        layer = kept.layer
+
+        def caught(grad: Tensor) -> None:
+            if grad.grad_fn is None:
+                return
+            if accumulates:
+                self._second_order_nodes.append(grad.grad_fn)
+            else:
+                self._input_gradient_nodes.append((grad.grad_fn, layer))
+
+        hooks = self._input_hooks
+        for t in kept.inputs():
+            if t.requires_grad:
+                if not hooks:
+                    queue_at_end(self._drop_input_hooks)
+                hooks.append(t.register_hook(caught))
+
+    def _drop_input_hooks(self) -> None:
+        """Take ``_catch_input_gradients``'s hooks off the inputs."""
+        for handle in self._input_hooks:
+            handle.remove()
+        self._input_hooks.clear()
 
     def _buffers(self, state: Backward) -> contextlib.AbstractContextManager[Any]:
         """Rules write into the pool's recycled buffers, except where autograd records them (second order)."""
@@ -501,8 +549,12 @@ class Engine:
         amp = None if self.loss_scale is None else self.loss_scale()
         factor = None if self.loss_factor is None else self.loss_factor()
         scale = amp if factor is None else factor if amp is None else amp * on_device(factor, amp)
-        # in its hooks grad mode is that of the backward: on only with create_graph=True
-        state = Backward(task, loss_scale=scale, amp=amp is not None, create_graph=torch.is_grad_enabled())
+        # in its hooks grad mode is that of the backward: on only with create_graph=True (not in a recomputation)
+        recomputing = self._in_recompute
+        create_graph = torch.is_grad_enabled() and not recomputing
+        state = Backward(
+            task, loss_scale=scale, amp=amp is not None, create_graph=create_graph, mode_unknown=recomputing
+        )
         will_run = torch._C._will_engine_execute_node
         state.through_second_order = any(will_run(node) for node in self._second_order_nodes)
         penalised = next((layer for node, layer in self._input_gradient_nodes if will_run(node)), None)

@@ -745,6 +745,7 @@ class LayerHooks:
             if isinstance(a, LayerCall) and every:
                 a = replace(a, output_dims=dims, batch_size=batch_size)
             kept_input: Any = a if isinstance(a, LayerCall) or dim == 0 else a.movedim(dim, 0)
+            given = a if isinstance(a, Tensor) and kept_input is not a else None  # (the rule reads a view of it)
             if computed is not None:
                 kept_input = Computed(kept_input, computed)
             kept = Kept(
@@ -756,6 +757,7 @@ class LayerHooks:
                 packed_batch is not None,
                 detached,
                 self._recomputed(),
+                given=given,
             )
             if self.batch is not None and packed_batch is None:
                 _place_outputs(returned if every else output, dims if every else (dim,), batch_size)

@@ -8,12 +8,14 @@ gradients, one clipping over every layer), not a backward pass of its own.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pergrad import HookStateError, PerSampleModule, SharedInputError, transforms
+from pergrad import HookStateError, PerSampleModule, SecondOrderError, SharedInputError, transforms
 from tests.reference import assert_close, clipped_mean, reference_grad_sample
 
 CLIP = 0.5
@@ -219,3 +221,101 @@ def test_a_raw_parameter_in_a_checkpointed_segment(reentrant: bool) -> None:
         ref = reference_grad_sample(plain, x, y)
         for name, p in model.named_parameters():
             assert_close(p.grad_sample, ref[name], f"grad_sample of {name} at B={b}")
+
+
+class Biasless(nn.Module):
+    """Two Linears without a bias on ``[B, T, D]`` in a segment under non-reentrant checkpointing (switched
+    on by ``checkpointed``), and a head: after the segment, or (``whole``) inside it, then ``tanh``. A Linear
+    without a bias that runs detached takes pergrad's zero as its bias (``addmm`` on a flattened view): its
+    recomputation must run detached too, as run attached it saves tensors of other shapes. The segment ends
+    in ``tanh``, whose saved output is unpacked (so the segment recomputed) before the output gradient of
+    the layer under it arrives: ``whole``, before any of pergrad's hooks in the backward."""
+
+    def __init__(self, whole: bool) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(5, 6, bias=False), nn.Linear(6, 4, bias=False)
+        self.head = nn.Linear(4, 3)
+        self.checkpointed, self.whole = True, whole
+
+    def segment(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.outer(torch.tanh(self.inner(x))))
+        return torch.tanh(self.head(h)) if self.whole else h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.segment, x, use_reentrant=False) if self.checkpointed else self.segment(x)
+        return h if self.whole else self.head(h)
+
+
+def biasless_pair(whole: bool) -> tuple[Biasless, Biasless]:
+    """The checkpointed model and a plain copy for torch.func (which takes no saved-tensor hooks)."""
+    model = Biasless(whole).double()
+    plain = copy.deepcopy(model)
+    plain.checkpointed = False
+    return model, plain
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["grad_sample", "fused"])
+def test_checkpointing_switched_on_after_the_first_step_is_exact(keep: bool) -> None:
+    """Checkpointing switched on from the second step (as ``gradient_checkpointing_enable()`` mid-run), the
+    segment's weights run detached (clipped) and are recomputed detached: each ordinary backward starts in
+    the recomputation, whose grad mode (on) is not the backward's, and is exact on every step, its weights
+    detached on the next ones (not taken for a ``create_graph=True`` backward)."""
+    torch.manual_seed(2)
+    model, plain = biasless_pair(whole=True)
+    with PerSampleModule(model, keep_grad_sample=keep) as psm:
+        psm.register_transform(model, transforms.clip_norm(CLIP))
+        for step, (b, t) in enumerate([(3, 4), (4, 3), (2, 17), (3, 16), (4, 2)]):
+            model.checkpointed = step > 0
+            plain.load_state_dict(model.state_dict())
+            x = torch.randn(b, t, 5, dtype=torch.float64)
+            y = torch.randn(b, t, 3, dtype=torch.float64)
+            psm.zero_grad()
+            ((psm(x) - y) ** 2).flatten(1).sum(1).mean().backward()
+            ref = reference_grad_sample(plain, x, y)
+            expected = clipped_mean(ref, CLIP)
+            for name, p in model.named_parameters():
+                assert_close(p.grad, expected[name], f".grad of {name} at step {step}")
+                if keep:
+                    assert_close(p.grad_sample, ref[name], f"grad_sample of {name} at step {step}")
+            if step > 0:
+                assert psm.module.inner.weight in psm._engine.detacher.current, f"step {step}: ran attached"
+
+
+@pytest.mark.parametrize("second", ["torch.autograd.grad of the input", "backward(create_graph=True)"])
+@pytest.mark.parametrize("keep", [True, False], ids=["grad_sample", "fused"])
+def test_a_create_graph_backward_recomputes_a_segment_as_its_forward_ran(second: str, keep: bool) -> None:
+    """A backward with ``create_graph=True`` through a forward whose segment's weights ran detached (the second
+    step, clipped) reaches the head first (not transformed: attached), then recomputes the segment detached, as
+    its forward ran (no weight runs detached in the forwards after it): refused with the ``SecondOrderError``
+    that names the detached weight, not torch's error about recomputed tensors; .grad untouched, and the steps
+    after it exact."""
+    torch.manual_seed(1)
+    model, plain = biasless_pair(whole=False)
+    segment = [n for n, _ in model.named_parameters() if not n.startswith("head")]
+    with PerSampleModule(model, keep_grad_sample=keep) as psm:
+        psm.register_transform(model.inner, transforms.clip_norm(CLIP))
+        psm.register_transform(model.outer, transforms.clip_norm(CLIP))
+        for step, (b, t) in enumerate([(3, 4), (4, 3), (2, 5), (3, 17)]):
+            plain.load_state_dict(model.state_dict())
+            x = torch.randn(b, t, 5, dtype=torch.float64, requires_grad=step == 1)
+            y = torch.randn(b, t, 3, dtype=torch.float64)
+            psm.zero_grad()
+            loss = ((psm(x) - y) ** 2).flatten(1).sum(1).mean()
+            if step == 1:
+                with pytest.raises(
+                    SecondOrderError, match=r"create_graph=True\) reached layer '(inner|outer)'.*detached"
+                ):
+                    if second == "backward(create_graph=True)":
+                        loss.backward(create_graph=True)
+                    else:
+                        torch.autograd.grad(loss, x, create_graph=True)
+                assert all(p.grad is None for p in model.parameters())
+                continue
+            loss.backward()
+            ref = reference_grad_sample(plain, x.detach(), y)
+            expected = {n: g.mean(0) for n, g in ref.items()}
+            expected.update({n: clipped_mean({n: ref[n]}, CLIP)[n] for n in segment})
+            for name, p in model.named_parameters():
+                assert_close(p.grad, expected[name], f".grad of {name} at step {step}")
+                if keep:
+                    assert_close(p.grad_sample, ref[name], f"grad_sample of {name} at step {step}")

@@ -31,7 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from pergrad import DetachedWeightError, HookStateError, PerSampleModule, TransformError, transforms
+from pergrad import DetachedWeightError, HookStateError, PerSampleModule, SecondOrderError, TransformError, transforms
 from tests.reference import assert_close, reference_grad_sample
 
 FUZZ_EXAMPLES = {"ci": 300, "dev": 60, "long": 2000}[os.environ.get("HYPOTHESIS_PROFILE", "dev")]
@@ -269,6 +269,20 @@ class HookLog:
             p.register_post_accumulate_grad_hook(lambda q: self.seen.append(q.grad.clone()))
 
 
+class Rescale:
+    """A user's forward hook that rescales a layer's output by a factor that changes over the steps (a
+    schedule, stochastic depth): ``out * scale`` or ``out.mul_(scale)``. pergrad must see the layer's own
+    output; the reference runs the same hook."""
+
+    SCHEDULE = (1.0, 0.5, 2.0)  # the factor at each step: 1 at step 0
+
+    def __init__(self, in_place: bool) -> None:
+        self.in_place, self.scale = in_place, 1.0
+
+    def __call__(self, module: nn.Module, args: tuple[object, ...], out: torch.Tensor) -> torch.Tensor:
+        return out.mul_(self.scale) if self.in_place else out * self.scale
+
+
 @settings(max_examples=FUZZ_EXAMPLES)
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed: int) -> None:
@@ -297,6 +311,23 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
     params = dict(model.named_parameters())
     if hook_name:
         hook.attach(params[hook_name])
+    # a user's forward hook rescaling one layer's output over the steps, registered before or after wrapping
+    layers = [i for i, b in enumerate(spec.blocks) if b.kind not in ("offset",)]
+    rescaled = data.draw(st.sampled_from([None, None, *layers]), label="a rescaling forward hook on block")
+    in_place = data.draw(st.booleans(), label="in place")
+    # (not yet: in place on an output shared by the batch, whose per-sample gradients miss the factor)
+    in_place = in_place and rescaled is not None and spec.blocks[rescaled].kind not in ("positions", "fourier")
+    rescale = Rescale(in_place) if rescaled is not None else None
+    hook_late = data.draw(st.booleans(), label="the rescaling hook registered after wrapping")
+    if rescale is not None and not hook_late:
+        model.blocks[rescaled].register_forward_hook(rescale)
+    # the model converted to float32 and back before a step (new data, new AccumulateGrad nodes)
+    move_at = data.draw(st.sampled_from([None, None, 1, 2]), label="model.float().double() before step")
+    # a gradient penalty on the input (lazy R1) at one step: refused, never silently dropped
+    float_input = not spec.vocab
+    penalty_at = data.draw(st.sampled_from([None, None, None, 1]), label="an input-gradient penalty at step")
+    if not float_input or model.checkpoint == "reentrant":
+        penalty_at = None
     options = {
         "keep_grad_sample": keep,
         "track_norms": True,
@@ -305,6 +336,8 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
         "loss_scale": 0.5 if accumulation == "divided" else None,
     }
     with PerSampleModule(model, **options) as psm:  # type: ignore[arg-type]
+        if rescale is not None and hook_late:
+            model.blocks[rescaled].register_forward_hook(rescale)
         target_name, kind = "", "none"
         if choice == "root":
             psm.register_transform(model, transforms.clip_norm(0.5))
@@ -334,6 +367,10 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
                 params = dict(model.named_parameters())
                 if hook_name:
                     hook.attach(params[hook_name])
+            if step == move_at:
+                model.float().double()
+            if rescale is not None:
+                rescale.scale = Rescale.SCHEDULE[step]
             x, target = make_batch(spec, model, step, seed)
             batch = x.shape[0]
             checkpointing, model.checkpoint = model.checkpoint, "none"  # torch.func runs the model plainly
@@ -348,6 +385,14 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
                 expected = {n: sum(part[n] for part in parts) * 0.5 for n in expected}
             psm.zero_grad(set_to_none)
             hook.seen.clear()
+            if step == penalty_at:  # pergrad tracks norms: the penalty's part cannot be split into samples
+                xg = x[micro[0]].clone().requires_grad_(True)
+                with pytest.raises(SecondOrderError):
+                    out = psm(xg)
+                    (gx,) = torch.autograd.grad(out.sum(), xg, create_graph=True)
+                    penalised = (out - target[micro[0]]).pow(2).sum() + 0.1 * gx.square().sum()
+                    (penalised * loss_scale).backward()
+                return
             for m in micro:
                 rows = x[m].shape[0]
                 loss = (psm(x[m]) - target[m]).pow(2).sum() / rows

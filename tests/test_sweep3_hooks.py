@@ -322,6 +322,210 @@ def test_a_penalty_with_nothing_per_sample_is_autograds() -> None:
     run_steps(Net(), r1_penalised(lambda step: step % 2 == 1), keep=False, clip=False, detach=False)
 
 
+class Tower(nn.Module):
+    """``Net``'s layers, returning the output and the intermediate tensors a penalty may differentiate
+    by: ``x``, the top layer's input ``top`` (the top layer's output gradient is the constant gradient
+    of ``out.sum()``: only its input's gradient carries the layer's weight) and ``mid`` (fc1's output,
+    so norm and fc2 are between it and the output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(FEATURES, 6)
+        self.norm = nn.LayerNorm(6)
+        self.fc2 = nn.Linear(6, OUTPUTS)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        mid = self.fc1(x)
+        top = torch.tanh(self.norm(mid))
+        return self.fc2(top), {"x": x, "mid": mid, "top": top}
+
+
+class OneLayer(nn.Module):
+    """A single Linear (the only layer is the top one), with the input a penalty differentiates by."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(FEATURES, OUTPUTS)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        return self.fc(x), {"x": x}
+
+
+class Attention(nn.Module):
+    """Self-attention on the input (a rule that takes every input: query, key and value), then a Linear.
+    (``need_weights=True``: the fused kernel of ``need_weights=False`` has no double backward on CPU.)"""
+
+    sequences_only = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(FEATURES, 1, batch_first=True)
+        self.fc = nn.Linear(FEATURES, OUTPUTS)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        mixed, _ = self.attn(x, x, x)
+        return self.fc(torch.tanh(mixed)), {"x": x, "mixed": mixed}
+
+
+def output(m: nn.Module, x: Tensor) -> Tensor:
+    out, _ = m(x)
+    return out
+
+
+PENALISED = {  # model, the tensor the penalty differentiates by, the layers the refusal may name, frozen
+    "one layer": (OneLayer, "x", "fc", ()),
+    "the top layer's input": (Tower, "top", "fc2", ()),
+    "an intermediate tensor": (Tower, "mid", "(norm|fc2)", ()),
+    "the input, the lower layers frozen": (Tower, "x", "fc2", ("fc1", "norm")),
+    "attention's inputs, the Linear frozen": (Attention, "x", "attn", ("fc",)),
+}
+
+
+@pytest.mark.parametrize("case", list(PENALISED))
+@pytest.mark.parametrize(
+    "tracked", ["grad_sample", "norms", "clip", "grad_sample and clip, weights run detached", "norms, sequence first"]
+)
+def test_a_penalty_whose_layer_output_gradient_carries_no_graph_is_refused_on_every_step(
+    case: str, tracked: str
+) -> None:
+    """Lazy R1 on the odd steps, with ``torch.autograd.grad(out.sum(), t, create_graph=True)`` of a tensor
+    ``t`` whose gradient reaches a layer's weight only through that layer's input gradient (``d_input =
+    d_output @ W`` with ``d_output`` the constant gradient of ``out.sum()``: a one-layer model, the top
+    layer, layers whose output gradient depends on no trainable parameter). Each penalised backward is
+    refused as it starts, naming the penalty, before anything is written; every other step is exact (the
+    refused one left nothing behind). Where the weights run detached (the default, from the second step),
+    ``torch.autograd.grad`` is refused already. ``batch_first=False`` catches the gradient of the layer's
+    input as the model passed it (pergrad's rule reads a view with the batch first)."""
+    torch.manual_seed(7)
+    make, by, named, frozen = PENALISED[case]
+    model = make()
+    for name in frozen:
+        model.get_submodule(name).requires_grad_(False)
+    keep, clip = tracked.startswith("grad_sample"), "clip" in tracked
+    detach, first = "detached" in tracked, "sequence first" not in tracked
+    if isinstance(model, Attention):
+        model.attn.batch_first = first  # (read at each call)
+    psm = PerSampleModule(
+        model, keep_grad_sample=keep, track_norms="norms" in tracked, detach_transformed=detach, batch_first=first
+    )
+    clipper = transforms.clip_norm(1.0)
+    if clip:
+        psm.register_transform(model, clipper)
+    gen = torch.Generator().manual_seed(0)
+
+    def turn(t: Tensor) -> Tensor:  # the model's layout from the batch-first one
+        return t if first or t.dim() == 2 else t.transpose(0, 1)
+
+    def losses(m: nn.Module, x: Tensor, y: Tensor, step: int, rows: slice) -> Tensor:
+        return (turn(output(m, turn(x))) - y).pow(2).flatten(1).sum(1)
+
+    penalty = (
+        r"differentiates a gradient that torch\.autograd\.grad\(\.\.\., create_graph=True\) computed through "
+        rf"layer '{named}' \((Linear|LayerNorm|MultiheadAttention)\) \(a gradient penalty.*accumulates into parameter '.*', whose per-sample "
+        r"gradients pergrad computes"
+    )
+    sequences = not first or getattr(model, "sequences_only", False)
+    steps = [(b, t) for b, t in STEPS if t > 1] if sequences else STEPS
+    with psm:
+        for step, (b, t) in enumerate(steps):
+            x, y = batch(b, t, gen)
+            psm.zero_grad()
+            if step % 2 == 1:
+                # with weights run detached (from the second step), torch.autograd.grad is refused; pergrad
+                # stops detaching after it, and the penalty is refused from then on
+                detached = detach and step == 1 and not isinstance(model, Attention)  # (attention: never detached)
+                with pytest.raises(SecondOrderError) as refused:
+                    xg = turn(x).clone().requires_grad_(True)
+                    out, at = model(xg)
+                    (g,) = torch.autograd.grad(out.sum(), at[by], create_graph=True)
+                    assert not detached, f"step {step}: torch.autograd.grad was not refused"
+                    loss = (turn(out) - y).pow(2).flatten(1).sum(1).mean() + LAM * g.pow(2).sum()
+                    loss.backward()
+                refused.match(r"torch\.autograd\.grad\(create_graph=True\) reached.*detached" if detached else penalty)
+                assert all(p.grad is None for p in model.parameters()), f"step {step}"
+                continue
+            ref = reference(model, losses, x, y, step)
+            clipper.max_norm = median_norm(ref)
+            expected = clipped_mean(ref, clipper.max_norm) if clip else {n: g.mean(0) for n, g in ref.items()}
+            losses(model, x, y, step, slice(0, b)).mean().backward()
+            norms = psm.per_sample_norms() if "norms" in tracked else {}
+            for name, p in model.named_parameters():
+                what = f"step {step} (B={b}, T={t}): {name}"
+                if not p.requires_grad:
+                    assert p.grad is None, what
+                    continue
+                assert_close(p.grad, expected[name], f".grad of {what}")
+                if keep:
+                    assert_close(p.grad_sample, ref[name], f"grad_sample of {what}")
+                if norms:
+                    assert_close(norms[name], ref[name].flatten(1).norm(dim=1), f"norm of {what}")
+
+
+@pytest.mark.parametrize("replaced", [False, True])
+def test_a_penalty_on_a_single_linear_after_its_parameters_are_replaced_names_the_penalty(replaced: bool) -> None:
+    """The fuzzer's case: one Linear, norms tracked, a step, then (``replaced``) ``load_state_dict(assign=True)``
+    (new parameters, hooked again at the next backward, whose first backward's check then runs), then R1:
+    refused as the backward starts with the cause, not by the check as a part no layer produced."""
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(3, 2))
+    psm = PerSampleModule(model, track_norms=True, accumulate="samples")
+    x, y = torch.randn(2, 3), torch.randn(2, 2)
+    with psm:
+        (psm(x) - y).pow(2).sum(1).mean().backward()
+        if replaced:
+            model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        psm.zero_grad()
+        xg = x.clone().requires_grad_(True)
+        out = psm(xg)
+        (g,) = torch.autograd.grad(out.sum(), xg, create_graph=True)
+        with pytest.raises(SecondOrderError, match=r"computed through layer '0' \(Linear\) \(a gradient penalty"):
+            ((out - y).pow(2).sum(1).mean() + LAM * g.square().sum()).backward()
+        assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("make", [OneLayer, Tower])
+@pytest.mark.parametrize(("keep", "clip"), [(True, True), (True, False), (False, True)])
+def test_a_penalty_on_the_input_grad_after_a_create_graph_backward_is_autograds(
+    make: Callable[[], nn.Module], keep: bool, clip: bool
+) -> None:
+    """``loss.backward(create_graph=True)``, then a penalty on ``x.grad`` backwarded: as for any backward
+    through a ``create_graph=True`` backward's result, pergrad stays out of the penalty's backward, also
+    where no layer's output gradient carries a graph (a one-layer model): ``.grad`` is the loss's
+    reduction plus autograd's gradient of the penalty, ``grad_sample`` the loss's, on every step."""
+    torch.manual_seed(8)
+    model = make()
+    params = list(model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    clipper = transforms.clip_norm(1.0)
+
+    def losses(m: nn.Module, x: Tensor, y: Tensor, step: int, rows: slice) -> Tensor:
+        return (output(m, x) - y).pow(2).flatten(1).sum(1)
+
+    with PerSampleModule(model, keep_grad_sample=keep) as psm:
+        if clip:
+            psm.register_transform(model, clipper)
+        for step, (b, t) in enumerate(STEPS):
+            x, y = batch(b, t, gen)
+            ref = reference(model, losses, x, y, step)
+            clipper.max_norm = median_norm(ref)
+            plain = copy.deepcopy(model)
+            xr = x.clone().requires_grad_(True)
+            (gr,) = torch.autograd.grad(losses(plain, xr, y, step, slice(0, b)).mean(), xr, create_graph=True)
+            penalty_ref = torch.autograd.grad(LAM * gr.pow(2).sum(), list(plain.parameters()))
+            psm.zero_grad()
+            x = x.clone().requires_grad_(True)
+            losses(model, x, y, step, slice(0, b)).mean().backward(create_graph=True)
+            assert x.grad is not None
+            (LAM * x.grad.pow(2).sum()).backward()
+            expected = clipped_mean(ref, clipper.max_norm) if clip else {n: g.mean(0) for n, g in ref.items()}
+            for (name, p), pen in zip(model.named_parameters(), penalty_ref):
+                what = f"step {step} (B={b}, T={t}): {name}"
+                assert_close(p.grad, expected[name] + pen, f".grad of {what}")
+                if keep:
+                    assert_close(p.grad_sample, ref[name], f"grad_sample of {what}")
+            assert params
+
+
 # -- tensor hooks on the parameters ---------------------------------------------------------------------
 
 
