@@ -117,6 +117,11 @@ class DPSGD:
       stepped: a temperature, a head outside the wrapped network); under ``torch.distributed``, this rank
       ran a forward for each of the step's ``sampler.micro_batches`` micro-batches, empty ones included
       (the ranks' gradient reductions pair up; a rank that skips one leaves every rank's ``.grad`` wrong);
+    - no covered parameter moved between the step's backward and its noise (a hand-written update,
+      an optimizer made after this ``DPSGD``, another optimizer stepping first; also checked at the next
+      forward), the closure ran once (LBFGS evaluates it again: queries the accountant does not count), no
+      backward came after the noise, the last step's batch is not trained again, and the sampler's rate is
+      the one the accountant counts;
     - ``max_steps``, where given (``make_private`` gives the steps its noise was calibrated for): a step
       beyond it would spend more than the target epsilon.
 
@@ -136,9 +141,11 @@ class DPSGD:
     ``loss_scale=1/k``). A ``loss_scale`` given as a callable is called once more per backward, by the
     clipping (to divide it out): it must return the same value both times. Refused with ``PrivacyError``: a
     transform already covering the target's parameters, trainable parameters of the model outside the
-    target, ``grad_scaler=`` (fp16 loss scaling: use bf16 or float32), ``accumulate="samples"`` with
-    ``reduction="mean"``, FSDP2, ``reduction="mean"`` under ``torch.distributed`` (use ``"sum"``), a second
-    live ``DPSGD`` on the same optimizer.
+    target, ``keep_grad_sample=True`` (each sample's raw gradient would sit on the parameters, and in any
+    copy or checkpoint of the model), ``grad_scaler=`` (fp16 loss scaling: use bf16 or float32),
+    ``accumulate="samples"`` with ``reduction="mean"``, FSDP2, ``reduction="mean"`` under
+    ``torch.distributed`` (use ``"sum"``), samplers whose ranks are not the processes', a second live
+    ``DPSGD`` on the same optimizer or sampler.
 
     ``dp.remove()`` takes DPSGD's hooks off the optimizer and the model (the clipping stays registered on
     the wrapper until ``psm.remove()``); a new ``DPSGD`` on the same optimizer replaces one whose wrapper
