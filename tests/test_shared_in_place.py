@@ -1,8 +1,8 @@
 """In-place ops on a layer output shared by the batch (``pergrad.shared``): a position embedding
-``pos(torch.arange(T))`` or a Linear on Fourier features ``sin(arange(T)[:, None] * freqs)`` built inside
+``pos(torch.arange(T))`` or of HuggingFace's ``position_ids`` buffer ``[1, T]``, or a Linear on Fourier features ``sin(arange(T)[:, None] * freqs)`` built inside
 the forward, rewritten in place by the user's forward hook (``out.mul_(s)``, ``out.add_(b)``,
-``out.copy_(...)``) or by the model right after the layer (``out *= s``, ``ReLU(inplace=True)``, a slice
-scaled in place, the output scaled in place after it met the batch once).
+``out.copy_(...)``) or by the model right after the layer (``out *= s``, ``ReLU(inplace=True)``, some
+positions scaled in place, the output scaled in place after it met the batch once).
 
 Each sample's gradient is pulled back to the layer's output as the layer returned it, not to the tensor
 the in-place op rewrote: every step is checked against a one-sample-at-a-time autograd loop on a copy of
@@ -56,7 +56,7 @@ HOOKS: dict[str, Hook] = {
     "hook: out.copy_(tanh(out) * s)": lambda m, a, out: out.copy_(torch.tanh(out.clone()) * Factor.value),
     "hook: out.copy_(constant)": lambda m, a, out: out.copy_(torch.full_like(out, Factor.value)),
 }
-IN_FORWARD = ["out *= s", "ReLU(inplace=True)", "out[:2].mul_(s)", "out.mul_(s) after it met the batch"]
+IN_FORWARD = ["out *= s", "ReLU(inplace=True)", "out[..., :2, :].mul_(s)", "out.mul_(s) after it met the batch"]
 
 
 class Net(nn.Module):
@@ -71,19 +71,22 @@ class Net(nn.Module):
         self.act = nn.ReLU(inplace=True)
         self.head = nn.Linear(WIDTH, OUTPUTS)
         self.register_buffer("freqs", torch.tensor([0.5, 1.0, 2.0, 4.0]))
+        self.register_buffer("position_ids", torch.arange(24).expand(1, -1))  # HuggingFace's
 
     def forward(self, x: Tensor) -> Tensor:
         t = x.shape[1]
         if self.block == "fourier":
-            out = self.shared(torch.sin(1 + torch.arange(t, dtype=x.dtype)[:, None] * self.freqs))
+            out = self.shared(torch.sin(1 + torch.arange(t, dtype=x.dtype)[:, None] * self.freqs))  # [T, D]
+        elif self.block == "positions":
+            out = self.shared(torch.arange(t))  # [T, D]
         else:
-            out = self.shared(torch.arange(t))
+            out = self.shared(self.position_ids[:, :t])  # [1, T, D]
         if self.how == "out *= s":
             out *= Factor.value
         elif self.how == "ReLU(inplace=True)":
             out = self.act(out)
-        elif self.how == "out[:2].mul_(s)":
-            out[:2].mul_(Factor.value)
+        elif self.how == "out[..., :2, :].mul_(s)":
+            out[..., :2, :].mul_(Factor.value)
         elif self.how == "out.mul_(s) after it met the batch":
             h = torch.tanh(self.inp(x) + out)
             out.mul_(Factor.value)
@@ -111,7 +114,7 @@ def norms_of(ref: dict[str, Tensor]) -> Tensor:
 
 @pytest.mark.parametrize(("keep", "clip"), [(True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("how", [*HOOKS, *IN_FORWARD])
-@pytest.mark.parametrize("block", ["positions", "fourier"])
+@pytest.mark.parametrize("block", ["positions", "position_ids", "fourier"])
 def test_in_place_on_an_output_shared_by_the_batch(block: str, how: str, keep: bool, clip: bool) -> None:
     torch.manual_seed(0)
     model = Net(block, how)
