@@ -826,7 +826,8 @@ class LayerHooks:
         origin = Origin(output, lambda g: on_output_grad(shared, per_sample(g)), group, layer.label)
         before = a.origins if isinstance(a, Shared) else ()
         alias = track(output, [*before, origin])
-        origin.tensor = alias
+        produced = _producer(output)
+        origin.aliased(alias, produced)  # (where the output gradient arrives, as ``catch`` below reads it)
         # the batched reading of the same call, for a group that turns out batched after all
         batched = None
         if group.state == "maybe":
@@ -840,7 +841,6 @@ class LayerHooks:
                 task=task,
                 shared=True,
             )
-        produced = _producer(output)
         node, index, shape, a_shape = produced.grad_fn, produced.output_nr, output.shape, tuple(a.shape)
         assert node is not None
         # The hook holds the origin weakly: the origin holds the alias, whose graph holds ``node``, and a
@@ -903,7 +903,8 @@ class LayerHooks:
                 kept = Kept(layer, layer.param, self.generation, batch.size, key, task=self._recomputed())
                 origin = Origin(p, self._deliver(kept), Group("shared", batch.size, batch.dim), layer.label)
                 tap = None if self._to_tap is None else self._to_tap(p, self.generation)
-                origin.tensor = track(p if tap is None else tap, [origin])
+                alias = track(p if tap is None else tap, [origin])
+                origin.aliased(alias, alias)
                 holder._parameters[layer.param] = origin.tensor  # type: ignore[assignment]
                 saved.append((holder, layer.param, p, origin.tensor))
             self._swapped[module] = saved

@@ -50,6 +50,7 @@ with a shared weight, indexing) raises an error that names the op and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 import weakref
@@ -62,6 +63,7 @@ import torch
 from torch import Tensor
 from torch._C import DisableTorchFunctionSubclass
 from torch._dynamo.decorators import skip
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.utils.rnn import PackedSequence
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
@@ -121,6 +123,22 @@ class Origin:
     # once any of ``unless`` turns out batched (its per-sample gradient is delivered there)
     parent: Origin | None = None
     unless: tuple[Group, ...] = ()
+    # where the pull-back ends (``aliased``): the gradient edge of what the alias was made of, as it was
+    # then (an in-place op on the alias, ``out.mul_(s)``, moves the alias's own edge past the op)
+    edge: GradientEdge | None = None
+    version: int = -1  # the alias's version counter when made
+
+    def aliased(self, alias: Tensor, source: Tensor) -> None:
+        """Hand the model ``alias`` (``tensor``) for ``source``: each sample's gradient is pulled back to
+        ``source``'s gradient edge as it is now."""
+        self.tensor, self.edge = alias, get_gradient_edge(source)
+        with DisableTorchFunctionSubclass():
+            self.version = alias._version
+
+    def untouched(self, x: Tensor) -> bool:
+        """Whether ``x`` is the alias, with no in-place op on it (or on its memory) since it was made."""
+        with DisableTorchFunctionSubclass():
+            return x is self.tensor and x._version == self.version
 
     def live(self) -> bool:
         """Whether this origin still needs its per-sample gradient caught downstream."""
@@ -490,7 +508,7 @@ def _defer(
         for o in x.origins:
             if o.live() and id(o) not in stand_ins:
                 root = o.parent or o
-                stand_ins[id(o)] = Origin(o.tensor, o.deliver, o.group, o.label, parent=root, unless=(*o.unless, *when))
+                stand_ins[id(o)] = dataclasses.replace(o, delivered=0, parent=root, unless=(*o.unless, *when))
                 for g in when:
                     g.then_shared.append(o.group)
 
@@ -585,29 +603,34 @@ def _expanded(
         sizes = [group.batch if i == dim else -1 for i in range(rank)]
         expanded = view.expand(*sizes)
     shape, size = tuple(x.shape), group.batch
+    # x as it is at this meeting (an in-place op on x later moves its own edge past the op)
+    source, direct = get_gradient_edge(x), len(origins) == 1 and origins[0].untouched(x)
 
     def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
         g = grad_outputs[0]
         if g is None or pulling() or not all(group.state == "batched" for group in when):
             return
-        _pull_back(x, origins, g.movedim(dim, 0).reshape(size, *shape))
+        _pull_back(source, direct, origins, g.movedim(dim, 0).reshape(size, *shape))
 
     assert expanded.grad_fn is not None
     expanded.grad_fn.register_prehook(catch)
     return expanded
 
 
-def _pull_back(x: Tensor, origins: list[Origin], grads: Tensor) -> None:
-    """Hand every origin of ``x`` its per-sample gradient, from ``grads`` = d f_i / d x (differentiable
-    in a backward with ``create_graph=True``, where grad mode is on)."""
+def _pull_back(source: GradientEdge, direct: bool, origins: list[Origin], grads: Tensor) -> None:
+    """Hand every origin its per-sample gradient, from ``grads`` = d f_i / d x, with ``source`` the
+    gradient edge of the shared operand x where it met the batch (``direct``: x is the one origin's
+    untouched alias), differentiable in a backward with ``create_graph=True`` (grad mode on)."""
     second = torch.is_grad_enabled()
-    if len(origins) == 1 and origins[0].tensor is x:
+    if direct:
         found: tuple[Tensor | None, ...] = (grads,)
     else:
+        ends = [o.edge for o in origins if o.edge is not None]
+        assert len(ends) == len(origins), "every origin's alias is made by ``Origin.aliased``"
         with pulling_back(), DisableTorchFunctionSubclass():
             found = torch.autograd.grad(
-                [x],
-                [o.tensor for o in origins],
+                [source],
+                ends,
                 [grads],
                 retain_graph=True,
                 create_graph=second,
@@ -616,6 +639,8 @@ def _pull_back(x: Tensor, origins: list[Origin], grads: Tensor) -> None:
             )
     for origin, g in zip(origins, found, strict=True):
         if g is not None:
+            if g.shape[1:] != origin.tensor.shape:  # the edge of the base the layer's output is a view of
+                g = g.reshape(len(g), *origin.tensor.shape)
             origin.delivered += 1
             origin.deliver(g if second else g.detach())
 
