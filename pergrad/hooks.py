@@ -404,12 +404,14 @@ class LayerHooks:
         self._provenance: list[Provenance] = []  # of the running forwards of the model (nested calls: several)
         self._root_done = model.register_forward_hook(ModuleHook(self, self._forward_done), always_call=True)
         self._handles: list[RemovableHandle] = []
+        self._installs = 0  # how many times ``install`` ran (the root's own hooks, made again in its call: ``_missed``)
         self._graph_unchecked = True  # the first graph is checked for batch statistics (pergrad.coupling)
         self._captures: dict[str, Capture] = {}  # parametrized layers: what their parametrizations computed
 
     def install(self, layers: list[HookedLayer]) -> None:
         """Hook ``layers`` (and refuse batch statistics in every BatchNorm of the model)."""
         self.uninstall()
+        self._installs += 1
         raw: dict[nn.Module, list[HookedLayer]] = {}
         for layer in layers:
             if layer.spec.raw:
@@ -497,13 +499,16 @@ class LayerHooks:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self._in_model += 1  # (back down in ``_forward_done``, also when this raises)
+        installs = self._installs
         if self._on_model_call is not None:
-            self._on_model_call()
+            self._on_model_call()  # (may wrap the model again as it is now: ``install``)
         self._direct = False
         self._new_forward(args, kwargs, 0 if self._batch_first else 1)
         x = args[0] if args else None
         if self._on_input_grad is None or not (torch.is_grad_enabled() and isinstance(x, Tensor) and x.requires_grad):
             self._follow(args, kwargs)
+            if self._installs != installs:
+                self._missed(module, args, kwargs)
             return None
         # a view of the input is a fresh node of this forward: its pre-hook sees d loss / d input
         view = x.view_as(x)
@@ -516,7 +521,22 @@ class LayerHooks:
 
         view.grad_fn.register_prehook(catch)
         self._follow((view, *args[1:]), kwargs)
+        if self._installs != installs:
+            self._missed(module, (view, *args[1:]), kwargs)
         return (view, *args[1:]), kwargs
+
+    def _missed(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Run the forward pre-hooks that ``install`` just put on the model itself (a module with raw
+        parameters, ``cls_token`` on a ViT; a layer wrapped alone), which this call of it misses: torch
+        listed the hooks to run when the call began, before the model was wrapped again (``_sync``:
+        ``requires_grad`` switched)."""
+        with_kwargs = module._forward_pre_hooks_with_kwargs
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if isinstance(hook, ModuleHook) and hook.owner is self and key != self._root.id:
+                if key in with_kwargs:
+                    hook(module, args, kwargs)
+                else:
+                    hook(module, args)
 
     def following(self) -> Provenance | None:
         """The running forward's ``Provenance`` where it is the innermost torch function mode (a layer's
