@@ -398,7 +398,12 @@ class LayerHooks:
         # calls of the model running (nested: several); whether the running forward is a direct call
         # of its layers (not through the model); the forward the latest output gradient belongs to
         self._in_model, self._direct, self._reached = 0, False, -1
-        self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation), with_kwargs=True)
+        # first of the model's pre-hooks, whenever the user's were registered: the batch is read where the caller
+        # put it (``batch_first``), and a pre-hook of the user's that moves it (``x.transpose(0, 1)`` for a
+        # sequence-first model) is an op of the forward, followed like any other
+        self._root = model.register_forward_pre_hook(
+            ModuleHook(self, self._next_generation), with_kwargs=True, prepend=True
+        )
         self._token_loss_warning = lm_loss.warner()
         self._root_out = model.register_forward_hook(ModuleHook(self, self._model_returned), with_kwargs=True)
         self._provenance: list[Provenance] = []  # of the running forwards of the model (nested calls: several)
