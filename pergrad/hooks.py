@@ -35,7 +35,15 @@ from .calls import Detached, HookedLayer, Kept
 from .coupling import refuse_batch_statistics
 from .detach import anchor_output
 from .dims import LOST, carries
-from .errors import RECOMPUTED, BatchMixingError, BatchSizeError, SharedInputError, UnsupportedLayerError, module_label
+from .errors import (
+    EAGER,
+    RECOMPUTED,
+    BatchMixingError,
+    BatchSizeError,
+    SharedInputError,
+    UnsupportedLayerError,
+    module_label,
+)
 from .layout import batch_to_front
 from .parametrized import Capture, Computed, parametrizations_of, sites
 from .registry import LayerCall, output_tensors
@@ -99,7 +107,7 @@ class ModuleHook:
         self.owner, self.fn, self.aside = owner, fn, aside
         self.removed = False
 
-    @torch.compiler.disable  # pergrad's bookkeeping runs eagerly, also in a compiled model (``Provenance``)
+    @torch.compiler.disable(reason=EAGER)  # (runs eagerly, also in a compiled model: ``Provenance``)
     def __call__(self, *args: Any) -> Any:
         if self.removed:
             # removed while its module's call was running: torch runs the hooks it listed when the call

@@ -67,7 +67,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
 from .dims import LOST, attribute_dim, carries, folded, result_dims, written
-from .errors import BatchSizeError, SharedInputError
+from .errors import EAGER, BatchSizeError, SharedInputError
 
 
 class _Local(threading.local):
@@ -341,7 +341,7 @@ class Shared(Tensor):
     origins: tuple[Origin, ...]
 
     @classmethod
-    @torch.compiler.disable  # (Dynamo would trace pergrad's bookkeeping: a compiled model runs eagerly under it)
+    @torch.compiler.disable(reason=EAGER)  # (a compiled model runs eagerly under it)
     def __torch_function__(
         cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
@@ -900,7 +900,7 @@ class Provenance(TorchFunctionMode):
 _dynamo_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback  # (torch is pinned: a private name)
 
 
-@torch.compiler.disable
+@torch.compiler.disable(reason=EAGER)
 def _without_dynamo(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` with Dynamo's frame evaluation off."""
     return fn(*args)
