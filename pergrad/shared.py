@@ -41,7 +41,8 @@ eagerly, so every op is seen.
 
 Outside the model's forward (a submodule called on its own, recomputation under checkpointing)
 nothing is followed: a layer input with autograd history or a float one that is not a buffer
-counts as batched by its size, as before, and nothing there counts as evidence that resolves a
+counts as batched by its size (on the dim the forward's calls of the layer had it, for a
+recomputation: ``LayerHooks._placed_before``), and nothing there counts as evidence that resolves a
 *maybe* (which then raises at the backward).
 
 A shared tensor that meets the batch in an op pergrad does not know how to split (``F.linear``
