@@ -209,31 +209,28 @@ def _holding(shape: tuple[int, ...], k: int, size: int) -> int:
 def indexed(index: Any, k: int, rank: int) -> int | None:
     """The batch dim of ``x[index]`` (None for advanced indexing: tensors, lists, bools)."""
     items = index if isinstance(index, tuple) else (index,)
-    if not all(i is None or i is Ellipsis or isinstance(i, int | slice) for i in items) or any(
-        isinstance(i, bool) for i in items
-    ):
-        return None
     used = sum(1 for i in items if i is not None and i is not Ellipsis)
+    found: int | None = None
     out = dim = 0
     for i in items:
         if i is Ellipsis:
             skipped = rank - used
-            if dim <= k < dim + skipped:
-                return out + k - dim
+            if found is None and dim <= k < dim + skipped:
+                found = out + k - dim
             out, dim = out + skipped, dim + skipped
         elif i is None:
             out += 1
-        elif isinstance(i, int) and not isinstance(i, bool):
-            if dim == k:
-                return LOST  # one sample picked out
-            dim += 1
         elif isinstance(i, slice):
             if dim == k:
-                return out
+                found = out
             out, dim = out + 1, dim + 1
+        elif isinstance(i, int) and not isinstance(i, bool):
+            if dim == k:
+                found = LOST  # one sample picked out
+            dim += 1
         else:
-            return None
-    return out + k - dim
+            return None  # (an advanced index anywhere moves the dims: ``advanced``)
+    return out + k - dim if found is None else found
 
 
 def _nested_shape(v: Any) -> tuple[int, ...] | None:
