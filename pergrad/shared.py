@@ -41,7 +41,8 @@ eagerly, so every op is seen.
 
 Outside the model's forward (a submodule called on its own, recomputation under checkpointing)
 nothing is followed: a layer input with autograd history or a float one that is not a buffer
-counts as batched by its size, as before, and nothing there counts as evidence that resolves a
+counts as batched by its size (on the dim the forward's calls of the layer had it, for a
+recomputation: ``LayerHooks._placed_before``), and nothing there counts as evidence that resolves a
 *maybe* (which then raises at the backward).
 
 A shared tensor that meets the batch in an op pergrad does not know how to split (``F.linear``
@@ -69,7 +70,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
 from .dims import LOST, attribute_dim, carries, folded, result_dims, written
-from .errors import BatchSizeError, SharedInputError
+from .errors import EAGER, BatchSizeError, SharedInputError
 
 
 class _Local(threading.local):
@@ -359,7 +360,7 @@ class Shared(Tensor):
     origins: tuple[Origin, ...]
 
     @classmethod
-    @torch.compiler.disable  # (Dynamo would trace pergrad's bookkeeping: a compiled model runs eagerly under it)
+    @torch.compiler.disable(reason=EAGER)  # (a compiled model runs eagerly under it)
     def __torch_function__(
         cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
@@ -925,7 +926,7 @@ class Provenance(TorchFunctionMode):
 _dynamo_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback  # (torch is pinned: a private name)
 
 
-@torch.compiler.disable
+@torch.compiler.disable(reason=EAGER)
 def _without_dynamo(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` with Dynamo's frame evaluation off."""
     return fn(*args)
