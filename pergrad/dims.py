@@ -53,7 +53,8 @@ def folded(code: int) -> bool:
     return code < _FOLDED
 
 
-def _names(*names: str) -> set[Any]:
+def torch_functions(*names: str) -> set[Any]:
+    """The torch and Tensor callables of these names that exist in this torch."""
     found: set[Any] = set()
     for name in names:
         for owner in (torch, torch.Tensor):
@@ -63,18 +64,18 @@ def _names(*names: str) -> set[Any]:
     return found
 
 
-_TRANSPOSE = _names("transpose", "transpose_", "swapaxes", "swapaxes_", "swapdims", "swapdims_")
-_PERMUTE = _names("permute")
-_MOVEDIM = _names("movedim", "moveaxis")
-_T = _names("t", "t_")
-_ADJOINT = _names("adjoint")
+_TRANSPOSE = torch_functions("transpose", "transpose_", "swapaxes", "swapaxes_", "swapdims", "swapdims_")
+_PERMUTE = torch_functions("permute")
+_MOVEDIM = torch_functions("movedim", "moveaxis")
+_T = torch_functions("t", "t_")
+_ADJOINT = torch_functions("adjoint")
 _REVERSED = {getattr(Tensor, name).__get__ for name in ("T", "H")}  # (attribute getters)
 _SWAPPED = {getattr(Tensor, name).__get__ for name in ("mT", "mH")}
-_RESHAPE = _names(
+_RESHAPE = torch_functions(
     "view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "squeeze", "squeeze_", "unsqueeze",
     "unsqueeze_", "contiguous", "ravel",
 )  # fmt: skip
-_BROADCAST = _names(
+_BROADCAST = torch_functions(
     "add", "sub", "mul", "div", "true_divide", "where", "masked_fill", "lerp", "addcmul", "addcdiv", "maximum",
     "minimum", "pow", "atan2", "remainder", "fmod", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
     "expand", "expand_as", "broadcast_to", "repeat", "matmul", "bmm",
@@ -84,14 +85,14 @@ _BROADCAST = _names(
 )  # fmt: skip
 # ops that keep the number of dims but may reorder them (or whose results have their own layouts):
 # always run again on meta tensors
-_PROBED = _names("einsum", "tensordot", "rot90", "as_strided", "diagonal", "diag_embed")
+_PROBED = torch_functions("einsum", "tensordot", "rot90", "as_strided", "diagonal", "diag_embed")
 _RNN = {torch._VF.lstm, torch._VF.gru, torch._VF.rnn_tanh, torch._VF.rnn_relu}  # (nn.LSTM, nn.GRU, nn.RNN)
 _PADDED = {torch._VF._pad_packed_sequence}  # (nn.utils.rnn.pad_packed_sequence)
-_REDUCE = _names(
+_REDUCE = torch_functions(
     "sum", "mean", "amax", "amin", "logsumexp", "nansum", "nanmean", "max", "min", "argmax", "argmin", "any", "all",
     "prod", "median",
 )  # fmt: skip
-_MATMUL = _names("matmul", "__matmul__", "__rmatmul__", "bmm")
+_MATMUL = torch_functions("matmul", "__matmul__", "__rmatmul__", "bmm")
 
 # how each op moves the batch (ops not listed keep it where it is: _KEEP)
 _KEEP, _ALIGN, _MOVE, _RESHAPE_OP, _INDEX, _EMBED, _REDUCE_OP, _PROBE, _LAYOUT = range(9)

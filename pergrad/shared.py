@@ -69,7 +69,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
-from .dims import LOST, attribute_dim, carries, folded, result_dims, written
+from .dims import LOST, attribute_dim, carries, folded, result_dims, torch_functions, written
 from .errors import EAGER, BatchSizeError, SharedInputError
 
 
@@ -319,33 +319,25 @@ def per_sample_input(a: Tensor, output: Tensor, dim: int, size: int) -> tuple[Te
 # -- the tracked tensor ---------------------------------------------------------------------------
 
 
-def _names(*names: str) -> set[Any]:
-    found: set[Any] = set()
-    for name in names:
-        for owner in (torch, torch.Tensor):
-            fn = getattr(owner, name, None)
-            if fn is not None:
-                found.add(fn)
-    return found
-
-
-_ELEMENTWISE = _names(
+_ELEMENTWISE = torch_functions(
     "add", "add_", "sub", "sub_", "rsub", "mul", "mul_", "div", "div_", "true_divide", "true_divide_",
     "where", "masked_fill", "lerp", "addcmul", "addcdiv", "maximum", "minimum", "pow", "pow_", "atan2",
     "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__",
     "__truediv__", "__rtruediv__", "__itruediv__",
 )  # fmt: skip
-_MATMUL = _names("matmul", "__matmul__", "__rmatmul__")
-_EXPAND = _names("expand", "expand_as", "broadcast_to", "repeat")
+_MATMUL = torch_functions("matmul", "__matmul__", "__rmatmul__")
+_EXPAND = torch_functions("expand", "expand_as", "broadcast_to", "repeat")
 _SDPA = {torch.nn.functional.scaled_dot_product_attention}
 _F = torch.nn.functional
 _LAYER_OPS = {
     _F.linear, _F.conv1d, _F.conv2d, _F.conv3d, _F.conv_transpose1d, _F.conv_transpose2d, _F.conv_transpose3d,
     _F.layer_norm, _F.group_norm, _F.rms_norm, _F.embedding, _F.instance_norm,
 }  # fmt: skip
-_NEW = _names("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "zeros_like", "ones_like", "empty_like")
+_NEW = torch_functions(
+    "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "zeros_like", "ones_like", "empty_like"
+)
 _GRAD = {torch.autograd.grad, torch.autograd.backward, Tensor.backward}
-_LIKE = _names("to", "type_as")
+_LIKE = torch_functions("to", "type_as")
 _VIEW_ATTRIBUTES = {getattr(Tensor, name).__get__ for name in ("T", "mT", "H", "mH")}
 
 
@@ -660,7 +652,7 @@ def _expand(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     for o in origins:
         o.group.state = "shared"
     expanded = _expanded(x, _roots(origins), rank)
-    if func in _names("repeat"):  # the batch factor is done: repeat the other dims as asked
+    if func in torch_functions("repeat"):  # the batch factor is done: repeat the other dims as asked
         factors = [1 if i == group.dim else s // max(e, 1) for i, (s, e) in enumerate(zip(out, expanded.shape))]
         with DisableTorchFunctionSubclass():
             return expanded.repeat(*factors)
