@@ -83,3 +83,39 @@ def test_autocast_float16_on_cuda_is_close_to_float32() -> None:
         for name, p in model.named_parameters():
             assert p.grad_sample.dtype == torch.float32 and p.grad_sample.is_cuda
             assert (p.grad_sample - exact[name][0]).norm() <= 3e-2 * exact[name][0].norm(), name
+
+
+@pytest.mark.parametrize(
+    "layer,shape",
+    [
+        (nn.GroupNorm(2, 8), (3, 8, 4, 4)),
+        (nn.LayerNorm(8), (3, 5, 8)),
+        (nn.InstanceNorm2d(8, affine=True), (3, 8, 4, 4)),
+        (nn.RMSNorm(8), (3, 5, 8)),
+    ],
+    ids=["group", "layer", "instance", "rms"],
+)
+def test_a_norm_run_in_float32_on_a_bfloat16_input(layer: nn.Module, shape: tuple[int, ...]) -> None:
+    """CUDA's autocast runs the norms in float32 on a bf16 input (a conv's output): ``a`` is bf16 and ``d``
+    float32. The rule normalises in float32, as the layer did (it raised in a bmm of mixed dtypes)."""
+    from pergrad.registry import default_registry
+
+    torch.manual_seed(0)
+    a, d = torch.randn(shape).bfloat16(), torch.randn(shape)
+    got = default_registry.lookup(layer).fn(layer, a, d)  # type: ignore[union-attr]
+    x_hat = _plain(layer)(a.float()).detach()
+    summed = tuple(range(1, len(shape) - 1)) if isinstance(layer, nn.LayerNorm | nn.RMSNorm) else (2, 3)
+    assert got["weight"].dtype == torch.float32
+    torch.testing.assert_close(got["weight"], (d * x_hat).sum(summed), rtol=1e-5, atol=1e-5)
+
+
+def _plain(layer: nn.Module) -> nn.Module:
+    """A copy of a norm layer with unit weight and zero bias: its forward is ``x_hat``."""
+    import copy
+
+    plain = copy.deepcopy(layer)
+    with torch.no_grad():
+        plain.weight.fill_(1.0)
+        if getattr(plain, "bias", None) is not None:
+            plain.bias.zero_()
+    return plain

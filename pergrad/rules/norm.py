@@ -40,6 +40,13 @@ def _dot(d: Tensor, x: Tensor, dims: tuple[int, ...]) -> Tensor:
     return torch.bmm(lhs, rhs).view(d.shape[: d.dim() - len(dims)])
 
 
+def _as_computed(a: Tensor, d: Tensor) -> Tensor:
+    """The layer's input in the dtype it was normalised in: autocast runs the norms in float32 on a
+    lower-precision input (a bf16 conv output on CUDA), and their output, hence ``d``, is float32."""
+    wider = torch.promote_types(a.dtype, d.dtype)
+    return a if wider == a.dtype else a.to(wider)
+
+
 @default_registry.register(nn.LayerNorm)
 def layer_norm(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``x_hat = (a - mean) / sqrt(var + eps)`` over the trailing ``normalized_shape`` dims.
@@ -47,6 +54,7 @@ def layer_norm(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     Index conventions: a, d: [n, *shared, *normalized_shape]; the shared dims are summed.
     """
     assert isinstance(layer, nn.LayerNorm)
+    a = _as_computed(a, d)
     # a weight of ones gives the same values (x * 1 is exact) by the affine kernel, twice as fast on the CPU
     ones = torch.ones(layer.normalized_shape, dtype=a.dtype, device=a.device)
     x_hat = F.layer_norm(a, layer.normalized_shape, ones, eps=layer.eps)
@@ -64,6 +72,7 @@ def batch_norm_eval(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]
     the forward, before this rule could run.
     """
     assert isinstance(layer, nn.modules.batchnorm._BatchNorm)
+    a = _as_computed(a, d)
     assert layer.running_mean is not None and layer.running_var is not None
     shape = (1, -1, *([1] * (a.dim() - 2)))
     x_hat = (a - layer.running_mean.view(shape)) * (layer.running_var.view(shape) + layer.eps).rsqrt()
@@ -77,6 +86,7 @@ def group_norm(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     Index conventions: a, d: [n, c, *spatial]; the spatial dims are summed.
     """
     assert isinstance(layer, nn.GroupNorm)
+    a = _as_computed(a, d)
     x_hat = F.group_norm(a, layer.num_groups, eps=layer.eps)
     return affine_grads(layer, x_hat, d, tuple(range(2, a.dim())))
 
@@ -88,6 +98,7 @@ def instance_norm(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     nothing into any sample's output). Index conventions: a, d: [n, c, *spatial]; spatial summed.
     """
     assert isinstance(layer, nn.modules.instancenorm._InstanceNorm)
+    a = _as_computed(a, d)
     spatial = tuple(range(2, a.dim()))
     if layer.training or layer.running_mean is None or layer.running_var is None:
         mean, var = a.mean(spatial, keepdim=True), a.var(spatial, unbiased=False, keepdim=True)
@@ -102,6 +113,7 @@ def rms_norm(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``x_hat = a / sqrt(mean(a^2) + eps)`` over the trailing ``normalized_shape`` dims (``eps=None``:
     the dtype's machine epsilon, as PyTorch). Index conventions: a, d: [n, *shared, *normalized]."""
     assert isinstance(layer, nn.RMSNorm)
+    a = _as_computed(a, d)
     dims = tuple(range(a.dim() - len(layer.normalized_shape), a.dim()))
     eps = torch.finfo(a.dtype).eps if layer.eps is None else layer.eps
     x_hat = a * (a.square().mean(dims, keepdim=True) + eps).rsqrt()
