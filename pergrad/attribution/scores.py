@@ -13,7 +13,9 @@ Preconditioners:
   features of checkpoint ``c``; ``Phi_c^T Phi_c`` is ``[k, k]``, accumulated chunk by chunk in float64;
   ``lambda_c = damping * trace(Phi_c^T Phi_c) / k`` (the damping is relative to the mean eigenvalue, so it
   does not depend on the features' scale; default ``damping=1e-3``). Build it once with :func:`gram` and
-  pass it to several calls, or pass ``"gram"`` to build it from the store on each call.
+  pass it to several calls, or pass ``"gram"`` to build it from the whole store on each call (from every
+  train sample, also where ``indices=`` scores a subset: a shard or a candidate set is scored as part of the
+  whole training set).
 
 - :class:`KroneckerFactored`: LoGra / EK-FAC-style, block-diagonal over the feature columns of each
   Kronecker-projected weight (one projection target per weight, features concatenated: see
@@ -37,7 +39,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor
 
-from .errors import ScoreArgumentError
+from .errors import MissingFeaturesError, ScoreArgumentError
 
 T = TypeVar("T")
 
@@ -116,8 +118,11 @@ def gram(
     indices: Tensor | Sequence[int] | None = None,
     progress: bool = False,
 ) -> Gram:
-    """The TRAK-style preconditioner of ``store`` (of its rows ``indices`` if given), one pass per
-    checkpoint: ``M_c = (Phi_c^T Phi_c + lambda_c I)^{-1}``, ``lambda_c = damping * trace(Phi_c^T Phi_c) / k``."""
+    """The Gram preconditioner of ``store``, one pass per checkpoint: ``M_c = (Phi_c^T Phi_c + lambda_c
+    I)^{-1}``, ``lambda_c = damping * trace(Phi_c^T Phi_c) / k``, ``Phi_c`` every train sample's features.
+
+    ``indices``: the Gram of these rows only, a different matrix (a model trained on that subset); scoring a
+    subset of the training set (``scores(..., indices=)``) wants the whole store's, the default."""
     if damping < 0:
         raise ScoreArgumentError(f"gram: damping={damping} must be >= 0 (relative to the mean eigenvalue).")
     factors, lambdas = [], []
@@ -309,7 +314,8 @@ def iter_scores(
 
     ``test_features``: ``[m, k]`` (a store with one checkpoint), ``[C, m, k]``, or one ``[m, k]`` per
     checkpoint (a sequence in the store's order, or a mapping by checkpoint name). ``weights``: one per
-    checkpoint (default 1). ``indices``: score against these train samples only.
+    checkpoint (default 1). ``indices``: score against these train samples only (``"gram"`` is still built
+    from every train sample: the scores are the columns ``indices`` of the whole store's).
     """
     queries = _queries(test_features, store)
     w = _weights(weights, store)
@@ -454,7 +460,19 @@ def _resolve(
     if preconditioner == "identity":
         return Identity()
     if preconditioner == "gram":
-        return gram(store, chunk=chunk, indices=indices, progress=progress)
+        # the Gram of the whole training set, whatever subset is scored: a subset's Gram preconditions
+        # with another matrix (its scores are off by the ratio of the two, and its rankings differ)
+        try:
+            return gram(store, chunk=chunk, progress=progress)
+        except MissingFeaturesError as err:
+            shown = f", e.g. {err.missing[:5]}" if err.missing else ""
+            raise MissingFeaturesError(
+                "preconditioner='gram' is the Gram matrix of the whole store (every train sample), also where "
+                f"indices= scores a subset, and {len(err.missing) or 'some'} of the store's samples are not written "
+                f"(and flushed) yet{shown}: write them first (store.missing() lists them), or, to precondition with "
+                "the Gram of the rows written only (another matrix), pass preconditioner=gram(store, indices=...).",
+                err.missing,
+            ) from err
     raise ScoreArgumentError(
         f"preconditioner={preconditioner!r} is not known: pass 'identity', 'gram', or a Preconditioner "
         "(e.g. gram(store, damping=...))."

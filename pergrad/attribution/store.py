@@ -456,7 +456,8 @@ class FeatureStore:
         raise MissingFeaturesError(
             f"feature store {str(self.path)!r}, checkpoint {self.spec.checkpoints[c]!r}: {missing.numel()} of the "
             f"samples asked for are not written (and flushed) yet, e.g. {missing[:5].tolist()}: write them "
-            "(store.missing() lists them) and flush or close the writing store, or pass indices= to use a subset."
+            "(store.missing() lists them) and flush or close the writing store, or pass indices= to use a subset.",
+            missing.tolist(),
         )
 
 
