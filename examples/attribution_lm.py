@@ -184,10 +184,12 @@ def run(
                     optimizer.zero_grad(set_to_none=True)
                     sequence_losses(model(train[idx, :-1]), train[idx]).mean().backward()
                     optimizer.step()
-                psm = wrap(model, dim, seed)  # pergrad for the feature pass only: removed, the model is as it was
+                # pergrad for the feature pass only (removed, the model is as it was), with this checkpoint's
+                # own projection (both stores record the same seeds)
+                psm = wrap(model, dim, raw.seed(name))
                 for idx in torch.arange(len(train)).split(feature_batch):
                     phi = features(psm, train[idx])
-                    raw.write(idx, phi, checkpoint=name)
+                    raw.write_from(psm, idx, checkpoint=name)
                     unit.write(idx, F.normalize(phi, dim=1), checkpoint=name)
                 phi = torch.cat([features(psm, q) for q in queries.split(feature_batch)])
                 query_features["raw"].append(phi)

@@ -76,6 +76,10 @@ class Preconditioner:
     def check(self, source: FeatureSource) -> None:
         """Raise :class:`ScoreArgumentError` when this preconditioner does not fit ``source``."""
 
+    def columns(self, indices: Tensor) -> Tensor | None:
+        """A factor of each train sample's scores (``[len(indices)]``: TRAK's out-to-loss term), or None (1)."""
+        return None
+
 
 class Identity(Preconditioner):
     """``M_c = I``: TracIn / gradient similarity."""
@@ -108,6 +112,45 @@ class Gram(Preconditioner):
                 f"{self.factors[0].shape[0]} features, the store has {len(source.checkpoints)} of k={source.k}: "
                 "build it from this store with gram(store)."
             )
+
+
+class TRAK(Gram):
+    """TRAK (Park et al. 2023): the Gram preconditioner of the features of the model output (the margin),
+    and each train sample's score multiplied by its out-to-loss term averaged over the checkpoints,
+    ``Q_i = (1/C) sum_c Q_c(i)``. Build it with :func:`trak`."""
+
+    def __init__(self, factors: Sequence[Tensor], damping: Sequence[float], out_to_loss: Tensor) -> None:
+        super().__init__(factors, damping)
+        self.out_to_loss = out_to_loss  # [n] float64
+
+    def check(self, source: FeatureSource) -> None:
+        super().check(source)
+        if self.out_to_loss.numel() != source.n:
+            raise ScoreArgumentError(
+                f"the TRAK preconditioner was built for {self.out_to_loss.numel()} train samples, the store has "
+                f"{source.n}: build it from this store with trak(store)."
+            )
+
+    def columns(self, indices: Tensor) -> Tensor:
+        return self.out_to_loss[indices]
+
+
+def trak(store: FeatureSource, damping: float = 1e-3, *, chunk: int = DEFAULT_CHUNK, progress: bool = False) -> TRAK:
+    """TRAK's estimator over the whole store: :func:`gram` of every checkpoint (``damping`` relative to the mean
+    eigenvalue; traker's default is 0), and the out-to-loss terms the store keeps (``out_to_loss=True``)
+    averaged over checkpoints. With the features ``phi_c`` of the model output (:func:`margin`,
+    :func:`lm_margin`), ``score(z, i) = Q_i sum_c w_c phi_c(z)^T (Phi_c^T Phi_c + lambda_c I)^{-1} phi_c(i)``
+    (traker averages over checkpoints: ``w_c = 1/C``; the default ``w_c = 1`` is ``C`` times that)."""
+    reader = getattr(store, "out_to_loss", None)
+    if reader is None or not getattr(getattr(store, "spec", None), "out_to_loss", False):
+        raise ScoreArgumentError(
+            "TRAK needs the out-to-loss term of every train sample: write the features of the model output "
+            "(margin(logits, y)) into a FeatureStore created with output='margin', out_to_loss=True, passing "
+            "write(..., out_to_loss=q); preconditioner='gram' is the Gram route without it."
+        )
+    q = torch.stack([reader(c) for c in range(len(store.checkpoints))]).mean(0)
+    g = gram(store, damping, chunk=chunk, progress=progress)
+    return TRAK(g.factors, g.damping, q)
 
 
 def gram(
@@ -320,7 +363,7 @@ def iter_scores(
     queries = _queries(test_features, store)
     w = _weights(weights, store)
     m = _resolve(preconditioner, store, chunk, indices, progress)
-    dtype = torch.promote_types(queries[0].dtype, store.dtype)
+    dtype = _compute_dtype(queries[0].dtype, store.dtype)
     # w_c M_c phi_c(test): applied once, on the test side
     q = [m.apply(c, queries[c].to(dtype)) * w[c] for c in range(len(queries))]
     streams = [store.chunks(chunk, c, indices) for c in range(len(queries))]
@@ -329,7 +372,8 @@ def iter_scores(
         block = q[0] @ parts[0][1].to(dtype).T
         for c in range(1, len(parts)):
             block += q[c] @ parts[c][1].to(dtype).T
-        yield idx, block
+        columns = m.columns(idx)
+        yield idx, block if columns is None else block * columns.to(dtype)
 
 
 def scores(
@@ -440,11 +484,59 @@ def self_influence(
     out = []
     streams = [store.chunks(chunk, c, indices) for c in range(len(store.checkpoints))]
     for parts in _progress(zip(*streams), _count(store, chunk, indices), progress, "self-influence"):
-        total = torch.zeros(parts[0][1].shape[0], dtype=parts[0][1].dtype)
+        dtype = _compute_dtype(parts[0][1].dtype)
+        total = torch.zeros(parts[0][1].shape[0], dtype=dtype)
         for c, (_, features) in enumerate(parts):
-            total += w[c] * (m.apply(c, features) * features).sum(1)
-        out.append(total)
+            x = features.to(dtype)
+            total += w[c] * (m.apply(c, x) * x).sum(1)
+        columns = m.columns(parts[0][0])
+        out.append(total if columns is None else total * columns.to(dtype))
     return torch.cat(out)
+
+
+def token_scores(
+    test_features: Tensor | Sequence[Tensor] | Mapping[str, Tensor],
+    store: Any,
+    *,
+    preconditioner: str | Preconditioner = "identity",
+    weights: Sequence[float] | Mapping[str, float] | None = None,
+    chunk: int = 256,
+    indices: Tensor | Sequence[int] | None = None,
+    progress: bool = False,
+) -> Tensor:
+    """Per-token scores ``[m, n, tokens]`` (``[m, len(indices), tokens]``) of a per-token store (``tokens=T``,
+    features of ``register_projection(per_token=True)``): ``sum_c w_c phi_c(test_j)^T M_c phi_c(i, t)``, the
+    share of train sample ``i``'s score that its token ``t``'s term of the gradient carries (they sum over
+    ``t`` to :func:`scores`; kronfluence's per-token scores). The preconditioner is built from the per-sample
+    features (their sums over tokens) of the whole store, as for :func:`scores`."""
+    if not getattr(store, "tokens", 0):
+        raise ScoreArgumentError(
+            "token_scores needs a per-token store: create it with FeatureStore.open(..., tokens=T) and write the "
+            "[B, T, k] features of register_projection(..., per_token=True)."
+        )
+    queries = _queries(test_features, store)
+    w = _weights(weights, store)
+    m = _resolve(preconditioner, store, DEFAULT_CHUNK, indices, progress)
+    dtype = _compute_dtype(queries[0].dtype, store.dtype)
+    q = [m.apply(c, queries[c].to(dtype)) * w[c] for c in range(len(queries))]
+    streams = [store.chunks(chunk, c, indices, per_token=True) for c in range(len(queries))]
+    out = []
+    for parts in _progress(zip(*streams), _count(store, chunk, indices), progress, "token scores"):
+        block = torch.einsum("mk,ntk->mnt", q[0], parts[0][1].to(dtype))
+        for c in range(1, len(parts)):
+            block += torch.einsum("mk,ntk->mnt", q[c], parts[c][1].to(dtype))
+        columns = m.columns(parts[0][0])
+        out.append(block if columns is None else block * columns.to(dtype)[:, None])
+    return torch.cat(out, dim=1)
+
+
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype scores are computed in: the widest of ``dtypes``, float32 at least (float16 features are
+    stored, not multiplied, in float16)."""
+    out = torch.float32
+    for dtype in dtypes:
+        out = torch.promote_types(out, dtype)
+    return out
 
 
 def _resolve(
@@ -459,6 +551,16 @@ def _resolve(
         return preconditioner
     if preconditioner == "identity":
         return Identity()
+    if preconditioner == "trak":
+        try:
+            return trak(store, chunk=chunk, progress=progress)
+        except MissingFeaturesError as err:
+            raise MissingFeaturesError(
+                f"preconditioner='trak' is built from the whole store (every train sample), also where indices= "
+                f"scores a subset, and {len(err.missing) or 'some'} of the store's samples are not written (and "
+                "flushed) yet: write them first (store.missing() lists them).",
+                err.missing,
+            ) from err
     if preconditioner == "gram":
         # the Gram of the whole training set, whatever subset is scored: a subset's Gram preconditions
         # with another matrix (its scores are off by the ratio of the two, and its rankings differ)
@@ -474,7 +576,7 @@ def _resolve(
                 err.missing,
             ) from err
     raise ScoreArgumentError(
-        f"preconditioner={preconditioner!r} is not known: pass 'identity', 'gram', or a Preconditioner "
+        f"preconditioner={preconditioner!r} is not known: pass 'identity', 'gram', 'trak', or a Preconditioner "
         "(e.g. gram(store, damping=...))."
     )
 
