@@ -16,6 +16,7 @@ also brings tqdm for ``progress=True``).
 """
 
 from .errors import AttributionError, MissingFeaturesError, ScoreArgumentError, StoreIndexError, StoreSpecError
+from .evaluate import lds, loo_correlation, ranks, retrain, spearman, subsets
 from .outputs import lm_margin, margin
 from .scores import (
     TRAK,
@@ -57,10 +58,16 @@ __all__ = [
     "feature_columns",
     "gram",
     "iter_scores",
+    "lds",
     "lm_margin",
+    "loo_correlation",
     "margin",
+    "ranks",
+    "retrain",
     "scores",
     "self_influence",
+    "spearman",
+    "subsets",
     "token_scores",
     "top_k",
     "trak",
