@@ -17,7 +17,7 @@ also brings tqdm for ``progress=True``).
 
 from .errors import AttributionError, MissingFeaturesError, ScoreArgumentError, StoreIndexError, StoreSpecError
 from .evaluate import lds, loo_correlation, ranks, retrain, spearman, subsets
-from .outputs import lm_margin, margin
+from .outputs import lm_margin, margin, sampled_labels
 from .scores import (
     TRAK,
     FeatureSource,
@@ -64,6 +64,7 @@ __all__ = [
     "margin",
     "ranks",
     "retrain",
+    "sampled_labels",
     "scores",
     "self_influence",
     "spearman",

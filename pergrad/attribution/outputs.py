@@ -7,6 +7,10 @@ reweights each train sample's score. Each function returns ``(f [B], Q [B])``: b
 ``PerSampleModule(model, loss_reduction="sum")`` with a projection registered to get the features of each
 sample's ``f_i``, and write ``Q`` beside them (``store.write(..., out_to_loss=Q)``); ``Q`` carries no gradient.
 On the test side only ``f`` is used (the measurement: any per-sample scalar of the model will do).
+
+:func:`sampled_labels` draws targets from the model's own predictive distribution: the backward of the loss
+of those labels gives the true Fisher (kronfluence's default for EK-FAC) instead of the empirical Fisher of
+the training labels.
 """
 
 from __future__ import annotations
@@ -49,3 +53,33 @@ def lm_margin(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> tupl
     f_tokens, q_tokens = torch.where(keep, f_tokens.view(b, t), zero), torch.where(keep, q_tokens.view(b, t), zero)
     count = keep.sum(1).clamp(min=1)
     return f_tokens.sum(1), q_tokens.sum(1) / count
+
+
+def sampled_labels(
+    logits: Tensor,
+    *,
+    generator: torch.Generator | None = None,
+    targets: Tensor | None = None,
+    ignore_index: int = -100,
+) -> Tensor:
+    """Labels drawn from the model's predictive distribution, ``y ~ softmax(logits)`` at each position:
+    ``logits`` ``[..., classes]`` gives ``[...]`` class indices (int64), drawn by
+    ``torch.multinomial(softmax(logits), 1, generator=generator)`` over the positions flattened in order
+    (pass a seeded ``torch.Generator`` on the logits' device for draws that repeat). With ``targets``
+    (the training labels, shaped ``[...]``), positions where ``targets == ignore_index`` keep
+    ``ignore_index``. The loss of these labels, e.g. ``F.cross_entropy(logits, sampled_labels(logits),
+    reduction="sum")``, backpropagated through a wrapper tracking ``track_projected_factors``, sums the
+    Kronecker factors of the true Fisher ``E_{y ~ p(y|x)}[g g^T]``; write its features to a store of their
+    own and pass that store to ``ekfac`` for the eigenvalue correction of the same Fisher."""
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"sampled_labels: logits {list(logits.shape)}: pass logits [..., classes].")
+    if targets is not None and targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"sampled_labels: logits {list(logits.shape)} and targets {list(targets.shape)}: targets must be "
+            "logits.shape[:-1] (one label per position)."
+        )
+    probs = logits.detach().reshape(-1, logits.shape[-1]).softmax(-1)
+    drawn = torch.multinomial(probs, 1, generator=generator).reshape(logits.shape[:-1])
+    if targets is not None:
+        drawn = drawn.masked_fill(targets == ignore_index, ignore_index)
+    return drawn
