@@ -5,6 +5,7 @@ float64 formulas (torch.func per-sample gradients of the margin times the whole 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -169,10 +170,16 @@ def projected(ref: dict[str, Tensor], net: nn.Module, spec: Spec) -> Tensor:
     )
 
 
-def build_trak_store(tmp_path: Path, kind: str = "kron", dtype: torch.dtype = torch.float64) -> dict[str, object]:
+def build_trak_store(
+    tmp_path: Path,
+    kind: str = "kron",
+    dtype: torch.dtype = torch.float64,
+    measure: Callable[[Tensor, Tensor], Tensor] = margin_loss,
+) -> dict[str, object]:
     """Three checkpoints of an SGD run; at each, the margins' features of every train sample (batches of
-    changing sizes through one wrapper with grads=False: weights detached from the second backward) and of
-    the test samples, written with write_from; returns the naive float64 ingredients beside the store."""
+    changing sizes through one wrapper with grads=False: weights detached from the second backward) and the
+    features of ``measure`` (the query side's function: the margin unless said) of the test samples, written
+    with write_from; returns the naive float64 ingredients beside the store."""
     net = mlp()
     x, y = randn(N, 5, seed=1), labels(N, 2)
     xt, yt = randn(M, 5, seed=3), labels(M, 4)
@@ -184,7 +191,7 @@ def build_trak_store(tmp_path: Path, kind: str = "kron", dtype: torch.dtype = to
     for name in NAMES:
         spec = Spec(K, kind, store.seed(name))
         phi[name] = projected(reference_grad_sample(net, x, y, margin_loss), net, spec)
-        phi_test[name] = projected(reference_grad_sample(net, xt, yt, margin_loss), net, spec)
+        phi_test[name] = projected(reference_grad_sample(net, xt, yt, measure), net, spec)
         with torch.no_grad():
             q[name] = 1 - net(x).softmax(1).gather(1, y[:, None]).squeeze(1)
         psm = PerSampleModule(net, loss_reduction="sum")
@@ -193,8 +200,7 @@ def build_trak_store(tmp_path: Path, kind: str = "kron", dtype: torch.dtype = to
             f, qb = margin(psm(x[idx]), y[idx])
             f.sum().backward()
             store.write_from(psm, idx, name, out_to_loss=qb)
-        f, _ = margin(psm(xt), yt)
-        f.sum().backward()
+        measure(psm(xt), yt).backward()
         test[name] = psm.per_sample_projections()[""]
         psm.remove()
         opt.zero_grad()
@@ -240,6 +246,32 @@ def test_trak_scores_equal_the_naive_formula(tmp_path: Path, kind: str) -> None:
     assert torch.equal(where, expected.topk(4, dim=1).indices)
     own = naive_trak(phi, phi, q, 1e-3).diagonal()
     torch.testing.assert_close(self_influence(store, "trak", chunk=7), own, rtol=1e-9, atol=1e-12)
+
+
+def other_class_log_probability(out: Tensor, y: Tensor) -> Tensor:
+    """A measurement other than the training output: each test sample's log-probability of the class after its
+    label, summed."""
+    return out.log_softmax(1).gather(1, (y[:, None] + 1) % 3).sum()
+
+
+@pytest.mark.parametrize("measure", [other_class_log_probability, F.cross_entropy], ids=["log_prob", "loss"])
+def test_the_query_side_differentiates_a_measurement_of_its_own(
+    tmp_path: Path, measure: Callable[[Tensor, Tensor], Tensor]
+) -> None:
+    """kronfluence's ``compute_measurement``: the train side's features are the margins' (TRAK), the query's those
+    of any other per-sample scalar; the scores are the naive formula with the measurement's gradients."""
+    loss = (lambda out, y: F.cross_entropy(out, y, reduction="sum")) if measure is F.cross_entropy else measure
+    built = build_trak_store(tmp_path / "measure", measure=loss)
+    phi, phi_test, q, test = built["phi"], built["phi_test"], built["q"], built["test"]
+    assert isinstance(phi, dict) and isinstance(phi_test, dict) and isinstance(q, dict) and isinstance(test, dict)
+    store = FeatureStore.open(tmp_path / "measure", readonly=True)
+    for name in NAMES:
+        torch.testing.assert_close(test[name], phi_test[name], rtol=1e-10, atol=1e-12)
+    expected = naive_trak(phi, phi_test, q, 1e-3)
+    torch.testing.assert_close(scores(test, store, preconditioner="trak", chunk=4), expected, rtol=1e-9, atol=1e-12)
+    of_margin = build_trak_store(tmp_path / "margin")["test"]  # the same store, the margin's queries
+    assert isinstance(of_margin, dict)
+    assert not torch.allclose(scores(of_margin, store, preconditioner="trak"), expected, rtol=1e-3)
 
 
 def test_trak_needs_the_out_to_loss_terms(tmp_path: Path) -> None:
