@@ -9,7 +9,7 @@ projection), is written into a ``FeatureStore`` on disk, one checkpoint each. Sa
 their self-influence::
 
     TracIn (Pruthi et al. 2020)   sum_c lr_c ||phi_c(i)||^2
-    TRAK-style                    sum_c lr_c phi_c(i)^T (Phi_c^T Phi_c + lambda I)^{-1} phi_c(i)
+    Gram of the loss gradients    sum_c lr_c phi_c(i)^T (Phi_c^T Phi_c + lambda I)^{-1} phi_c(i)
 
 (``Phi_c`` the ``[n, k]`` features of checkpoint ``c``: ``gram(store)``), and the ranking is scored as
 a detector of the flipped labels: ROC AUC and precision at k = the number flipped (the fraction of
@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from pergrad import PerSampleModule
 from pergrad.attribution import FeatureStore, gram, self_influence
 
-RANKINGS = ("TracIn self-influence", "TRAK-style self-influence", "loss at the last checkpoint", "random")
+RANKINGS = ("TracIn self-influence", "loss-gradient Gram self-influence", "loss at the last checkpoint", "random")
 
 
 @dataclass
@@ -287,13 +287,13 @@ def main(argv: list[str] | None = None) -> list[Result]:
             f"MLP 64-{args.hidden}-{args.hidden}-10, SGD lr {args.lr}, {epochs} checkpoints, kron dim {dim}; "
             f"{len(done)} seed(s), mean (min..max)"
         )
-        print(f"{'ranking by':30}{'ROC AUC':>24}{f'precision at {first.n_flipped}':>24}")
+        print(f"{'ranking by':36}{'ROC AUC':>24}{f'precision at {first.n_flipped}':>24}")
         for name in RANKINGS:
             cells = []
             for metric in ("auc", "precision"):
                 values = [r.detection[name][metric] for r in done]
                 cells.append(f"{statistics.mean(values):.3f} ({min(values):.3f}..{max(values):.3f})")
-            print(f"{name:30}" + "".join(f"{c:>24}" for c in cells))
+            print(f"{name:36}" + "".join(f"{c:>24}" for c in cells))
         accuracy = statistics.mean(r.test_accuracy for r in done)
         print(f"held-out accuracy {accuracy:.3f}; {statistics.mean(r.seconds for r in done):.1f} s per seed")
         if args.plot:

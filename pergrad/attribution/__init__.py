@@ -11,6 +11,12 @@
             store.write_from(psm, idx, name, out_to_loss=q)
     values, where = top_k(test_features, store, 10, preconditioner="trak")
 
+The query's features may differentiate any measurement of its own (a test loss, a class's log-probability):
+``scores`` takes them as they come. Other routes: ``"gram"`` (the Gram of loss gradients), ``"identity"``
+(TracIn), ``ekfac(store, blocks)`` (LoGra / EK-FAC; ``sampled_labels`` for the true Fisher); per-token stores
+and ``token_scores``; ``subsets`` / ``retrain`` / ``lds`` to measure any of them on your task
+(docs/guides/attribution.md has the LDS of each, measured beside traker).
+
 pergrad's core never imports this package; it needs numpy (``pip install pergrad[attribution]``, which
 also brings tqdm for ``progress=True``).
 """

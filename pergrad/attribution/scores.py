@@ -9,7 +9,8 @@ With ``phi_c(z)`` the features of sample ``z`` at checkpoint ``c``, ``w_c`` a we
 Preconditioners:
 
 - ``"identity"``: ``M_c = I``: TracIn (over checkpoints), gradient similarity (one checkpoint).
-- ``"gram"``: TRAK-style, ``M_c = (Phi_c^T Phi_c + lambda_c I)^{-1}`` with ``Phi_c`` the ``[n, k]`` train
+- ``"gram"``: the Gram of the loss gradients (TRAK's preconditioner without its model output and ``Q``:
+  ``"trak"``), ``M_c = (Phi_c^T Phi_c + lambda_c I)^{-1}`` with ``Phi_c`` the ``[n, k]`` train
   features of checkpoint ``c``; ``Phi_c^T Phi_c`` is ``[k, k]``, accumulated chunk by chunk in float64;
   ``lambda_c = damping * trace(Phi_c^T Phi_c) / k`` (the damping is relative to the mean eigenvalue, so it
   does not depend on the features' scale; default ``damping=1e-3``). Build it once with :func:`gram` and
