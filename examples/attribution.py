@@ -1,14 +1,15 @@
 """Training-data attribution: find the mislabelled digits by their self-influence.
 
 scikit-learn's digits (8x8, no download), 80% for training with 5% of the training labels flipped to
-another class (seeded), 20% held out. A small MLP trains for a few epochs with SGD through a
-``PerSampleModule``; at the end of each epoch (a checkpoint), every training sample's projected
-gradient of its own loss, ``phi_c(i) = P vec(g_i)`` (``register_projection(model, dim=k,
-kind="kron")``: ``k`` features, ``g_i`` never built), is written into a ``FeatureStore`` on disk,
-one checkpoint each. Samples are then ranked by their self-influence::
+another class (seeded), 20% held out. A small MLP trains for a few epochs with SGD (plain PyTorch); at
+the end of each epoch (a checkpoint), every training sample's projected gradient of its own loss,
+``phi_c(i) = P_c vec(g_i)`` (a ``PerSampleModule`` with ``register_projection(model, dim=k,
+kind="kron", seed=store.seed(c))``: ``k`` features, ``g_i`` never built, each checkpoint its own
+projection), is written into a ``FeatureStore`` on disk, one checkpoint each. Samples are then ranked by
+their self-influence::
 
     TracIn (Pruthi et al. 2020)   sum_c lr_c ||phi_c(i)||^2
-    TRAK-style                    sum_c lr_c phi_c(i)^T (Phi_c^T Phi_c + lambda I)^{-1} phi_c(i)
+    Gram of the loss gradients    sum_c lr_c phi_c(i)^T (Phi_c^T Phi_c + lambda I)^{-1} phi_c(i)
 
 (``Phi_c`` the ``[n, k]`` features of checkpoint ``c``: ``gram(store)``), and the ranking is scored as
 a detector of the flipped labels: ROC AUC and precision at k = the number flipped (the fraction of
@@ -45,7 +46,7 @@ from torch import Tensor, nn
 from pergrad import PerSampleModule
 from pergrad.attribution import FeatureStore, gram, self_influence
 
-RANKINGS = ("TracIn self-influence", "TRAK-style self-influence", "loss at the last checkpoint", "random")
+RANKINGS = ("TracIn self-influence", "loss-gradient Gram self-influence", "loss at the last checkpoint", "random")
 
 
 @dataclass
@@ -99,12 +100,12 @@ def features(psm: PerSampleModule, x: Tensor, y: Tensor) -> Tensor:
 
 
 def train_epoch(
-    psm: PerSampleModule, optimizer: torch.optim.Optimizer, data: Data, batch: int, gen: torch.Generator
+    model: nn.Module, optimizer: torch.optim.Optimizer, data: Data, batch: int, gen: torch.Generator
 ) -> None:
-    """One epoch of minibatch SGD on the mean cross-entropy, in an order drawn from ``gen``."""
+    """One epoch of minibatch SGD on the mean cross-entropy, in an order drawn from ``gen`` (plain PyTorch)."""
     for idx in torch.randperm(len(data.y), generator=gen).split(batch):
         optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(psm(data.x[idx]), data.y[idx]).backward()
+        F.cross_entropy(model(data.x[idx]), data.y[idx]).backward()
         optimizer.step()
 
 
@@ -172,7 +173,6 @@ def run(
     n = len(data.y)
     torch.manual_seed(seed)
     model = mlp(hidden)
-    psm = wrap(model, dim, seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     names = [f"epoch{e + 1}" for e in range(epochs)]
@@ -185,17 +185,22 @@ def run(
         with features_store:
             batches = 0
             for name in names:
-                train_epoch(psm, optimizer, data, batch, gen)
+                train_epoch(model, optimizer, data, batch, gen)
                 todo = features_store.missing(name)
-                for idx in todo.split(feature_batch) if len(todo) else ():
+                if not len(todo):
+                    continue
+                # this checkpoint's own projection (seed + 100_000 * c): TRAK's ensemble wants independent ones
+                psm = wrap(model, dim, features_store.seed(name))
+                for idx in todo.split(feature_batch):
                     if stop_after is not None and batches >= stop_after:
                         psm.remove()
                         result.seconds = time.perf_counter() - start
                         return result  # leaving the `with` flushes what was written: the next run resumes
-                    features_store.write(idx, features(psm, data.x[idx], data.y[idx]), checkpoint=name)
+                    features(psm, data.x[idx], data.y[idx])
+                    features_store.write_from(psm, idx, name)  # checks the projection is this checkpoint's
                     result.rows_written += len(idx)
                     batches += 1
-        psm.remove()  # the model is a plain nn.Module again
+                psm.remove()  # the model is a plain nn.Module again
         with torch.no_grad():
             loss = F.cross_entropy(model(data.x), data.y, reduction="none")
             result.test_accuracy = (model(data.x_test).argmax(1) == data.y_test).float().mean().item()
@@ -282,13 +287,13 @@ def main(argv: list[str] | None = None) -> list[Result]:
             f"MLP 64-{args.hidden}-{args.hidden}-10, SGD lr {args.lr}, {epochs} checkpoints, kron dim {dim}; "
             f"{len(done)} seed(s), mean (min..max)"
         )
-        print(f"{'ranking by':30}{'ROC AUC':>24}{f'precision at {first.n_flipped}':>24}")
+        print(f"{'ranking by':36}{'ROC AUC':>24}{f'precision at {first.n_flipped}':>24}")
         for name in RANKINGS:
             cells = []
             for metric in ("auc", "precision"):
                 values = [r.detection[name][metric] for r in done]
                 cells.append(f"{statistics.mean(values):.3f} ({min(values):.3f}..{max(values):.3f})")
-            print(f"{name:30}" + "".join(f"{c:>24}" for c in cells))
+            print(f"{name:36}" + "".join(f"{c:>24}" for c in cells))
         accuracy = statistics.mean(r.test_accuracy for r in done)
         print(f"held-out accuracy {accuracy:.3f}; {statistics.mean(r.seconds for r in done):.1f} s per seed")
         if args.plot:

@@ -25,7 +25,7 @@ the copy's source is the top-1 proponent (a training sequence with the same byte
 source: the text repeats some lines), against a random ranking (about 1 / number of training
 sequences). It also prints a held-out query with its top proponents, to read.
 
-Run: python examples/attribution_lm.py [--epochs 4] [--dim 512] [--seed 0] [--seeds 1] [--quick]
+Run: python examples/attribution_lm.py [--epochs 4] [--dim 512] [--seed 0] [--seeds 1] [--partial 20] [--quick]
 (needs scikit-learn and numpy: ``pip install -e ".[examples]"``)
 """
 
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pergrad import PerSampleModule
-from pergrad.attribution import FeatureStore, top_k
+from pergrad.attribution import FeatureStore, token_scores, top_k
 
 
 def load_text() -> bytes:
@@ -132,6 +132,43 @@ def plant(train: Tensor, held: Tensor, copies: int, changed: int, gen: torch.Gen
     return torch.cat([held, exact, near]), source
 
 
+def per_token_found(
+    model: nn.Module, train: Tensor, count: int, dim: int, seed: int, feature_batch: int = 128
+) -> dict[str, float]:
+    """Per-token attribution of ``count`` queries that copy the first half of a training sequence (drawn with
+    ``seed``) and continue with random printable bytes: ``{"copied": fraction of the copied query tokens whose
+    best training token (cosine of per-token features) is the same token of the source, "random": fraction of
+    the random query tokens whose best training token is in the source}``."""
+    gen = torch.Generator().manual_seed(seed)
+    n, width = train.shape
+    length, half = width - 1, (width - 1) // 2
+    source = torch.randperm(n, generator=gen)[:count]
+    queries = train[source].clone()
+    queries[:, half + 1 :] = torch.randint(32, 127, (count, width - half - 1), generator=gen)
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear | nn.Embedding)]
+    psm = PerSampleModule(model, loss_reduction="sum", keep_grad_sample=False)
+    for layer in layers:  # each layer's own per-token projection; the features concatenated
+        psm.register_projection(layer, dim=dim, kind="kron", seed=seed, per_token=True, grads=False)
+    with tempfile.TemporaryDirectory(prefix="pergrad-attribution-tokens-") as root:
+        store = FeatureStore.open(root, n=n, k=dim * len(layers), tokens=length, kind="kron", output="loss")
+        for idx in torch.arange(n).split(feature_batch):
+            sequence_losses(psm(train[idx, :-1]), train[idx]).sum().backward()
+            store.write(idx, torch.cat(list(psm.per_sample_projections().values()), -1))
+        store.flush()
+        sequence_losses(psm(queries[:, :-1]), queries).sum().backward()
+        tokens = torch.cat(list(psm.per_sample_projections().values()), -1)  # [count, T, k]
+        psm.remove()
+        norms = store.read(torch.arange(n), per_token=True).norm(dim=2).clamp(min=1e-12)  # [n, T]
+        cos = token_scores(F.normalize(tokens.flatten(0, 1), dim=1), store) / norms  # [count T, n, T]
+    best = cos.flatten(1).argmax(1).view(count, length)
+    seq, tok = best // length, best % length
+    same = (seq == source[:, None]) & (tok == torch.arange(length))
+    return {
+        "copied": same[:, :half].float().mean().item(),
+        "random": (seq[:, half:] == source[:, None]).float().mean().item(),
+    }
+
+
 @dataclass
 class Result:
     seed: int
@@ -144,6 +181,7 @@ class Result:
     held_loss: float  # held-out loss, nats per byte
     seconds: float
     top: dict[str, Tensor] = field(repr=False)  # "raw" / "unit" -> [m, 3] train indices of the best proponents
+    per_token: dict[str, float] = field(default_factory=dict)  # per_token_found at the last checkpoint
     example: str = field(default="", repr=False)
 
 
@@ -160,6 +198,7 @@ def run(
     copies: int = 20,
     changed: int = 3,
     feature_batch: int = 128,
+    partial: int = 20,
 ) -> Result:
     start = time.perf_counter()
     data = sequences(length)
@@ -184,10 +223,12 @@ def run(
                     optimizer.zero_grad(set_to_none=True)
                     sequence_losses(model(train[idx, :-1]), train[idx]).mean().backward()
                     optimizer.step()
-                psm = wrap(model, dim, seed)  # pergrad for the feature pass only: removed, the model is as it was
+                # pergrad for the feature pass only (removed, the model is as it was), with this checkpoint's
+                # own projection (both stores record the same seeds)
+                psm = wrap(model, dim, raw.seed(name))
                 for idx in torch.arange(len(train)).split(feature_batch):
                     phi = features(psm, train[idx])
-                    raw.write(idx, phi, checkpoint=name)
+                    raw.write_from(psm, idx, checkpoint=name)
                     unit.write(idx, F.normalize(phi, dim=1), checkpoint=name)
                 phi = torch.cat([features(psm, q) for q in queries.split(feature_batch)])
                 query_features["raw"].append(phi)
@@ -198,6 +239,8 @@ def run(
             kind: top_k(query_features[kind], store, 3, weights=[lr] * epochs)[1]
             for kind, store in (("raw", raw), ("unit", unit))
         }
+    # the partial copies are drawn from a generator of their own: the queries above stay as they were
+    found = per_token_found(model, train, partial, dim // 8, seed + 1) if partial else {}
     with torch.no_grad():
         held_loss = sequence_losses(model(held[:, :-1]), held).sum().item() / held[:, 1:].numel()
     same = (train.unsqueeze(0) == train[source[held_count:]].unsqueeze(1)).all(2)  # [2 copies, n]
@@ -218,6 +261,7 @@ def run(
         held_loss=held_loss,
         seconds=time.perf_counter() - start,
         top=top,
+        per_token=found,
         example=example,
     )
 
@@ -232,6 +276,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--copies", type=int, default=20, help="exact copies planted, and as many near copies")
     parser.add_argument("--changed", type=int, default=3, help="bytes changed in a near copy")
+    parser.add_argument("--partial", type=int, default=20, help="half copies for the per-token scores (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, default=1, help="how many seeds, from --seed on")
     parser.add_argument("--quick", action="store_true", help="2 epochs, dim 256")
@@ -250,6 +295,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
             lr=args.lr,
             copies=args.copies,
             changed=args.changed,
+            partial=args.partial,
         )
         for seed in tqdm(range(args.seed, args.seed + args.seeds), desc="seeds", disable=args.seeds == 1)
     ]
@@ -265,8 +311,15 @@ def main(argv: list[str] | None = None) -> list[Result]:
         for kind in ("exact", "near")
     ]
     rows.append(("random ranking", [r.random_top1 for r in results]))
+    if args.partial:
+        rows.append(("per token: copied token found at its source", [r.per_token["copied"] for r in results]))
+        rows.append(("per token: random token found in the source", [r.per_token["random"] for r in results]))
     rows.append(("held-out loss (nats/byte)", [r.held_loss for r in results]))
     print(f"{args.copies} exact copies and {args.copies} near copies ({args.changed} bytes changed) among the queries")
+    if args.partial:
+        print(
+            f"{args.partial} half copies (the first half of a training sequence, then random bytes): per-token scores"
+        )
     for label, values in rows:
         print(f"{label:50}{statistics.mean(values):8.3f} ({min(values):.3f}..{max(values):.3f})")
     print(first.example, end="")

@@ -717,6 +717,12 @@ class PerSampleModule:
             raise ProjectionError("per_sample_projections() is available after a backward pass")
         return dict(projection.last)
 
+    def projection_specs(self) -> dict[str, Spec]:
+        """``{target name: Spec}``: how each ``register_projection`` target projects (``dim``, ``kind``,
+        ``seed``, ``dtype``), keyed as ``per_sample_projections()``; a feature store checks them before it
+        takes the features (``FeatureStore.write_from``)."""
+        return {target.name: target.spec for target in self._engine.projection.targets}
+
     def track_projected_factors(self, *targets: nn.Module | nn.Parameter | str) -> None:
         """Sum, in every backward from now on, the Kronecker factors of each target's projected gradient
         (K-FAC curvature on the projected space, for LoGra / EK-FAC-style preconditioning in

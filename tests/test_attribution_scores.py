@@ -102,21 +102,50 @@ def test_chunked_scores_equal_dense(
         atol=1e-12,
     )
     subset = torch.tensor([30, 2, 11, 36])
+    # a subset scored: the columns of the whole store's scores (the Gram of every train sample, not the subset's)
     torch.testing.assert_close(
         scores(list(stacked), store, preconditioner=preconditioner, weights=WEIGHTS, chunk=chunk, indices=subset),
-        expected[:, subset] if preconditioner == "identity" else _dense_on(test, train, subset),
+        expected[:, subset],
         rtol=1e-12,
         atol=1e-12,
     )
+    values, where = top_k(test, store, 2, preconditioner=preconditioner, weights=WEIGHTS, chunk=chunk, indices=subset)
+    best = expected[:, subset].topk(2, dim=1)
+    torch.testing.assert_close(values, best.values, rtol=1e-12, atol=1e-12)
+    assert torch.equal(where, subset[best.indices])
 
 
-def _dense_on(test: dict[str, Tensor], train: dict[str, Tensor], subset: Tensor) -> Tensor:
-    """Gram on a subset: the preconditioner is built from the subset's rows."""
-    out = torch.zeros(M, subset.numel(), dtype=torch.float64)
+def test_a_subsets_own_gram_is_asked_for_explicitly(
+    tmp_path: Path, store: FeatureStore, train: dict[str, Tensor], test: dict[str, Tensor]
+) -> None:
+    """``gram(store, indices=)`` is the Gram of those rows (another matrix); ``"gram"`` on a store with rows
+    missing is refused, naming both fixes."""
+    subset = torch.tensor([30, 2, 11, 36, 7, 8, 9])
+    expected = torch.zeros(M, subset.numel(), dtype=torch.float64)
     for w, name in zip(WEIGHTS, NAMES):
         phi = train[name][subset]
-        out += w * test[name] @ dense_gram_inverse(phi) @ phi.T
-    return out
+        expected += w * test[name] @ dense_gram_inverse(phi) @ phi.T
+    own = gram(store, indices=subset, chunk=3)
+    got = scores(test, store, preconditioner=own, weights=WEIGHTS, indices=subset)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(got, scores(test, store, preconditioner="gram", weights=WEIGHTS, indices=subset))
+    with FeatureStore.open(tmp_path / "part", n=N, k=K, dtype=torch.float64) as part:
+        part.write(torch.arange(20), train["e1"][:20])
+    for run in (
+        lambda: scores(test["e1"], part, preconditioner="gram", indices=torch.arange(20)),
+        lambda: self_influence(part, "gram", indices=torch.arange(20)),
+    ):
+        with pytest.raises(
+            MissingFeaturesError, match=r"whole store .* 17 of the store.s samples .*=gram\(store, indices="
+        ):
+            run()
+    phi = train["e1"][:20]
+    torch.testing.assert_close(
+        scores(test["e1"], part, preconditioner=gram(part, indices=torch.arange(20)), indices=torch.arange(20)),
+        test["e1"] @ dense_gram_inverse(phi) @ phi.T,
+        rtol=1e-10,
+        atol=1e-12,
+    )
 
 
 def test_checkpoints_are_summed_with_their_weights(

@@ -166,8 +166,8 @@ def test_opening_errors(tmp_path: Path) -> None:
         FeatureStore.open(tmp_path / "new", k=4)
     with pytest.raises(StoreSpecError, match=r"has no spec\.json: nothing was written there"):
         FeatureStore.open(tmp_path / "new", readonly=True)
-    with pytest.raises(StoreSpecError, match=r"dtype torch\.float16 is not stored"):
-        FeatureStore.open(tmp_path / "new", n=3, k=4, dtype=torch.float16)
+    with pytest.raises(StoreSpecError, match=r"dtype torch\.bfloat16 is not stored; pass dtype=torch\.float16"):
+        FeatureStore.open(tmp_path / "new", n=3, k=4, dtype=torch.bfloat16)
     with pytest.raises(StoreSpecError, match=r"rank=2 is not in range for world_size=2"):
         FeatureStore.open(tmp_path / "new", n=3, k=4, world_size=2, rank=2)
     with FeatureStore.open(tmp_path / "s", n=N, k=K, checkpoints=["e1", "e2"]) as store:

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -280,3 +281,52 @@ def test_tf32_errors_are_float32_round_off_on_the_cpu(tmp_path: Path) -> None:
     for row in rows:  # the CPU has no TF32: float32 round-off either way, for autograd and for every target
         assert set(row["features"]) == {"model", "0", "3", "7", "9"}
         assert row["plain_grad"] < 1e-5 and max(row["features"].values()) < 1e-5, row
+
+
+def _load_lds() -> object:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lds_benchmark", ROOT / "benchmarks" / "lds.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["lds_benchmark"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_lds_benchmarks_exact_influence_is_the_parameter_space_formula() -> None:
+    """``kernel_influence`` (the kernel form) equals ``g_z^T (G^T G + lambda I)^{-1} g_i`` in parameter space."""
+    lds_benchmark: Any = _load_lds()
+    gen = torch.Generator().manual_seed(0)
+    train = [
+        torch.randn(9, 6, generator=gen, dtype=torch.float64),
+        torch.randn(9, 14, generator=gen, dtype=torch.float64),
+    ]
+    test = [
+        torch.randn(4, 6, generator=gen, dtype=torch.float64),
+        torch.randn(4, 14, generator=gen, dtype=torch.float64),
+    ]
+    q = torch.rand(9, generator=gen, dtype=torch.float64)
+    want = torch.zeros(4, 9, dtype=torch.float64)
+    for g, gz in zip(train, test):
+        lam = 0.01 * (g @ g.T).trace() / 9
+        want += gz @ torch.linalg.inv(g.T @ g + lam * torch.eye(g.shape[1], dtype=torch.float64)) @ g.T
+    torch.testing.assert_close(lds_benchmark.kernel_influence(train, test, 0.01), want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lds_benchmark.kernel_influence(train, test, 0.01, q), want * q, rtol=1e-10, atol=1e-12)
+
+
+def test_tiny_lds_benchmark_runs_every_route(tmp_path: Path) -> None:
+    out = tmp_path / "lds.json"
+    proc = run_script("lds.py", "--tiny", "--tasks", "digits", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["tasks"]["digits"]["results"]
+    assert {
+        "trak, kron, k=16",
+        "gram (loss), kron, k=16",
+        "tracin, kron, k=16",
+        "exact influence (unprojected)",
+    } <= set(results)
+    assert any(label.startswith("ekfac (sampled Fisher)") for label in results)
+    for label, row in results.items():
+        assert "error" not in row, label
+        assert -1 <= row["lds"] <= 1, label

@@ -24,7 +24,13 @@ class StoreIndexError(AttributionError, IndexError):
 
 
 class MissingFeaturesError(AttributionError, LookupError):
-    """Rows are read (for scores, a preconditioner, ``read``) before they were written and flushed."""
+    """Rows are read (for scores, a preconditioner, ``read``) before they were written and flushed.
+
+    ``missing``: the global sample indices asked for and not written (a list; empty where unknown)."""
+
+    def __init__(self, message: str, missing: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])
 
 
 class ScoreArgumentError(AttributionError, ValueError):

@@ -9,11 +9,14 @@ With ``phi_c(z)`` the features of sample ``z`` at checkpoint ``c``, ``w_c`` a we
 Preconditioners:
 
 - ``"identity"``: ``M_c = I``: TracIn (over checkpoints), gradient similarity (one checkpoint).
-- ``"gram"``: TRAK-style, ``M_c = (Phi_c^T Phi_c + lambda_c I)^{-1}`` with ``Phi_c`` the ``[n, k]`` train
+- ``"gram"``: the Gram of the loss gradients (TRAK's preconditioner without its model output and ``Q``:
+  ``"trak"``), ``M_c = (Phi_c^T Phi_c + lambda_c I)^{-1}`` with ``Phi_c`` the ``[n, k]`` train
   features of checkpoint ``c``; ``Phi_c^T Phi_c`` is ``[k, k]``, accumulated chunk by chunk in float64;
   ``lambda_c = damping * trace(Phi_c^T Phi_c) / k`` (the damping is relative to the mean eigenvalue, so it
   does not depend on the features' scale; default ``damping=1e-3``). Build it once with :func:`gram` and
-  pass it to several calls, or pass ``"gram"`` to build it from the store on each call.
+  pass it to several calls, or pass ``"gram"`` to build it from the whole store on each call (from every
+  train sample, also where ``indices=`` scores a subset: a shard or a candidate set is scored as part of the
+  whole training set).
 
 - :class:`KroneckerFactored`: LoGra / EK-FAC-style, block-diagonal over the feature columns of each
   Kronecker-projected weight (one projection target per weight, features concatenated: see
@@ -37,7 +40,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor
 
-from .errors import ScoreArgumentError
+from .errors import MissingFeaturesError, ScoreArgumentError
 
 T = TypeVar("T")
 
@@ -74,6 +77,10 @@ class Preconditioner:
     def check(self, source: FeatureSource) -> None:
         """Raise :class:`ScoreArgumentError` when this preconditioner does not fit ``source``."""
 
+    def columns(self, indices: Tensor) -> Tensor | None:
+        """A factor of each train sample's scores (``[len(indices)]``: TRAK's out-to-loss term), or None (1)."""
+        return None
+
 
 class Identity(Preconditioner):
     """``M_c = I``: TracIn / gradient similarity."""
@@ -108,6 +115,45 @@ class Gram(Preconditioner):
             )
 
 
+class TRAK(Gram):
+    """TRAK (Park et al. 2023): the Gram preconditioner of the features of the model output (the margin),
+    and each train sample's score multiplied by its out-to-loss term averaged over the checkpoints,
+    ``Q_i = (1/C) sum_c Q_c(i)``. Build it with :func:`trak`."""
+
+    def __init__(self, factors: Sequence[Tensor], damping: Sequence[float], out_to_loss: Tensor) -> None:
+        super().__init__(factors, damping)
+        self.out_to_loss = out_to_loss  # [n] float64
+
+    def check(self, source: FeatureSource) -> None:
+        super().check(source)
+        if self.out_to_loss.numel() != source.n:
+            raise ScoreArgumentError(
+                f"the TRAK preconditioner was built for {self.out_to_loss.numel()} train samples, the store has "
+                f"{source.n}: build it from this store with trak(store)."
+            )
+
+    def columns(self, indices: Tensor) -> Tensor:
+        return self.out_to_loss[indices]
+
+
+def trak(store: FeatureSource, damping: float = 1e-3, *, chunk: int = DEFAULT_CHUNK, progress: bool = False) -> TRAK:
+    """TRAK's estimator over the whole store: :func:`gram` of every checkpoint (``damping`` relative to the mean
+    eigenvalue; traker's default is 0), and the out-to-loss terms the store keeps (``out_to_loss=True``)
+    averaged over checkpoints. With the features ``phi_c`` of the model output (:func:`margin`,
+    :func:`lm_margin`), ``score(z, i) = Q_i sum_c w_c phi_c(z)^T (Phi_c^T Phi_c + lambda_c I)^{-1} phi_c(i)``
+    (traker averages over checkpoints: ``w_c = 1/C``; the default ``w_c = 1`` is ``C`` times that)."""
+    reader = getattr(store, "out_to_loss", None)
+    if reader is None or not getattr(getattr(store, "spec", None), "out_to_loss", False):
+        raise ScoreArgumentError(
+            "TRAK needs the out-to-loss term of every train sample: write the features of the model output "
+            "(margin(logits, y)) into a FeatureStore created with output='margin', out_to_loss=True, passing "
+            "write(..., out_to_loss=q); preconditioner='gram' is the Gram route without it."
+        )
+    q = torch.stack([reader(c) for c in range(len(store.checkpoints))]).mean(0)
+    g = gram(store, damping, chunk=chunk, progress=progress)
+    return TRAK(g.factors, g.damping, q)
+
+
 def gram(
     store: FeatureSource,
     damping: float = 1e-3,
@@ -116,8 +162,11 @@ def gram(
     indices: Tensor | Sequence[int] | None = None,
     progress: bool = False,
 ) -> Gram:
-    """The TRAK-style preconditioner of ``store`` (of its rows ``indices`` if given), one pass per
-    checkpoint: ``M_c = (Phi_c^T Phi_c + lambda_c I)^{-1}``, ``lambda_c = damping * trace(Phi_c^T Phi_c) / k``."""
+    """The Gram preconditioner of ``store``, one pass per checkpoint: ``M_c = (Phi_c^T Phi_c + lambda_c
+    I)^{-1}``, ``lambda_c = damping * trace(Phi_c^T Phi_c) / k``, ``Phi_c`` every train sample's features.
+
+    ``indices``: the Gram of these rows only, a different matrix (a model trained on that subset); scoring a
+    subset of the training set (``scores(..., indices=)``) wants the whole store's, the default."""
     if damping < 0:
         raise ScoreArgumentError(f"gram: damping={damping} must be >= 0 (relative to the mean eigenvalue).")
     factors, lambdas = [], []
@@ -309,12 +358,13 @@ def iter_scores(
 
     ``test_features``: ``[m, k]`` (a store with one checkpoint), ``[C, m, k]``, or one ``[m, k]`` per
     checkpoint (a sequence in the store's order, or a mapping by checkpoint name). ``weights``: one per
-    checkpoint (default 1). ``indices``: score against these train samples only.
+    checkpoint (default 1). ``indices``: score against these train samples only (``"gram"`` is still built
+    from every train sample: the scores are the columns ``indices`` of the whole store's).
     """
     queries = _queries(test_features, store)
     w = _weights(weights, store)
     m = _resolve(preconditioner, store, chunk, indices, progress)
-    dtype = torch.promote_types(queries[0].dtype, store.dtype)
+    dtype = _compute_dtype(queries[0].dtype, store.dtype)
     # w_c M_c phi_c(test): applied once, on the test side
     q = [m.apply(c, queries[c].to(dtype)) * w[c] for c in range(len(queries))]
     streams = [store.chunks(chunk, c, indices) for c in range(len(queries))]
@@ -323,7 +373,8 @@ def iter_scores(
         block = q[0] @ parts[0][1].to(dtype).T
         for c in range(1, len(parts)):
             block += q[c] @ parts[c][1].to(dtype).T
-        yield idx, block
+        columns = m.columns(idx)
+        yield idx, block if columns is None else block * columns.to(dtype)
 
 
 def scores(
@@ -434,11 +485,59 @@ def self_influence(
     out = []
     streams = [store.chunks(chunk, c, indices) for c in range(len(store.checkpoints))]
     for parts in _progress(zip(*streams), _count(store, chunk, indices), progress, "self-influence"):
-        total = torch.zeros(parts[0][1].shape[0], dtype=parts[0][1].dtype)
+        dtype = _compute_dtype(parts[0][1].dtype)
+        total = torch.zeros(parts[0][1].shape[0], dtype=dtype)
         for c, (_, features) in enumerate(parts):
-            total += w[c] * (m.apply(c, features) * features).sum(1)
-        out.append(total)
+            x = features.to(dtype)
+            total += w[c] * (m.apply(c, x) * x).sum(1)
+        columns = m.columns(parts[0][0])
+        out.append(total if columns is None else total * columns.to(dtype))
     return torch.cat(out)
+
+
+def token_scores(
+    test_features: Tensor | Sequence[Tensor] | Mapping[str, Tensor],
+    store: Any,
+    *,
+    preconditioner: str | Preconditioner = "identity",
+    weights: Sequence[float] | Mapping[str, float] | None = None,
+    chunk: int = 256,
+    indices: Tensor | Sequence[int] | None = None,
+    progress: bool = False,
+) -> Tensor:
+    """Per-token scores ``[m, n, tokens]`` (``[m, len(indices), tokens]``) of a per-token store (``tokens=T``,
+    features of ``register_projection(per_token=True)``): ``sum_c w_c phi_c(test_j)^T M_c phi_c(i, t)``, the
+    share of train sample ``i``'s score that its token ``t``'s term of the gradient carries (they sum over
+    ``t`` to :func:`scores`; kronfluence's per-token scores). The preconditioner is built from the per-sample
+    features (their sums over tokens) of the whole store, as for :func:`scores`."""
+    if not getattr(store, "tokens", 0):
+        raise ScoreArgumentError(
+            "token_scores needs a per-token store: create it with FeatureStore.open(..., tokens=T) and write the "
+            "[B, T, k] features of register_projection(..., per_token=True)."
+        )
+    queries = _queries(test_features, store)
+    w = _weights(weights, store)
+    m = _resolve(preconditioner, store, DEFAULT_CHUNK, indices, progress)
+    dtype = _compute_dtype(queries[0].dtype, store.dtype)
+    q = [m.apply(c, queries[c].to(dtype)) * w[c] for c in range(len(queries))]
+    streams = [store.chunks(chunk, c, indices, per_token=True) for c in range(len(queries))]
+    out = []
+    for parts in _progress(zip(*streams), _count(store, chunk, indices), progress, "token scores"):
+        block = torch.einsum("mk,ntk->mnt", q[0], parts[0][1].to(dtype))
+        for c in range(1, len(parts)):
+            block += torch.einsum("mk,ntk->mnt", q[c], parts[c][1].to(dtype))
+        columns = m.columns(parts[0][0])
+        out.append(block if columns is None else block * columns.to(dtype)[:, None])
+    return torch.cat(out, dim=1)
+
+
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype scores are computed in: the widest of ``dtypes``, float32 at least (float16 features are
+    stored, not multiplied, in float16)."""
+    out = torch.float32
+    for dtype in dtypes:
+        out = torch.promote_types(out, dtype)
+    return out
 
 
 def _resolve(
@@ -453,10 +552,32 @@ def _resolve(
         return preconditioner
     if preconditioner == "identity":
         return Identity()
+    if preconditioner == "trak":
+        try:
+            return trak(store, chunk=chunk, progress=progress)
+        except MissingFeaturesError as err:
+            raise MissingFeaturesError(
+                f"preconditioner='trak' is built from the whole store (every train sample), also where indices= "
+                f"scores a subset, and {len(err.missing) or 'some'} of the store's samples are not written (and "
+                "flushed) yet: write them first (store.missing() lists them).",
+                err.missing,
+            ) from err
     if preconditioner == "gram":
-        return gram(store, chunk=chunk, indices=indices, progress=progress)
+        # the Gram of the whole training set, whatever subset is scored: a subset's Gram preconditions
+        # with another matrix (its scores are off by the ratio of the two, and its rankings differ)
+        try:
+            return gram(store, chunk=chunk, progress=progress)
+        except MissingFeaturesError as err:
+            shown = f", e.g. {err.missing[:5]}" if err.missing else ""
+            raise MissingFeaturesError(
+                "preconditioner='gram' is the Gram matrix of the whole store (every train sample), also where "
+                f"indices= scores a subset, and {len(err.missing) or 'some'} of the store's samples are not written "
+                f"(and flushed) yet{shown}: write them first (store.missing() lists them), or, to precondition with "
+                "the Gram of the rows written only (another matrix), pass preconditioner=gram(store, indices=...).",
+                err.missing,
+            ) from err
     raise ScoreArgumentError(
-        f"preconditioner={preconditioner!r} is not known: pass 'identity', 'gram', or a Preconditioner "
+        f"preconditioner={preconditioner!r} is not known: pass 'identity', 'gram', 'trak', or a Preconditioner "
         "(e.g. gram(store, damping=...))."
     )
 
