@@ -280,3 +280,19 @@ def test_tf32_errors_are_float32_round_off_on_the_cpu(tmp_path: Path) -> None:
     for row in rows:  # the CPU has no TF32: float32 round-off either way, for autograd and for every target
         assert set(row["features"]) == {"model", "0", "3", "7", "9"}
         assert row["plain_grad"] < 1e-5 and max(row["features"].values()) < 1e-5, row
+
+
+def test_hostcost_saves_a_row_per_workload_and_method(tmp_path: Path) -> None:
+    """benchmarks/hostcost.py end to end, one round: a row per workload and method run, plain's ratio 1."""
+    out = tmp_path / "hostcost.json"
+    proc = run_script(
+        "hostcost.py", "--workloads", "mlp", "--rounds", "1", "--steps", "1", "--warmup", "1",
+        "--methods", "pergrad_hooks", "pergrad_clip", "--json", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [(r["workload"], r["method"]) for r in report["rows"]] == [
+        ("mlp", "plain"), ("mlp", "hooks only"), ("mlp", "fused clip"),
+    ]  # fmt: skip
+    assert report["rows"][0]["ratio"] == 1.0
+    assert "| mlp |" in proc.stdout
