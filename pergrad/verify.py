@@ -232,7 +232,8 @@ def check_opacus(
 ) -> None:
     """Opacus's ``DPOptimizer`` clips ``p.grad_sample`` itself and overwrites ``.grad``: a parameter it
     steps needs ``grad_sample`` kept, and a transform of pergrad would be dropped without a word."""
-    stepped = [p for p in names if p in params and stepped_by_opacus(p)]  # in the model's order
+    # in the model's order (a parameter's hash is a Python call: asked only of those Opacus steps)
+    stepped = [p for p in names if stepped_by_opacus(p) and p in params]
     if not stepped:
         return
     if not keep_grad_sample:
