@@ -216,14 +216,18 @@ def saving(node: Any, depth: int = 2) -> Any:
     return None
 
 
-def accumulator_of(param: Tensor) -> Any:
-    """``param``'s current ``AccumulateGrad`` node (the one a backward through a new forward runs): torch
-    replaces it when the parameter gets data of another dtype or device (``model.to``, ``.double()``),
-    also when a second conversion brings dtype and device back."""
+def any_replaced(accumulators: Iterable[tuple[Tensor, Any]]) -> bool:
+    """Whether some parameter's current ``AccumulateGrad`` node (the one a backward through a new forward
+    runs) is not the one paired with it in ``accumulators``: torch replaces it when the parameter gets data of
+    another dtype or device (``model.to``, ``.double()``), also when a second conversion brings dtype and
+    device back. Grad mode is switched once for all of them."""
     with torch.enable_grad():
-        view = param.view_as(param)
-    assert view.grad_fn is not None
-    return view.grad_fn.next_functions[0][0]
+        for param, node in accumulators:
+            view = param.view_as(param)
+            assert view.grad_fn is not None
+            if view.grad_fn.next_functions[0][0] is not node:
+                return True
+    return False
 
 
 def will_accumulate(nodes: Iterable[Any]) -> bool:

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .backward import Backward, Backwards, accumulator_of, queue_at_end, saving, will_accumulate
+from .backward import Backward, Backwards, any_replaced, queue_at_end, saving, will_accumulate
 from .calls import Call, HookedLayer, Kept
 from .consumers import Batch, Consumer
 from .consumers.factors import ProjectedFactors
@@ -174,7 +174,8 @@ class Engine:
 
     def canonical(self, p: nn.Parameter) -> nn.Parameter:
         """The parameter ``p`` is keyed by (FSDP2: the shard of an unsharded parameter)."""
-        return p if self.world is None else self.world.canonical(p)
+        world = self.writer.world  # (``world``, without the property's call: this runs per parameter per call)
+        return p if world is None else world.canonical(p)
 
     def may_write(self, param: nn.Parameter) -> bool:
         """Whether pergrad may write ``param.grad`` itself in some backward pass: a transform covers it,
@@ -550,7 +551,7 @@ class Engine:
     def _start(self, task: int) -> Backward:
         """A new backward pass (a previous one that failed midway may have left its state: dropped)."""
         self.writer.restore_hooks()
-        if self.on_stale is not None and any(accumulator_of(p) is not node for p, node in self.accumulators.items()):
+        if self.on_stale is not None and any_replaced(self.accumulators.items()):
             self.on_stale()  # new data since the wrapper last bound (a conversion there and back): hooked again
         self.unhooked.place(self.accumulators)  # (hooks the user registered since the last backward included)
         amp = None if self.loss_scale is None else self.loss_scale()

@@ -118,7 +118,8 @@ class Unhooked:
         for p in params:
             hooks, key = p._backward_hooks, self._keys.get(p)
             if not hooks:
-                self._keys.pop(p, None)
+                if key is not None:
+                    del self._keys[p]
                 continue
             if key is not None and key in hooks:
                 if len(hooks) == 1:  # the user's are gone

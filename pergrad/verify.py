@@ -16,6 +16,7 @@ rather than drop or transform it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Collection, Container, Iterable
 
 import torch
@@ -87,8 +88,28 @@ def unreached(
         "Such a way is a loss computed from a forward run before wrapping (or through another wrapper), a "
         "module using the parameter outside the layer's own forward (e.g. F.linear(x, self.emb.weight)), or "
         "an output of the layer that its rule does not take (a rule registered without output_dims takes "
-        "the first tensor the layer returns)." + (ROOT_FORWARD if any(layer.name == "" for layer in holders) else "")
+        "the first tensor the layer returns)."
+        + (ROOT_FORWARD if any(layer.name == "" for layer in holders) else "")
+        + (COMPILED if compiled_in_process() else "")
     )
+
+
+def compiled_in_process() -> bool:
+    """Whether Dynamo (``torch.compile``) holds code it compiled in this process (none since its last reset)."""
+    convert = sys.modules.get("torch._dynamo.convert_frame")  # (torch is pinned: a private name)
+    return convert is not None and bool(convert.output_codes.seen)
+
+
+# appended where torch.compile has compiled code in the process: Dynamo does not guard on module hooks
+# (torch._dynamo.config.skip_nnmodule_hook_guards), so code it compiled for an unhooked module of the
+# same class (or for this model before wrapping) runs the wrapped model without pergrad's hooks
+COMPILED = (
+    " torch.compile has compiled code in this process: code Dynamo compiled for a model of the same class "
+    "before it had pergrad's hooks (another copy of it, or this model before wrapping) runs this model without "
+    "calling them, as Dynamo does not check module hooks (torch._dynamo.config.skip_nnmodule_hook_guards), so "
+    "pergrad saw no forward. Call torch._dynamo.reset() just before the compiled wrapped model's first call "
+    "(after wrapping it and after compiling other models of its class), or set torch._dynamo.config.skip_nnmodule_hook_guards = False before compiling anything."
+)
 
 
 # appended where the root module holds the parameter: its hooks run only when the module itself is called
@@ -211,7 +232,8 @@ def check_opacus(
 ) -> None:
     """Opacus's ``DPOptimizer`` clips ``p.grad_sample`` itself and overwrites ``.grad``: a parameter it
     steps needs ``grad_sample`` kept, and a transform of pergrad would be dropped without a word."""
-    stepped = [p for p in names if p in params and stepped_by_opacus(p)]  # in the model's order
+    # in the model's order (a parameter's hash is a Python call: asked only of those Opacus steps)
+    stepped = [p for p in names if stepped_by_opacus(p) and p in params]
     if not stepped:
         return
     if not keep_grad_sample:

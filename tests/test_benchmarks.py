@@ -330,3 +330,19 @@ def test_tiny_lds_benchmark_runs_every_route(tmp_path: Path) -> None:
     for label, row in results.items():
         assert "error" not in row, label
         assert -1 <= row["lds"] <= 1, label
+
+
+def test_hostcost_saves_a_row_per_workload_and_method(tmp_path: Path) -> None:
+    """benchmarks/hostcost.py end to end, one round: a row per workload and method run, plain's ratio 1."""
+    out = tmp_path / "hostcost.json"
+    proc = run_script(
+        "hostcost.py", "--workloads", "mlp", "--rounds", "1", "--steps", "1", "--warmup", "1",
+        "--methods", "pergrad_hooks", "pergrad_clip", "--json", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [(r["workload"], r["method"]) for r in report["rows"]] == [
+        ("mlp", "plain"), ("mlp", "hooks only"), ("mlp", "fused clip"),
+    ]  # fmt: skip
+    assert report["rows"][0]["ratio"] == 1.0
+    assert "| mlp |" in proc.stdout

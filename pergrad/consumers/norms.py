@@ -25,5 +25,5 @@ class Norms:
             self.last = {p: p.new_zeros(0) for p in batch.params}
             return
         needs = self.targets.needs_norms
-        wanted = list(batch.params) if self.track else [p for p in batch.params if p in needs]
+        wanted = list(batch.params) if self.track else [p for p in batch.params if p in needs] if needs else []
         self.last = batch.norms(wanted)
