@@ -5,7 +5,7 @@
             store.write(idx, features_of(x, y))     # [B, k] projected per-sample gradients
     values, where = top_k(test_features, FeatureStore.open("feats", readonly=True), k=10)
 
-pergrad's core never imports this package; it needs numpy (``pip install pergrad[attribution]``, which
+pergrad's core never imports this package; it needs numpy (``pip install 'pergrad[attribution]'``, which
 also brings tqdm for ``progress=True``).
 """
 
