@@ -33,8 +33,8 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 SCREENSHOTS = ROOT / "docs-screenshots"
 TWO_COMMANDS = [
-    'pip install -e ".[demo]" && pergrad demo                 # install, run the demo on real data',
-    'pip install -e ".[test]" && python -m pytest              # install the test tools, run the tests',
+    'pip install -c constraints.txt -e ".[demo]" && pergrad demo        # install, run the demo on real data',
+    'pip install -c constraints.txt -e ".[test]" && python -m pytest    # install, run the core\'s tests',
 ]
 
 
