@@ -167,6 +167,21 @@ def test_docs_code_block_runs(header: str, code: str, monkeypatch: pytest.Monkey
     exec(compile(code.replace('"cuda"', '"cpu"'), "<docs>", "exec"), namespace())
 
 
+def test_no_escaped_underscore_in_text_mode_math() -> None:
+    """MathJax shows ``\\_`` inside ``\\texttt{}`` or ``\\text{}`` as a backslash and an underscore (seen in Chromium:
+    ``p.grad\\_sample`` rendered with a backslash glyph); ``_`` alone is literal there."""
+    pattern = re.compile(r"\\(?:text|texttt|textrm|textsf|mathrm|mathtt)\{[^}]*\\_")
+    sources = [README, *sorted(DOCS.rglob("*.md")), *sorted((ROOT / "pergrad").rglob("*.py"))]
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sources
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line) and "texttt" in pattern.search(line).group(0)  # type: ignore[union-attr]
+    ]
+    assert not found, f"\\_ inside text-mode math renders a backslash: {found}"
+    assert pattern.search(r"(\texttt{p.grad\_sample}[i])"), "the pattern finds what it looks for"
+
+
 def test_every_block_is_found() -> None:
     """The fence pattern finds the blocks (a pattern that finds none would make the test above vacuous)."""
     pages = {b[2].split("#")[0] for b in DOC_BLOCKS}
