@@ -9,7 +9,9 @@ so the dim is followed op by op:
 - ops that permute dims (``transpose``, ``permute``, ``movedim``, ``.T``, ``.mT``, ...) map it;
 - reshapes (``view``, ``reshape``, ``flatten``, ``unflatten``, ``squeeze``, ``unsqueeze``) keep it
   where the dims before it multiply to the same size and it stays a dim of its own;
-- basic indexing (ints, slices, ``None``, ``...``) maps it;
+- basic indexing (ints, slices, ``None``, ``...``) maps it, and so does advanced indexing (index
+  tensors, as torch places their broadcast dims; the batch of a dim indexed by a tensor goes where
+  that tensor has its rows: ``mask[arange(B)[:, None, None, None], kv]``, HuggingFace's masks);
 - ``nn.LSTM``'s, ``nn.GRU``'s and ``nn.RNN``'s kernels, ``pad_packed_sequence`` and
   ``F.multi_head_attention_forward`` put it where their layouts do (a ``PackedSequence``'s data holds
   no batch dim);
@@ -17,7 +19,7 @@ so the dim is followed op by op:
   ops, layers, ``cat``, attention: none of torch's functions moves dims other than those above),
   and a broadcasting op (``+``, ``where``, ``expand``, ``@``) with a result of more dims keeps it
   aligned from the right;
-- anything else (``einsum``, reductions, ``stack``, advanced indexing, custom ops) is run again on
+- anything else (``einsum``, reductions, ``stack``, custom ops) is run again on
   ``meta`` tensors, the batch given a size no other dim has: the result's dim of that size is where
   the batch went.
 
@@ -51,7 +53,8 @@ def folded(code: int) -> bool:
     return code < _FOLDED
 
 
-def _names(*names: str) -> set[Any]:
+def torch_functions(*names: str) -> set[Any]:
+    """The torch and Tensor callables of these names that exist in this torch."""
     found: set[Any] = set()
     for name in names:
         for owner in (torch, torch.Tensor):
@@ -61,18 +64,18 @@ def _names(*names: str) -> set[Any]:
     return found
 
 
-_TRANSPOSE = _names("transpose", "transpose_", "swapaxes", "swapaxes_", "swapdims", "swapdims_")
-_PERMUTE = _names("permute")
-_MOVEDIM = _names("movedim", "moveaxis")
-_T = _names("t", "t_")
-_ADJOINT = _names("adjoint")
+_TRANSPOSE = torch_functions("transpose", "transpose_", "swapaxes", "swapaxes_", "swapdims", "swapdims_")
+_PERMUTE = torch_functions("permute")
+_MOVEDIM = torch_functions("movedim", "moveaxis")
+_T = torch_functions("t", "t_")
+_ADJOINT = torch_functions("adjoint")
 _REVERSED = {getattr(Tensor, name).__get__ for name in ("T", "H")}  # (attribute getters)
 _SWAPPED = {getattr(Tensor, name).__get__ for name in ("mT", "mH")}
-_RESHAPE = _names(
+_RESHAPE = torch_functions(
     "view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "squeeze", "squeeze_", "unsqueeze",
     "unsqueeze_", "contiguous", "ravel",
 )  # fmt: skip
-_BROADCAST = _names(
+_BROADCAST = torch_functions(
     "add", "sub", "mul", "div", "true_divide", "where", "masked_fill", "lerp", "addcmul", "addcdiv", "maximum",
     "minimum", "pow", "atan2", "remainder", "fmod", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
     "expand", "expand_as", "broadcast_to", "repeat", "matmul", "bmm",
@@ -82,14 +85,14 @@ _BROADCAST = _names(
 )  # fmt: skip
 # ops that keep the number of dims but may reorder them (or whose results have their own layouts):
 # always run again on meta tensors
-_PROBED = _names("einsum", "tensordot", "rot90", "as_strided", "diagonal", "diag_embed")
+_PROBED = torch_functions("einsum", "tensordot", "rot90", "as_strided", "diagonal", "diag_embed")
 _RNN = {torch._VF.lstm, torch._VF.gru, torch._VF.rnn_tanh, torch._VF.rnn_relu}  # (nn.LSTM, nn.GRU, nn.RNN)
 _PADDED = {torch._VF._pad_packed_sequence}  # (nn.utils.rnn.pad_packed_sequence)
-_REDUCE = _names(
+_REDUCE = torch_functions(
     "sum", "mean", "amax", "amin", "logsumexp", "nansum", "nanmean", "max", "min", "argmax", "argmin", "any", "all",
     "prod", "median",
 )  # fmt: skip
-_MATMUL = _names("matmul", "__matmul__", "__rmatmul__", "bmm")
+_MATMUL = torch_functions("matmul", "__matmul__", "__rmatmul__", "bmm")
 
 # how each op moves the batch (ops not listed keep it where it is: _KEEP)
 _KEEP, _ALIGN, _MOVE, _RESHAPE_OP, _INDEX, _EMBED, _REDUCE_OP, _PROBE, _LAYOUT = range(9)
@@ -208,26 +211,156 @@ def indexed(index: Any, k: int, rank: int) -> int | None:
     """The batch dim of ``x[index]`` (None for advanced indexing: tensors, lists, bools)."""
     items = index if isinstance(index, tuple) else (index,)
     used = sum(1 for i in items if i is not None and i is not Ellipsis)
+    found: int | None = None
     out = dim = 0
     for i in items:
         if i is Ellipsis:
             skipped = rank - used
-            if dim <= k < dim + skipped:
-                return out + k - dim
+            if found is None and dim <= k < dim + skipped:
+                found = out + k - dim
             out, dim = out + skipped, dim + skipped
         elif i is None:
             out += 1
-        elif isinstance(i, int) and not isinstance(i, bool):
-            if dim == k:
-                return LOST  # one sample picked out
-            dim += 1
         elif isinstance(i, slice):
             if dim == k:
-                return out
+                found = out
             out, dim = out + 1, dim + 1
+        elif isinstance(i, int) and not isinstance(i, bool):
+            if dim == k:
+                found = LOST  # one sample picked out
+            dim += 1
+        else:
+            return None  # (an advanced index anywhere moves the dims: ``advanced``)
+    return out + k - dim if found is None else found
+
+
+def _nested_shape(v: Any) -> tuple[int, ...] | None:
+    """The shape of an index given as nested lists of ints (``x[:, [[0], [1]]]``), None for anything else."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return ()
+    if not isinstance(v, list | tuple) or not v:
+        return None
+    inner = [_nested_shape(i) for i in v]
+    if inner[0] is None or any(s != inner[0] for s in inner):
+        return None
+    return (len(v), *inner[0])
+
+
+def _items(index: Any) -> tuple[Any, ...]:
+    """The items of an index as torch reads them: a list holding tensors, lists, slices, ``None`` or
+    ``...`` is a tuple of items (numpy's legacy rule), a list of ints one index tensor."""
+    if isinstance(index, tuple):
+        return index
+    if (
+        isinstance(index, list)
+        and len(index) < 32
+        and any(isinstance(i, Tensor | list | tuple | slice) or i is None or i is Ellipsis for i in index)
+    ):
+        return tuple(index)
+    return (index,)
+
+
+_MASK = (-1,)  # the shape of each index tensor a boolean mask becomes (its size: how many it selects)
+
+
+def advanced(index: Any, rank: int, size: int, k: int | None = None, operand: Tensor | None = None) -> int | None:
+    """The batch dim of ``x[index]`` with tensors (or lists) among the items: where ``x`` (``rank``
+    dims) has the batch on dim ``k``, or where the index tensor ``operand`` has it on dim ``k``.
+
+    As torch indexes: ints (and 0-dim integer tensors) select first; then the index tensors are
+    broadcast together, and their broadcast dims take the place of the dims they index where those are
+    adjacent, else go first. The batch of ``x`` on a dim indexed by a tensor goes to the one dim along
+    which that tensor varies, where it has ``size`` entries (``x[arange(B)[:, None], ids]``: a row per
+    sample; picking samples in another order is the model's choice, as ``x[perm]`` is); an index
+    tensor's batch goes where it is broadcast to. LOST where the batch is selected by an int, covered by
+    a boolean mask (folded with the positions it selects), or goes nowhere one can tell; None where an
+    item is of a kind not followed here."""
+    items = _items(index)
+    shapes: list[tuple[int, ...] | None] = []  # per item: the shape of its index tensor(s); None for basic
+    used = 0
+    for i in items:
+        if i is None or i is Ellipsis or isinstance(i, bool):
+            shapes.append(None)
+        elif isinstance(i, int | slice):
+            shapes.append(None)
+            used += 1
+        elif isinstance(i, Tensor):
+            mask = i.dtype in (torch.bool, torch.uint8)
+            shapes.append(None if i.dim() == 0 and not mask else tuple(i.shape))
+            used += i.dim() if mask else 1
+        elif (found := _nested_shape(i)) is not None:
+            shapes.append(found)
+            used += 1
         else:
             return None
-    return out + k - dim
+    # the dims of the intermediate result (after the selections), each ("x", dim of x), ("new",) or
+    # ("index", shape, dims of x it indexes, item)
+    entries: list[tuple[Any, ...]] = []
+    dim = 0
+    for i, shape in zip(items, shapes, strict=True):
+        if i is Ellipsis:
+            skipped = rank - used
+            entries += [("x", d) for d in range(dim, dim + skipped)]
+            dim += skipped
+        elif i is None:
+            entries.append(("new",))
+        elif isinstance(i, bool) or (isinstance(i, Tensor) and i.dim() == 0 and i.dtype in (torch.bool, torch.uint8)):
+            entries.append(("index", (1,), (), i))  # (unsqueezed, then indexed by [0] or by nothing)
+        elif shape is None:
+            if isinstance(i, slice):
+                entries.append(("x", dim))
+            elif k == dim and operand is None:
+                return LOST  # one sample picked out
+            dim += 1
+        elif isinstance(i, Tensor) and i.dtype in (torch.bool, torch.uint8):
+            covered = tuple(range(dim, dim + i.dim()))
+            entries += [("index", _MASK, covered, i)] * i.dim()
+            dim += i.dim()
+        else:
+            entries.append(("index", shape, (dim,), i))
+            dim += 1
+    entries += [("x", d) for d in range(dim, rank)]
+    at = [p for p, e in enumerate(entries) if e[0] == "index"]
+    if not at:  # (0-dim integer tensors alone: selections)
+        return LOST if operand is not None else next((p for p, e in enumerate(entries) if e == ("x", k)), LOST)
+    width = max(len(entries[p][1]) for p in at)  # the rank of the broadcast index shape
+    adjacent = at == list(range(at[0], at[-1] + 1))
+    start = at[0] if adjacent else 0  # where the broadcast dims are in the result
+
+    def broadcast_dim(shape: tuple[int, ...], j: int) -> int:
+        return start + j + width - len(shape)
+
+    if operand is not None:  # an index tensor with the batch on its dim k
+        entry = next((entries[p] for p in at if entries[p][3] is operand), None)
+        if entry is None or entry[1] is _MASK:
+            return LOST
+        return broadcast_dim(entry[1], k) if k is not None else LOST
+    for p, e in enumerate(entries):
+        if e[0] == "x" and e[1] == k:
+            before = sum(1 for q in range(p) if entries[q][0] != "index")
+            return p - len(at) + width if adjacent and p > at[-1] else p if adjacent else width + before
+        if e[0] == "index" and k in e[2]:
+            shape = e[1]
+            if shape is _MASK:
+                return LOST
+            strides = e[3].stride() if isinstance(e[3], Tensor) else (1,) * len(shape)
+            varies = [j for j, s in enumerate(shape) if s != 1 and strides[j] != 0]  # (expanded: not varying)
+            if varies == [] and size == 1:  # one sample: any dim of size 1 that every index keeps at 1
+                varies = [j for j in range(len(shape)) if _ones(entries, at, width, j - len(shape) + width)][:1]
+            if len(varies) != 1 or shape[varies[0]] != size:
+                return LOST  # (or along several dims: samples and positions mixed)
+            return broadcast_dim(shape, varies[0])
+    return LOST
+
+
+def _ones(entries: list[tuple[Any, ...]], at: list[int], width: int, j: int) -> bool:
+    """Whether every index tensor has size 1 (or no dim) at dim ``j`` of the broadcast index shape."""
+    for p in at:
+        shape = entries[p][1]
+        i = j - width + len(shape)
+        if 0 <= i < len(shape) and shape[i] != 1:
+            return False
+    return True
 
 
 def written(index: Any, rank: int, k: int, value_rank: int) -> int:
@@ -296,13 +429,16 @@ def _follow(
         if kind == _RESHAPE_OP:
             return _reshaped(tuple(t.shape), k, tuple(r.shape), size)
         if kind == _INDEX:
-            return indexed(args[1], k, rank)
+            found = indexed(args[1], k, rank)
+            return found if found is not None else advanced(args[1], rank, size, k)
         if kind == _EMBED:
             return k
         if kind == _REDUCE_OP:
             return _reduced(args, kwargs, k, rank)
     if kind == _PROBE:
         return None
+    if kind == _INDEX and len(args) > 1 and isinstance(args[0], Tensor):  # an index tensor with the batch
+        return advanced(args[1], args[0].dim(), size, k, t)
     if r.dim() == rank:
         return k
     if kind == _ALIGN and r.dim() > rank and (func not in _MATMUL or rank >= 2):

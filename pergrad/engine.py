@@ -219,6 +219,13 @@ class Engine:
             finally:
                 self._in_recompute = False
 
+    def on_failed_hook(self) -> None:
+        """A hook of pergrad's raised inside the running backward (not in ``on_output_grad``, which sees to
+        it): the backward stops there and its end never runs, so every ``.grad`` that was None before it is
+        None again (``Writer.abandon``)."""
+        if not self.closed:
+            self.writer.abandon(self.backwards.state())
+
     def on_output_grad(self, kept: Kept, d: Tensor, part: int | None = None) -> None:
         """The gradient ``d`` of a layer call's output (of its output tensor number ``part``, for a rule
         that takes every output: see ``RuleSpec.output_dims``), batch on dim 0."""

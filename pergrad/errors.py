@@ -13,6 +13,14 @@ def module_label(name: str) -> str:
     return "the root module" if name == "" else f"layer {name!r}"
 
 
+# why Dynamo does not trace pergrad's code (``torch.compiler.disable(reason=...)``: fullgraph=True quotes it)
+EAGER = (
+    "pergrad's bookkeeping (its hooks on the wrapped model and its layers, and the tracking of which tensors carry "
+    "the batch) runs eagerly, outside the compiled graph, so a model wrapped by pergrad cannot be compiled with "
+    "fullgraph=True. Compile it without fullgraph=True (torch.compile(model)): Dynamo then compiles the model's "
+    "own code between pergrad's hooks, with the same per-sample gradients"
+)
+
 # appended to a message about a call computed again inside a backward (``Kept.task``)
 RECOMPUTED = (
     " This call was computed again inside the backward (reentrant activation checkpointing), where pergrad "

@@ -35,7 +35,15 @@ from .calls import Detached, HookedLayer, Kept
 from .coupling import refuse_batch_statistics
 from .detach import anchor_output
 from .dims import LOST, carries
-from .errors import RECOMPUTED, BatchMixingError, BatchSizeError, SharedInputError, UnsupportedLayerError, module_label
+from .errors import (
+    EAGER,
+    RECOMPUTED,
+    BatchMixingError,
+    BatchSizeError,
+    SharedInputError,
+    UnsupportedLayerError,
+    module_label,
+)
 from .layout import batch_to_front
 from .parametrized import Capture, Computed, parametrizations_of, sites
 from .registry import LayerCall, output_tensors
@@ -99,7 +107,7 @@ class ModuleHook:
         self.owner, self.fn, self.aside = owner, fn, aside
         self.removed = False
 
-    @torch.compiler.disable  # pergrad's bookkeeping runs eagerly, also in a compiled model (``Provenance``)
+    @torch.compiler.disable(reason=EAGER)  # (runs eagerly, also in a compiled model: ``Provenance``)
     def __call__(self, *args: Any) -> Any:
         if self.removed:
             # removed while its module's call was running: torch runs the hooks it listed when the call
@@ -107,11 +115,15 @@ class ModuleHook:
             # longer knows which took keyword arguments; the hooks installed in its place run from the
             # next call on
             return None
-        if self.aside:  # a layer's hook: pergrad's own ops are not the model's (``Provenance.aside``)
-            following = self.owner.following()
-            if following is not None:
-                return following.aside(self.fn, *args)
-        return self.fn(*args)
+        try:
+            if self.aside:  # a layer's hook: pergrad's own ops are not the model's (``Provenance.aside``)
+                following = self.owner.following()
+                if following is not None:
+                    return following.aside(self.fn, *args)
+            return self.fn(*args)
+        except Exception:
+            self.owner.failed()
+            raise
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Inert:
         return _Inert()
@@ -211,13 +223,15 @@ def _output_dims(layer: HookedLayer, returned: Any, batch_dim: int) -> tuple[int
     return dims
 
 
-def _check_layout(module: nn.Module, first: Any, dim: int, label: str) -> None:
+def _check_layout(module: nn.Module, first: Any, dim: int, label: str, known: bool = False) -> None:
     """Refuse a layer with a layout of its own (``batch_first`` of ``nn.LSTM``, ``nn.MultiheadAttention``)
-    called with the batch on another dim of its input (``dim``, as the forward put it): it would take
-    the samples for time steps and mix them."""
+    called with the batch on another dim of its input (``dim``, as the forward put it; ``known``: as it
+    put it in the calls a checkpoint computes again): it would take the samples for time steps and mix them."""
     own = getattr(module, "batch_first", None)
+    if not isinstance(own, bool) or not isinstance(first, Tensor):
+        return
     found = provenance()
-    if not isinstance(own, bool) or found is None or not isinstance(first, Tensor) or found.where(first) < 0:
+    if not known and (found is None or found.where(first) < 0):
         return
     if first.dim() >= 3 and dim != (0 if own else 1):
         raise BatchMixingError(
@@ -376,9 +390,11 @@ class LayerHooks:
         to_tap: ToTap | None = None,
         may_tap: Callable[[HookedLayer], bool] | None = None,
         on_model_returned: Callable[[], None] | None = None,
+        on_failed: Callable[[], None] | None = None,
     ) -> None:
         self._model = model
         self._on_recompute = on_recompute
+        self._on_failed = on_failed  # a hook raised inside a backward: that backward stops there
         self._batch_first = batch_first
         self._to_detach = to_detach
         self._may_detach = may_detach  # which layers get the detaching hooks (all, when None)
@@ -398,18 +414,28 @@ class LayerHooks:
         # calls of the model running (nested: several); whether the running forward is a direct call
         # of its layers (not through the model); the forward the latest output gradient belongs to
         self._in_model, self._direct, self._reached = 0, False, -1
-        self._root = model.register_forward_pre_hook(ModuleHook(self, self._next_generation), with_kwargs=True)
+        # first of the model's pre-hooks, whenever the user's were registered: the batch is read where the caller
+        # put it (``batch_first``), and a pre-hook of the user's that moves it (``x.transpose(0, 1)`` for a
+        # sequence-first model) is an op of the forward, followed like any other
+        self._root = model.register_forward_pre_hook(
+            ModuleHook(self, self._next_generation), with_kwargs=True, prepend=True
+        )
         self._token_loss_warning = lm_loss.warner()
         self._root_out = model.register_forward_hook(ModuleHook(self, self._model_returned), with_kwargs=True)
         self._provenance: list[Provenance] = []  # of the running forwards of the model (nested calls: several)
         self._root_done = model.register_forward_hook(ModuleHook(self, self._forward_done), always_call=True)
         self._handles: list[RemovableHandle] = []
+        # per layer, the dims its calls in the running forward had the batch on (LOST: not followed), for the
+        # calls that checkpointing computes again inside the backward (``_placed_before``)
+        self._placed: dict[str, set[int]] = {}
+        self._installs = 0  # how many times ``install`` ran (the root's own hooks, made again in its call: ``_missed``)
         self._graph_unchecked = True  # the first graph is checked for batch statistics (pergrad.coupling)
         self._captures: dict[str, Capture] = {}  # parametrized layers: what their parametrizations computed
 
     def install(self, layers: list[HookedLayer]) -> None:
         """Hook ``layers`` (and refuse batch statistics in every BatchNorm of the model)."""
         self.uninstall()
+        self._installs += 1
         raw: dict[nn.Module, list[HookedLayer]] = {}
         for layer in layers:
             if layer.spec.raw:
@@ -497,13 +523,16 @@ class LayerHooks:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self._in_model += 1  # (back down in ``_forward_done``, also when this raises)
+        installs = self._installs
         if self._on_model_call is not None:
-            self._on_model_call()
+            self._on_model_call()  # (may wrap the model again as it is now: ``install``)
         self._direct = False
         self._new_forward(args, kwargs, 0 if self._batch_first else 1)
         x = args[0] if args else None
         if self._on_input_grad is None or not (torch.is_grad_enabled() and isinstance(x, Tensor) and x.requires_grad):
             self._follow(args, kwargs)
+            if self._installs != installs:
+                self._missed(module, args, kwargs)
             return None
         # a view of the input is a fresh node of this forward: its pre-hook sees d loss / d input
         view = x.view_as(x)
@@ -516,7 +545,22 @@ class LayerHooks:
 
         view.grad_fn.register_prehook(catch)
         self._follow((view, *args[1:]), kwargs)
+        if self._installs != installs:
+            self._missed(module, (view, *args[1:]), kwargs)
         return (view, *args[1:]), kwargs
+
+    def _missed(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Run the forward pre-hooks that ``install`` just put on the model itself (a module with raw
+        parameters, ``cls_token`` on a ViT; a layer wrapped alone), which this call of it misses: torch
+        listed the hooks to run when the call began, before the model was wrapped again (``_sync``:
+        ``requires_grad`` switched)."""
+        with_kwargs = module._forward_pre_hooks_with_kwargs
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if isinstance(hook, ModuleHook) and hook.owner is self and key != self._root.id:
+                if key in with_kwargs:
+                    hook(module, args, kwargs)
+                else:
+                    hook(module, args)
 
     def following(self) -> Provenance | None:
         """The running forward's ``Provenance`` where it is the innermost torch function mode (a layer's
@@ -559,6 +603,7 @@ class LayerHooks:
         its batch read from the call's arguments."""
         self.generation += 1
         self._calls.clear()
+        self._placed.clear()
         self._buffer_storages = None
         tracking = torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
         tracking = tracking and not torch.compiler.is_compiling()
@@ -704,6 +749,8 @@ class LayerHooks:
                 else:
                     output = _first_tensor(output, every)
             if not (grad_enabled() and isinstance(output, Tensor)):
+                if self.batch is not None and self._provenance and not grad_enabled():
+                    self._place(name, _first_input(args, kwargs))  # (a reentrant checkpoint's segment, say)
                 return None
             if every:
                 if not any(t.grad_fn is not None for t in output_tensors(returned)):
@@ -717,9 +764,16 @@ class LayerHooks:
             first = _first_input(args, kwargs)
             dim = batch_dim  # where the batch is in this call's input (the forward may have moved it)
             if self.batch is not None:
-                dim = located(first, batch_dim, self.batch.size, layer.label, spec.batch_dim_fixed)
-                if all_inputs:
-                    _check_layout(module, first, dim, layer.label)
+                if provenance() is None and torch._C._current_graph_task_id() != -1:  # computed again (checkpoint)
+                    dim = self._placed_before(name, first, batch_dim, layer.label)
+                    if all_inputs and dim != batch_dim:
+                        _check_layout(module, first, dim, layer.label, known=True)
+                else:
+                    dim = located(first, batch_dim, self.batch.size, layer.label, spec.batch_dim_fixed)
+                    if all_inputs:
+                        _check_layout(module, first, dim, layer.label)
+                    if self._provenance:
+                        self._placed.setdefault(name, set()).add(dim)
             a = LayerCall(args, kwargs, dim) if all_inputs else first
             batched = output if all_inputs else a
             dims = _output_dims(layer, returned, dim) if every else ()
@@ -780,6 +834,50 @@ class LayerHooks:
 
         return keep
 
+    def failed(self) -> None:
+        """One of pergrad's hooks raises: inside a backward (a layer computed again by activation
+        checkpointing, an output shared by the batch whose gradient met no op that splits it), that backward
+        stops there and its end never runs, so the engine undoes what it wrote of ``.grad`` (``on_failed``)."""
+        if self._on_failed is not None and torch._C._current_graph_task_id() != -1:
+            self._on_failed()
+
+    def _place(self, name: str, a: Any) -> None:
+        """Note where the running forward has the batch in the input ``a`` of a call of layer ``name`` that
+        keeps nothing (grad mode off: a reentrant checkpoint's segment runs so in the forward)."""
+        found = provenance()
+        if found is not None and isinstance(a, Tensor) and not isinstance(a, Shared):
+            at = found.where(a)
+            if at >= 0 or at == LOST:
+                self._placed.setdefault(name, set()).add(at)
+
+    def _placed_before(self, name: str, a: Any, dim: int, label: str) -> int:
+        """The batch dim of the input ``a`` of a call of layer ``name`` computed again inside the backward
+        (activation checkpointing), where ``Provenance`` does not run: where this forward's calls of the layer
+        had it (``x.transpose(0, 1)`` before a sequence-first segment: dim 1), else ``dim``. Refused where
+        those calls had it on several dims and ``a``'s shape cannot tell which."""
+        found = self._placed.get(name)
+        if not found or not isinstance(a, Tensor) or self.batch is None:
+            return dim
+        size = self.batch.size
+        fits = [d for d in range(a.dim()) if a.shape[d] == size]
+        known = [d for d in found if d in fits]
+        if not fits or size == 1:  # (no batch here: ``classify`` says why; one sample: any dim of size 1)
+            return known[0] if known else dim
+        if LOST not in found:
+            if len(known) <= 1:
+                return known[0] if known else dim
+        elif len(fits) == 1:  # the forward lost track of it in some call: as ``located`` does then
+            return known[0] if known else dim
+        raise BatchSizeError(
+            f"{label} is computed again inside the backward (activation checkpointing), where pergrad does not see "
+            "the forward's ops; it takes its input's batch dim from this forward's calls of it, which had the batch "
+            f"on dims {sorted(d for d in found if d >= 0)}"
+            + (" or on one pergrad lost track of" if LOST in found else "")
+            + f", and this call's input (shape {tuple(a.shape)}) has the batch's size {size} on dims {fits}: pergrad "
+            "cannot tell which is the batch. Call the layer with the batch on the same dim every time (move it back "
+            "with x.movedim(...) before the call), or keep it outside the checkpointed segment"
+        )
+
     def _recomputed(self) -> int | None:
         """The backward pass this call runs inside (activation checkpointing computes a segment again
         during the backward), announced to the engine; None for a call in an ordinary forward."""
@@ -826,7 +924,8 @@ class LayerHooks:
         origin = Origin(output, lambda g: on_output_grad(shared, per_sample(g)), group, layer.label)
         before = a.origins if isinstance(a, Shared) else ()
         alias = track(output, [*before, origin])
-        origin.tensor = alias
+        produced = _producer(output)
+        origin.aliased(alias, produced)  # (where the output gradient arrives, as ``catch`` below reads it)
         # the batched reading of the same call, for a group that turns out batched after all
         batched = None
         if group.state == "maybe":
@@ -840,7 +939,6 @@ class LayerHooks:
                 task=task,
                 shared=True,
             )
-        produced = _producer(output)
         node, index, shape, a_shape = produced.grad_fn, produced.output_nr, output.shape, tuple(a.shape)
         assert node is not None
         # The hook holds the origin weakly: the origin holds the alias, whose graph holds ``node``, and a
@@ -857,6 +955,7 @@ class LayerHooks:
                 if met is not None and met.delivered:
                     met.delivered = 0
                     return
+                self.failed()  # (each branch below raises)
                 if task is not None:
                     raise SharedInputError(
                         f"{layer.label}, computed again inside the backward, took its input (shape {a_shape}) for one "
@@ -870,6 +969,7 @@ class LayerHooks:
                     "the batch into another dim, keep the batch on its own dim."
                 )
             if group.state == "maybe":
+                self.failed()
                 raise SharedInputError(
                     f"{layer.label} got an input of shape {a_shape} created inside the forward (not computed "
                     f"from the model's inputs) with {size} on the batch dim {dim}, and its output reached the loss "
@@ -903,7 +1003,8 @@ class LayerHooks:
                 kept = Kept(layer, layer.param, self.generation, batch.size, key, task=self._recomputed())
                 origin = Origin(p, self._deliver(kept), Group("shared", batch.size, batch.dim), layer.label)
                 tap = None if self._to_tap is None else self._to_tap(p, self.generation)
-                origin.tensor = track(p if tap is None else tap, [origin])
+                alias = track(p if tap is None else tap, [origin])
+                origin.aliased(alias, alias)
                 holder._parameters[layer.param] = origin.tensor  # type: ignore[assignment]
                 saved.append((holder, layer.param, p, origin.tensor))
             self._swapped[module] = saved

@@ -218,6 +218,7 @@ class PerSampleModule:
                 to_tap=self._engine.taps.tap,
                 may_tap=self._engine.may_tap,
                 on_model_returned=self._after_call,
+                on_failed=self._engine.on_failed_hook,
             )
             self._install_hooks()
             self._install_accumulate_hooks()

@@ -41,7 +41,8 @@ eagerly, so every op is seen.
 
 Outside the model's forward (a submodule called on its own, recomputation under checkpointing)
 nothing is followed: a layer input with autograd history or a float one that is not a buffer
-counts as batched by its size, as before, and nothing there counts as evidence that resolves a
+counts as batched by its size (on the dim the forward's calls of the layer had it, for a
+recomputation: ``LayerHooks._placed_before``), and nothing there counts as evidence that resolves a
 *maybe* (which then raises at the backward).
 
 A shared tensor that meets the batch in an op pergrad does not know how to split (``F.linear``
@@ -50,6 +51,7 @@ with a shared weight, indexing) raises an error that names the op and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 import weakref
@@ -62,12 +64,13 @@ import torch
 from torch import Tensor
 from torch._C import DisableTorchFunctionSubclass
 from torch._dynamo.decorators import skip
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.utils.rnn import PackedSequence
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
-from .dims import LOST, attribute_dim, carries, folded, result_dims, written
-from .errors import BatchSizeError, SharedInputError
+from .dims import LOST, attribute_dim, carries, folded, result_dims, torch_functions, written
+from .errors import EAGER, BatchSizeError, SharedInputError
 
 
 class _Local(threading.local):
@@ -121,6 +124,22 @@ class Origin:
     # once any of ``unless`` turns out batched (its per-sample gradient is delivered there)
     parent: Origin | None = None
     unless: tuple[Group, ...] = ()
+    # where the pull-back ends (``aliased``): the gradient edge of what the alias was made of, as it was
+    # then (an in-place op on the alias, ``out.mul_(s)``, moves the alias's own edge past the op)
+    edge: GradientEdge | None = None
+    version: int = -1  # the alias's version counter when made
+
+    def aliased(self, alias: Tensor, source: Tensor) -> None:
+        """Hand the model ``alias`` (``tensor``) for ``source``: each sample's gradient is pulled back to
+        ``source``'s gradient edge as it is now."""
+        self.tensor, self.edge = alias, get_gradient_edge(source)
+        with DisableTorchFunctionSubclass():
+            self.version = alias._version
+
+    def untouched(self, x: Tensor) -> bool:
+        """Whether ``x`` is the alias, with no in-place op on it (or on its memory) since it was made."""
+        with DisableTorchFunctionSubclass():
+            return x is self.tensor and x._version == self.version
 
     def live(self) -> bool:
         """Whether this origin still needs its per-sample gradient caught downstream."""
@@ -300,33 +319,25 @@ def per_sample_input(a: Tensor, output: Tensor, dim: int, size: int) -> tuple[Te
 # -- the tracked tensor ---------------------------------------------------------------------------
 
 
-def _names(*names: str) -> set[Any]:
-    found: set[Any] = set()
-    for name in names:
-        for owner in (torch, torch.Tensor):
-            fn = getattr(owner, name, None)
-            if fn is not None:
-                found.add(fn)
-    return found
-
-
-_ELEMENTWISE = _names(
+_ELEMENTWISE = torch_functions(
     "add", "add_", "sub", "sub_", "rsub", "mul", "mul_", "div", "div_", "true_divide", "true_divide_",
     "where", "masked_fill", "lerp", "addcmul", "addcdiv", "maximum", "minimum", "pow", "pow_", "atan2",
     "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__",
     "__truediv__", "__rtruediv__", "__itruediv__",
 )  # fmt: skip
-_MATMUL = _names("matmul", "__matmul__", "__rmatmul__")
-_EXPAND = _names("expand", "expand_as", "broadcast_to", "repeat")
+_MATMUL = torch_functions("matmul", "__matmul__", "__rmatmul__")
+_EXPAND = torch_functions("expand", "expand_as", "broadcast_to", "repeat")
 _SDPA = {torch.nn.functional.scaled_dot_product_attention}
 _F = torch.nn.functional
 _LAYER_OPS = {
     _F.linear, _F.conv1d, _F.conv2d, _F.conv3d, _F.conv_transpose1d, _F.conv_transpose2d, _F.conv_transpose3d,
     _F.layer_norm, _F.group_norm, _F.rms_norm, _F.embedding, _F.instance_norm,
 }  # fmt: skip
-_NEW = _names("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "zeros_like", "ones_like", "empty_like")
+_NEW = torch_functions(
+    "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "zeros_like", "ones_like", "empty_like"
+)
 _GRAD = {torch.autograd.grad, torch.autograd.backward, Tensor.backward}
-_LIKE = _names("to", "type_as")
+_LIKE = torch_functions("to", "type_as")
 _VIEW_ATTRIBUTES = {getattr(Tensor, name).__get__ for name in ("T", "mT", "H", "mH")}
 
 
@@ -341,7 +352,7 @@ class Shared(Tensor):
     origins: tuple[Origin, ...]
 
     @classmethod
-    @torch.compiler.disable  # (Dynamo would trace pergrad's bookkeeping: a compiled model runs eagerly under it)
+    @torch.compiler.disable(reason=EAGER)  # (a compiled model runs eagerly under it)
     def __torch_function__(
         cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
@@ -490,7 +501,7 @@ def _defer(
         for o in x.origins:
             if o.live() and id(o) not in stand_ins:
                 root = o.parent or o
-                stand_ins[id(o)] = Origin(o.tensor, o.deliver, o.group, o.label, parent=root, unless=(*o.unless, *when))
+                stand_ins[id(o)] = dataclasses.replace(o, delivered=0, parent=root, unless=(*o.unless, *when))
                 for g in when:
                     g.then_shared.append(o.group)
 
@@ -585,29 +596,34 @@ def _expanded(
         sizes = [group.batch if i == dim else -1 for i in range(rank)]
         expanded = view.expand(*sizes)
     shape, size = tuple(x.shape), group.batch
+    # x as it is at this meeting (an in-place op on x later moves its own edge past the op)
+    source, direct = get_gradient_edge(x), len(origins) == 1 and origins[0].untouched(x)
 
     def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
         g = grad_outputs[0]
         if g is None or pulling() or not all(group.state == "batched" for group in when):
             return
-        _pull_back(x, origins, g.movedim(dim, 0).reshape(size, *shape))
+        _pull_back(source, direct, origins, g.movedim(dim, 0).reshape(size, *shape))
 
     assert expanded.grad_fn is not None
     expanded.grad_fn.register_prehook(catch)
     return expanded
 
 
-def _pull_back(x: Tensor, origins: list[Origin], grads: Tensor) -> None:
-    """Hand every origin of ``x`` its per-sample gradient, from ``grads`` = d f_i / d x (differentiable
-    in a backward with ``create_graph=True``, where grad mode is on)."""
+def _pull_back(source: GradientEdge, direct: bool, origins: list[Origin], grads: Tensor) -> None:
+    """Hand every origin its per-sample gradient, from ``grads`` = d f_i / d x, with ``source`` the
+    gradient edge of the shared operand x where it met the batch (``direct``: x is the one origin's
+    untouched alias), differentiable in a backward with ``create_graph=True`` (grad mode on)."""
     second = torch.is_grad_enabled()
-    if len(origins) == 1 and origins[0].tensor is x:
+    if direct:
         found: tuple[Tensor | None, ...] = (grads,)
     else:
+        ends = [o.edge for o in origins if o.edge is not None]
+        assert len(ends) == len(origins), "every origin's alias is made by ``Origin.aliased``"
         with pulling_back(), DisableTorchFunctionSubclass():
             found = torch.autograd.grad(
-                [x],
-                [o.tensor for o in origins],
+                [source],
+                ends,
                 [grads],
                 retain_graph=True,
                 create_graph=second,
@@ -616,6 +632,8 @@ def _pull_back(x: Tensor, origins: list[Origin], grads: Tensor) -> None:
             )
     for origin, g in zip(origins, found, strict=True):
         if g is not None:
+            if g.shape[1:] != origin.tensor.shape:  # the edge of the base the layer's output is a view of
+                g = g.reshape(len(g), *origin.tensor.shape)
             origin.delivered += 1
             origin.deliver(g if second else g.detach())
 
@@ -634,7 +652,7 @@ def _expand(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     for o in origins:
         o.group.state = "shared"
     expanded = _expanded(x, _roots(origins), rank)
-    if func in _names("repeat"):  # the batch factor is done: repeat the other dims as asked
+    if func in torch_functions("repeat"):  # the batch factor is done: repeat the other dims as asked
         factors = [1 if i == group.dim else s // max(e, 1) for i, (s, e) in enumerate(zip(out, expanded.shape))]
         with DisableTorchFunctionSubclass():
             return expanded.repeat(*factors)
@@ -900,7 +918,7 @@ class Provenance(TorchFunctionMode):
 _dynamo_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback  # (torch is pinned: a private name)
 
 
-@torch.compiler.disable
+@torch.compiler.disable(reason=EAGER)
 def _without_dynamo(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` with Dynamo's frame evaluation off."""
     return fn(*args)

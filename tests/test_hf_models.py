@@ -175,6 +175,67 @@ def test_llama_family(family: str) -> None:
     check(model, tokens("lm"), lm_loss, float32_inside=True)
 
 
+def padded(labels: str) -> Callable[[int, int, torch.Generator], tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """``tokens(labels)`` with an attention mask: sample ``i`` ends in ``i % 3`` pads (HF builds its 4-D
+    attention masks from it by advanced indexing, ``padding_mask[batch_idx, kv_idx]``)."""
+
+    def batch(b: int, t: int, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        inputs, y = tokens(labels)(b, t, gen)
+        mask = torch.ones(b, t, dtype=torch.long)
+        for i in range(b):
+            mask[i, t - i % 3 :] = 0
+        return {**inputs, "attention_mask": mask}, y
+
+    return batch
+
+
+PADDED = {
+    "bert": lambda: transformers.BertForSequenceClassification(
+        transformers.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=16,
+            max_position_embeddings=16,
+            num_labels=3,
+        )
+    ),
+    "distilbert": lambda: transformers.DistilBertForSequenceClassification(
+        transformers.DistilBertConfig(
+            vocab_size=VOCAB, dim=8, n_layers=1, n_heads=2, hidden_dim=16, max_position_embeddings=16, num_labels=3
+        )
+    ),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+    ),
+    "llama": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=16,
+            max_position_embeddings=16,
+        )
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(PADDED))
+def test_padded_batches_with_an_attention_mask(family: str) -> None:
+    """Every step with an attention mask, ``T == B`` on the second."""
+    torch.manual_seed(8)
+    lm = family in ("gpt2", "llama")
+    check(
+        PADDED[family](),
+        padded("lm" if lm else "class"),
+        lm_loss if lm else class_loss,
+        float32_inside=family == "llama",
+    )
+
+
 def test_t5_relative_position_buckets() -> None:
     torch.manual_seed(5)
     config = transformers.T5Config(

@@ -532,11 +532,19 @@ def check_model(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> Non
                 close(p.grad, clipped[name].mean(0), name, f"clipped .grad of {name}")
 
 
-def token_batches(vocab: int, shape: tuple[int, int] = (3, 6)) -> list[dict[str, torch.Tensor]]:
+def token_batches(vocab: int) -> list[dict[str, torch.Tensor]]:
+    """A batch of 3 sequences of 6 tokens, then one of 4 of 4 (``T == B``) with a padding attention mask
+    (sample ``i`` ends in ``i % 3`` pads): HF builds its attention masks from it by advanced indexing."""
     out = []
-    for _ in range(2):
-        ids = torch.randint(0, vocab, shape)
-        out.append({"input_ids": ids, "labels": ids})
+    for b, t in [(3, 6), (4, 4)]:
+        ids = torch.randint(0, vocab, (b, t))
+        batch = {"input_ids": ids, "labels": ids}
+        if b == t:
+            mask = torch.ones(b, t, dtype=torch.long)
+            for i in range(b):
+                mask[i, t - i % 3 :] = 0
+            batch["attention_mask"] = mask
+        out.append(batch)
     return out
 
 

@@ -477,6 +477,16 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "max": lambda x: x.transpose(0, 1).max(0).values,
     "broadcast": lambda x: x.transpose(0, 1)[:, :, None] + torch.ones(2, 1),
     "matmul": lambda x: x.transpose(0, 1) @ torch.ones(x.shape[2], 2),
+    "advanced, on the batch": lambda x: x[
+        torch.arange(x.shape[0])[:, None, None], torch.arange(x.shape[1])[None, None]
+    ],
+    "advanced, on positions": lambda x: x.transpose(0, 1)[torch.tensor([[0], [2]])],
+    "advanced, apart": lambda x: x.transpose(0, 1)[[0, 1], :, torch.tensor([1, 0])],
+    "rows expanded over positions": lambda x: x[
+        torch.arange(x.shape[0])[:, None].expand(-1, x.shape[1]), torch.arange(x.shape[1]).expand(x.shape[0], -1)
+    ],
+    "last token of each sample": lambda x: x[torch.arange(x.shape[0]), torch.full((x.shape[0],), x.shape[1] - 1)],
+    "a mask on positions": lambda x: x.transpose(1, 2)[:, :, torch.arange(x.shape[1]) % 3 == 0],
 }
 
 
@@ -501,3 +511,67 @@ def test_a_fold_that_is_not_undone_is_not_a_dim() -> None:
     assert folded(tracked(lambda x: x.reshape(-1), (3, 5, 7))[0])
     assert tracked(lambda x: x[0], (4, 4, 4))[0] == LOST  # one sample picked out
     assert tracked(lambda x: x.sum(0), (4, 4, 4))[0] == LOST
+    assert tracked(lambda x: x[torch.tensor([True, False, True, True])], (4, 4, 4))[0] == LOST  # folded by a mask
+    assert tracked(lambda x: x[torch.tensor(1), :, torch.tensor([0, 1])], (4, 4, 4))[0] == LOST  # a 0-dim int selects
+    rows = torch.arange(4)[:, None].expand(4, 4).clone()  # samples on two dims at once, as far as shapes tell
+    assert tracked(lambda x: x[rows, rows.T], (4, 4, 4))[0] == LOST
+
+
+def _index_item(kind: str, size: int, width: int, gen: torch.Generator, rows: bool) -> object:
+    """An index item of ``kind`` for a dim of ``size``; a tensor of rank ``width`` varying along one dim
+    (``rows``: ``arange(size)`` there, the samples in order)."""
+    if kind == "slice":
+        return slice(None)
+    if kind == "int":
+        return int(torch.randint(size, (), generator=gen))
+    if kind == "0-dim":
+        return torch.randint(size, (), generator=gen)
+    if kind == "list":
+        return list(range(size)) if rows else torch.randint(size, (size,), generator=gen).tolist()
+    if kind == "mask":
+        mask = torch.rand(size, generator=gen) < 0.6
+        mask[0] = True
+        return mask
+    shape = [1] * width
+    shape[int(torch.randint(width, (), generator=gen))] = size
+    return torch.arange(size).view(shape) if rows else torch.randint(size, tuple(shape), generator=gen)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_advanced_indexing_puts_the_batch_where_torch_does(seed: int) -> None:
+    """Random indexes (slices, ints, ``None``, ``...``, lists, masks, 0-dim tensors and index tensors) on a
+    tensor whose dims all have the batch's size, the batch on any of them: the dim ``Provenance`` names
+    holds sample i's values (i) at its i-th entry, the batch indexed by ``arange(B)`` along one dim where an
+    index picks from it; LOST only where an int or a mask does."""
+    gen = torch.Generator().manual_seed(seed)
+    b, checked = 4, 0
+    kinds = ["slice", "int", "0-dim", "tensor", "list", "mask", "tensor"]
+    for _ in range(80):
+        rank = int(torch.randint(2, 5, (), generator=gen))
+        k = int(torch.randint(rank, (), generator=gen))
+        x = torch.arange(b).double().view(*[-1 if d == k else 1 for d in range(rank)]).expand(*[b] * rank)
+        width = int(torch.randint(1, 3, (), generator=gen))
+        picked = [kinds[int(torch.randint(len(kinds), (), generator=gen))] for _ in range(rank)]
+        if not {"tensor", "list", "mask"} & set(picked):
+            picked[int(torch.randint(rank, (), generator=gen))] = "tensor"
+        items: list[object] = [_index_item(kind, b, width, gen, d == k) for d, kind in enumerate(picked)]
+        for _ in range(int(torch.randint(3, (), generator=gen))):
+            new = None if torch.rand((), generator=gen) < 0.7 else torch.tensor(True)  # (a dim of 1)
+            items.insert(int(torch.randint(len(items) + 1, (), generator=gen)), new)
+        if items[-1] == slice(None) and torch.rand((), generator=gen) < 0.5:
+            items[-1] = ...
+        index = tuple(items)
+        try:
+            x[index]
+        except IndexError:  # (a mask's count that the other index tensors do not broadcast with)
+            continue
+        with Provenance([(x, k)], [], b) as found:
+            result = x[index]
+        at = found.where(result)
+        if at == LOST:
+            assert picked[k] in ("int", "0-dim", "mask"), (index, k)
+            continue
+        checked += 1
+        rows = torch.arange(b).double().view(*[-1 if d == at else 1 for d in range(result.dim())])
+        assert result.shape[at] == b and torch.equal(result, rows.expand_as(result)), (index, k, at)
+    assert checked > 20
