@@ -52,7 +52,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=3600,  # stops a hang only: a busy machine takes many times a quiet one's minute
         check=False,
     )
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
@@ -360,8 +360,8 @@ def browse(url: str, screenshot: Path, profile: Path) -> str:
         "--window-size=1280,1400",
     ]
     browser = chromium()
-    dom = subprocess.run([browser, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=180, check=True)
-    subprocess.run([browser, *flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=180, check=True)
+    dom = subprocess.run([browser, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=900, check=True)
+    subprocess.run([browser, *flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=900, check=True)
     return dom.stdout
 
 
