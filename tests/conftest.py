@@ -2,8 +2,8 @@
 
 ``python -m pytest`` runs the core's tests: torch, pytest and hypothesis are all they need
 (``pip install -c constraints.txt -e ".[test]"``). The tests that need an optional extra, build and open the
-documentation site, run the benchmark scripts or the examples are marked ``slow`` here, in one
-place, and left out of it. ``python -m pytest --full`` (after ``pip install -c constraints.txt -e ".[test-all]"``)
+documentation site, run the benchmark scripts or the examples, start several processes, or take long (second
+order, the review sweeps) are marked ``slow`` here, in one place, and left out of it. ``python -m pytest --full`` (after ``pip install -c constraints.txt -e ".[test-all]"``)
 runs every test, as CI does; ``-m slow`` selects the slow ones alone; a test file or test named on the command line
 runs whatever its mark.
 
@@ -52,6 +52,14 @@ SLOW_FILES: dict[str, str] = {
     "test_examples_attribution.py": "runs the examples (scikit-learn)",
     "test_examples_dp.py": "runs the examples (dp-accounting, transformers)",
     "test_examples_fishr.py": "runs the examples (scikit-learn)",
+    # long: together half of the core's time (about 5 of 10 CPU-minutes), left to the full run
+    "test_second_order.py": "long: differentiating through the per-sample gradients of every rule",
+    "test_second_order_shared.py": "long: second order through outputs shared by the batch",
+    "test_attack_39.py": "long: an adversarial review's whole models (checkpointing, compile, ViT)",
+    "test_sweep3_hooks.py": "long: a review's sweep of users' hooks",
+    "test_sweep3_shared.py": "long: a review's sweep of outputs shared by the batch",
+    "test_sweep3_misc.py": "long: a review's sweep",
+    "test_distributed.py": "several processes (DDP and FSDP2 over gloo)",
 }
 
 # single tests left out of `python -m pytest`, and why: patterns (fnmatch) of "file::name[parameters]"
@@ -69,8 +77,6 @@ SLOW_TESTS: dict[str, str] = {
     "test_privacy.py::test_epsilon_is_the_accountants_for_the_steps_taken": "dp-accounting",
     "test_privacy.py::test_noise_multiplier_for_round_trips*": "dp-accounting",
     "test_privacy.py::test_no_noise_no_privacy_no_step_no_cost": "dp-accounting",
-    "test_second_order.py::*[[]hf_conv1d-*": "transformers (HF's Conv1D)",
-    "test_distributed.py::test_ddp_with_the_users_comm_hook*": "numpy (torch's PowerSGD hook)",
 }
 
 # a test whose own source imports one of these, or calls pytest.importorskip, needs an extra
@@ -97,7 +103,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "slow: needs an optional extra, runs scripts or builds the site (run with --full)"
+        "markers", "slow: needs an optional extra, runs scripts, builds the site, or takes long (run with --full)"
     )
     config.pluginmanager.register(MissingExtras(config), "pergrad-missing-extras")
 
@@ -199,7 +205,7 @@ class MissingExtras:
         left_out = self.config.stash.get(_LEFT_OUT, 0)
         if left_out:
             terminalreporter.write_line(
-                f"{left_out} slow tests left out (optional extras, scripts, the site), and the files "
+                f"{left_out} slow tests left out (optional extras, scripts, the site, several processes, long files), and the files "
                 f"{', '.join(sorted(SLOW_FILES))}; to run them: "
                 "pip install -c constraints.txt -e '.[test-all]' && python -m pytest --full"
             )
