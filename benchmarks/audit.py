@@ -4,7 +4,7 @@ is not due, on a due step and on the step after a due one; and the mean step at 
 without an audit, a due one, the one after it) against the step without an audit. Medians over interleaved
 repeats (``--device cuda``: on the GPU).
 
-    python benchmarks/audit.py [--batch 64] [--samples 4] [--repeats 30] [--device cpu] [--out benchmarks/audit-run.json]
+    python benchmarks/audit.py [--batch 64] [--samples 4] [--repeats 30] [--device cpu] [--out benchmarks/runs/audit-run.json]
 """
 
 from __future__ import annotations

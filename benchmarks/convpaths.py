@@ -11,7 +11,7 @@ Two tables, every row checked (the two ways must agree before either is timed):
 
 Times are the least of 5 repeats of the mean over ``--repeat`` calls (nothing else is timed).
 
-    python benchmarks/convpaths.py --threads 2 --json benchmarks/convpaths-run.json
+    python benchmarks/convpaths.py --threads 2 --json benchmarks/runs/convpaths-run.json
     python benchmarks/convpaths.py --quick          # tiny shapes (CI smoke test)
 """
 

@@ -12,7 +12,7 @@ rank's, and the table shows the median. Two references take the network or the o
 
     python benchmarks/distributed.py                       # 2 processes, every workload and method
     python benchmarks/distributed.py --quick               # tiny shapes (the test runs this)
-    python benchmarks/distributed.py --from-json benchmarks/distributed-run.json
+    python benchmarks/distributed.py --from-json benchmarks/runs/distributed-run.json
 
 Nothing here is a test; tests/test_distributed.py checks the byte counts exactly.
 """

@@ -4,7 +4,7 @@
 bytes of tensors the graph of the last step holds after its backward (a training loop keeps its
 ``loss`` until the next step's is made), plain autograd's beside them (``plain``: nothing).
 
-    python benchmarks/held.py [--steps 3] [--out benchmarks/held-run.json]
+    python benchmarks/held.py [--steps 3] [--out benchmarks/runs/held-run.json]
 """
 
 from __future__ import annotations

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="steps per method per round")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="6 rounds of 3 steps (under 2 minutes)")
-    parser.add_argument("--json", type=Path, default=HERE / "hostcost-run.json")
+    parser.add_argument("--json", type=Path, default=HERE / "results" / "hostcost-run.json")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     if args.quick:

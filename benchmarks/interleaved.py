@@ -9,7 +9,7 @@ step descheduled by other jobs keeps its CPU time), each as a ratio to the plain
     python benchmarks/interleaved.py --workloads seq --rounds 200 --json benchmarks/results/seq.json
 
 ``--json`` saves the command, the commit and one row per workload and method (``min_ms``, ``ratio_min``,
-``median_ms``, ``min_cpu_ms``, ``ratio_min_cpu``): the rows of ``project-kron-*-run.json``.
+``median_ms``, ``min_cpu_ms``, ``ratio_min_cpu``): the rows of ``runs/project-kron-*-run.json``.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ not counted. Nothing here is a test; tests run ``--tiny`` (seconds) and assert n
 
     python benchmarks/lds.py                        # 100 half models, 10 checkpoints, k = 128 and 512
     python benchmarks/lds.py --quick                # 40 half models, 5 checkpoints, k = 128 (under 5 minutes)
-    python benchmarks/lds.py --traker-python /tmp/trakvenv/bin/python --json benchmarks/lds-run.json
+    python benchmarks/lds.py --traker-python /tmp/trakvenv/bin/python --json benchmarks/runs/lds-run.json
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ steps after 3 warm-up steps. With ``--baseline DIR`` (a checkout of an earlier p
 also runs on that code, interleaved round by round, and the ratio is the median of per-round ratios.
 Every row runs in its own subprocess. Nothing here is a test; tests run ``--quick`` only.
 
-    python benchmarks/memory.py --out benchmarks/memory-run.json
+    python benchmarks/memory.py --out benchmarks/runs/memory-run.json
     python benchmarks/memory.py --baseline /tmp/pergrad-main    # + the same rows on older code
     python benchmarks/memory.py --quick                          # tiny shapes, a few steps (CI)
 """

@@ -5,7 +5,7 @@ PyTorch runs cuDNN convolutions in TF32 by default (``torch.backends.cudnn.allow
 convolutions follow the same setting. Each error is ``max |found - exact| / max |exact|``, after each of
 ``--steps`` backward passes (the detaching shortcut starts after the first). On the CPU the setting changes nothing.
 
-    python benchmarks/tf32.py --device cuda --json benchmarks/tf32-run.json
+    python benchmarks/tf32.py --device cuda --json benchmarks/runs/tf32-run.json
     python benchmarks/tf32.py --quick                # CPU, tiny shapes (a test runs this)
 """
 

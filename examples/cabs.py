@@ -12,7 +12,7 @@ As in the paper, tr(Sigma) and L are smoothed with running averages (0.95) and B
 [16, 2048]. Early on the gradient is large compared with its noise and B stays small; as the loss
 falls the noise dominates and B grows.
 
-Run: python examples/cabs.py [--steps 200] [--lr 2.0] [--seed 0]
+Run: python examples/cabs.py [--steps 200] [--lr 2.0] [--seed 0] [--quick]
 """
 
 from __future__ import annotations
@@ -25,13 +25,19 @@ from torch import nn
 
 from pergrad import PerSampleModule
 
+QUICK = {"steps": 120}  # --quick, what the tests run
+
 
 def main(argv: list[str] | None = None) -> dict[str, list[int]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0, help="seeds the teacher, the data, the model and the batches")
+    parser.add_argument("--quick", action="store_true", help="120 steps")
     args = parser.parse_args(argv)
+    if args.quick:  # the quick settings, under any option given explicitly
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     teacher = torch.randn(10, 4)
     x_all = torch.randn(20000, 10)

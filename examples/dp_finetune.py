@@ -61,8 +61,8 @@ Wrapping does not change the model: ``psm(...)`` runs ``model(...)``; attributes
 are used on the model itself (a short GPT-2 sample is printed after training).
 
 Run: python examples/dp_finetune.py [--model bert|gpt2|both] [--epochs 3] [--sigma 1.0] [--clip 1.0]
-     [--rate 0.05] [--delta 1e-5] [--seed 0]
-(needs ``pip install -e ".[examples,hf]"``: transformers, peft, dp-accounting, tqdm)
+     [--rate 0.05] [--delta 1e-5] [--seed 0] [--quick]
+(needs ``pip install -c constraints.txt -e ".[examples,hf]"``: transformers, peft, dp-accounting, tqdm)
 """
 
 from __future__ import annotations
@@ -397,6 +397,9 @@ def unigram_perplexity(train: Sequences, x_test: Tensor, mask_test: Tensor, voca
     return math.exp(-(counts / counts.sum()).log()[targets].mean().item())
 
 
+QUICK = {"pretrain_steps": 20, "epochs": 1, "rate": 0.1}  # --quick, what the tests run
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["bert", "gpt2", "both"], default="both")
@@ -413,7 +416,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--max-len", type=int, default=48, help="tokens per sentence, <bos>/<eos> included")
     parser.add_argument("--vocab", type=int, default=2000, help="vocabulary size")
     parser.add_argument("--train-size", type=int, default=0, help="use only N private training sentences (0: all)")
+    parser.add_argument("--quick", action="store_true", help="20 pretraining steps, 1 epoch at rate 0.1 (10 DP steps)")
     args = parser.parse_args(argv)
+    if args.quick:  # the quick settings, under any option given explicitly
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
 
     data = load_corpus(args.vocab, args.max_len, args.train_size)
     runners = {"bert": run_bert, "gpt2": run_gpt2}

@@ -9,12 +9,12 @@ step's batch with probability ``--rate``, as the privacy analysis assumes; a bat
 ``DPSGD`` registers the clipping (the root target: one norm over ALL parameters, computed in the
 ordinary backward without building per-sample gradients) and hooks ``optimizer.step()``, which adds the
 noise (divided, as the clipped sum, by the EXPECTED batch size ``rate * N``) and counts the step. ``dp.epsilon(delta)`` is
-the epsilon spent, from Google's ``dp_accounting`` (``pip install pergrad[dp]``, or the ``examples``
-extra): ``steps`` compositions of a ``PoissonSampledDpEvent`` of a ``GaussianDpEvent``, through its
+the epsilon spent, from Google's ``dp_accounting`` (``pip install 'pergrad[dp]'``; in a clone
+``pip install -e '.[dp]'`` or the ``examples`` extra): ``steps`` compositions of a ``PoissonSampledDpEvent`` of a ``GaussianDpEvent``, through its
 RDP accountant (``--accountant pld`` for the tighter, slower PLD accountant). Without the package
 the example still trains and reports epsilon as nan.
 
-Run: python examples/dp_sgd.py [--epochs 3] [--sigma 1.0] [--clip 1.0] [--rate 0.05] [--delta 1e-5]
+Run: python examples/dp_sgd.py [--epochs 3] [--sigma 1.0] [--clip 1.0] [--rate 0.05] [--delta 1e-5] [--quick]
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from torch import nn
 
 from pergrad import PerSampleModule
 from pergrad.privacy import DPSGD, PoissonBatchSampler
+
+QUICK = {"epochs": 2}  # --quick, what the tests run
 
 
 def make_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +47,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--rate", type=float, default=0.05, help="Poisson sampling rate B/N")
     parser.add_argument("--delta", type=float, default=1e-5, help="delta of the (epsilon, delta) guarantee")
     parser.add_argument("--accountant", choices=["rdp", "pld"], default="rdp")
+    parser.add_argument("--quick", action="store_true", help="2 epochs")
     args = parser.parse_args(argv)
+    if args.quick:  # the quick settings, under any option given explicitly
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
     torch.manual_seed(0)
     x, y = make_data(2000, seed=1)
     x_test, y_test = make_data(500, seed=2)

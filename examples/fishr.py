@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -118,7 +119,10 @@ def step(model: Net, domains: list[Domain], lam: float) -> tuple[float, float]:
         loss.backward()
         with torch.no_grad():
             return loss.item(), fishr_penalty(head_grads(model), sizes).item()
-    loss.backward(create_graph=True)
+    with warnings.catch_warnings():
+        # torch warns that .grad with a graph makes a reference cycle; the loop below replaces it by its value
+        warnings.filterwarnings("ignore", message=r"Using backward\(\) with create_graph=True", category=UserWarning)
+        loss.backward(create_graph=True)
     penalty = fishr_penalty(head_grads(model), sizes)
     extra = torch.autograd.grad(lam * penalty, params)
     for p, g in zip(params, extra):

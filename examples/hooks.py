@@ -20,11 +20,12 @@ batch ``x = [1, 2]``. By hand, for every sample:
 - pergrad catches each layer's output gradient after every hook has run, so its per-sample
   gradients are what autograd itself propagates, hooks included.
 
-Run: python examples/hooks.py
+Run: python examples/hooks.py [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import warnings
 
 import torch
@@ -72,6 +73,9 @@ def run(rescale_head_input: float | None) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the default run: two backward passes (the tests run it)")
+    parser.parse_args(argv)
     results = {"no rescaling": run(None), "head returns 0.5 * grad_input": run(0.5)}
     for title, seen in results.items():
         print(f"== {title}")

@@ -9,7 +9,7 @@ says which of its units the prediction leans on.
 pergrad keeps them per sample in one ordinary backward (``keep_activation_grads=True``), scaled
 like ``grad_sample``: each sample's own loss, not its share of the batch mean.
 
-Run: python examples/saliency.py [--steps 60] [--eps 0.2] [--lr 0.1] [--seed 0]
+Run: python examples/saliency.py [--steps 60] [--eps 0.2] [--lr 0.1] [--seed 0] [--quick]
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--eps", type=float, default=0.2)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0, help="seeds the initialisation and the data")
+    parser.add_argument("--quick", action="store_true", help="the default run: it takes seconds (the tests run it)")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 64, 2))

@@ -1,7 +1,8 @@
 """The demo: plain SGD next to SGD on per-sample clipped gradients, on real handwritten digits.
 
 The data set is scikit-learn's digits (1,797 8x8 images that ship with the package, no download).
-Both runs train the same small CNN from the same initialisation and batches:
+Both runs train the same small CNN from the same initialisation and batches (``--seed``), with SGD
+(momentum 0.9, learning rate ``--lr``):
 
 - ``plain``: SGD on the batch gradient ``(1/B) sum_i g_i``;
 - ``clipped``: SGD on ``(1/B) sum_i clip(g_i)``, ``clip(g) = g * min(1, C / ||g||)`` over the whole
@@ -9,7 +10,8 @@ Both runs train the same small CNN from the same initialisation and batches:
   Gaussian noise ``N(0, (sigma C / B)^2)`` per coordinate with ``--noise sigma``.
 
 Both wrappers also track per-sample gradient norms and statistics, so the demo reports the
-distribution of ``||g_i||`` per layer and the batch size the CABS rule suggests
+distribution of ``||g_i||`` over the last epoch's samples (percentiles p50, p90, p99, before
+clipping) and the median over the last epoch's batches of the batch size the CABS rule suggests
 (``lr * tr(Sigma) / loss``, Balles et al. 2017).
 """
 
@@ -27,6 +29,7 @@ from torch import nn
 from . import PerSampleModule, transforms
 
 PNG_NAME = "pergrad-demo.png"
+MOMENTUM = 0.9
 
 
 class Diverged(RuntimeError):
@@ -38,7 +41,7 @@ class DemoConfig:
     epochs: int = 6
     batch_size: int = 64
     clip: float = 1.0
-    lr: float = 0.5
+    lr: float = 0.05
     noise: float = 0.0
     out: Path = Path("pergrad-demo")
     device: str = "cpu"
@@ -86,7 +89,7 @@ def train(cfg: DemoConfig, name: str, data: tuple[torch.Tensor, ...]) -> RunResu
 
     x_train, y_train, x_test, y_test = data
     model = make_model(cfg.seed).to(cfg.device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=MOMENTUM)
     result = RunResult(name)
     layers = {n.rsplit(".", 1)[0] for n, _ in model.named_parameters()}
     with PerSampleModule(model, keep_grad_sample=False, track_statistics={"trace_variance"}) as psm:
@@ -158,6 +161,16 @@ def table(results: list[RunResult]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(row) for row in rows)])
 
 
+def settings(cfg: DemoConfig, train_size: int, test_size: int) -> str:
+    """The line under the table: what was run, the seed included."""
+    noise = f", noise sigma {cfg.noise:g}" if cfg.noise > 0 else ""
+    return (
+        f"digits: {train_size} train / {test_size} test, seed {cfg.seed}, {cfg.epochs} epochs of batches of "
+        f"{cfg.batch_size}, SGD lr {cfg.lr:g} momentum {MOMENTUM:g}, clip C={cfg.clip:g}{noise}, 1 CPU thread; "
+        "||g_i|| over the last epoch's samples, CABS batch the median over its batches"
+    )
+
+
 def plot(results: list[RunResult], path: Path) -> None:
     import matplotlib
 
@@ -197,7 +210,7 @@ def run(cfg: DemoConfig) -> tuple[list[RunResult], str, Path]:
         results = [train(cfg, name, data) for name in ("plain", "clipped")]
     finally:
         torch.set_num_threads(threads)
-    text = table(results)
+    text = table(results) + "\n\n" + settings(cfg, len(data[1]), len(data[3]))
     cfg.out.mkdir(parents=True, exist_ok=True)
     png = cfg.out / PNG_NAME
     plot(results, png)

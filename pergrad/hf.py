@@ -1,4 +1,4 @@
-"""pergrad with HuggingFace's ``Trainer``: ``PerSampleTrainer`` (``pip install pergrad[hf]``).
+"""pergrad with HuggingFace's ``Trainer``: ``PerSampleTrainer`` (``pip install 'pergrad[hf]'``).
 
 ``PerSampleTrainer`` is a ``transformers.Trainer`` that wraps its model in a ``PerSampleModule`` in
 ``__init__`` (``trainer.psm``) and trains on each sample's OWN loss:
@@ -311,7 +311,8 @@ class PerSampleTrainer(Trainer):
             )
         if not hasattr(Trainer, "loss_is_scaled_for_ga"):  # transformers < 5.24 would divide the loss again
             raise TrainerConfigError(
-                "PerSampleTrainer needs transformers>=5.24,<5.25 (pip install 'pergrad[hf]'): it relies on Trainer's "
+                "PerSampleTrainer needs transformers>=5.24,<5.25 (pip install 'pergrad[hf]', or in a clone of pergrad "
+                "pip install -e '.[hf]'): it relies on Trainer's "
                 "loss_is_scaled_for_ga to keep Trainer from dividing the loss by gradient_accumulation_steps"
             )
         if token_reduction not in ("sum", "mean"):

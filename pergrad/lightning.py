@@ -20,7 +20,7 @@ optimizer step (``on_before_optimizer_step``, after the step's backward passes, 
 Poisson sampling (the train loader must draw its batches with ``pergrad.privacy.PoissonBatchSampler``;
 ``poisson_loader`` builds one), epsilon logged, and the privacy state in the checkpoints.
 
-Nothing of this module is imported by ``import pergrad``; it needs ``pip install pergrad[lightning]``.
+Nothing of this module is imported by ``import pergrad``; it needs ``pip install 'pergrad[lightning]'``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ try:
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 except ImportError as err:  # pragma: no cover - depends on the environment
-    raise ImportError("pergrad.lightning needs Lightning: pip install 'pergrad[lightning]'") from err
+    raise ImportError(
+        "pergrad.lightning needs Lightning: pip install 'pergrad[lightning]' "
+        "(in a clone of pergrad: pip install -e '.[lightning]')"
+    ) from err
 
 
 class LightningOptionError(PergradError, ValueError):

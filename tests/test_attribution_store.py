@@ -282,5 +282,8 @@ def test_the_core_never_imports_attribution() -> None:
 
 def test_without_numpy_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "numpy", None)
-    with pytest.raises(ImportError, match=r"pip install pergrad\[attribution\]"):
+    with pytest.raises(
+        ImportError,
+        match=r"pip install 'pergrad\[attribution\]' \(in a clone of pergrad: pip install -e '\.\[attribution\]'\)",
+    ):
         FeatureStore.open(tmp_path, n=3, k=2)

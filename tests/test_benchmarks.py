@@ -18,8 +18,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(name: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """``python benchmarks/<name> <args>`` with this interpreter, its output captured."""
+def run_script(name: str, *args: str, timeout: float = 3600) -> subprocess.CompletedProcess[str]:
+    """``python benchmarks/<name> <args>`` with this interpreter, its output captured (the timeout only stops a
+    hang: a busy machine takes many times a quiet one's few minutes)."""
     return subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / name), *args], capture_output=True, text=True, timeout=timeout
     )
@@ -155,7 +156,7 @@ def test_what_pergrad_holds_between_steps(tmp_path: Path) -> None:
 def test_the_benchmark_refuses_a_device_it_does_not_have() -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    proc = run_script("bench.py", "--quick", "--device", "cuda", timeout=120)
+    proc = run_script("bench.py", "--quick", "--device", "cuda")
     assert proc.returncode == 2
     assert "--device 'cuda': no CUDA device is available here" in proc.stderr
 

@@ -138,13 +138,11 @@ def test_positions_inside_a_checkpointed_segment() -> None:
         assert [n for n, p in refused.named_parameters() if p.grad is not None] == []  # (none left half-written)
 
 
-transformers = pytest.importorskip("transformers")
-
-
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_hf_gradient_checkpointing_is_exact(reentrant: bool) -> None:
     """HF's ``gradient_checkpointing_enable`` on a tiny BERT (it checkpoints each layer in training mode;
     dropout off so that one sample alone computes what it does in the batch)."""
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.BertConfig(
         vocab_size=30, hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=16,

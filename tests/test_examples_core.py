@@ -22,7 +22,7 @@ def load(name: str) -> ModuleType:
 
 
 def test_hooks_example_matches_the_hand_computed_numbers(capsys: pytest.CaptureFixture[str]) -> None:
-    results = load("hooks").main([])
+    results = load("hooks").main(["--quick"])
     plain, rescaled = results["no rescaling"], results["head returns 0.5 * grad_input"]
     assert plain["block full grad_input"] == [6.0, 6.0] and plain["block full grad_output"] == [3.0, 3.0]
     assert plain["pergrad block.weight per sample"] == [3.0, 6.0]
@@ -36,7 +36,7 @@ def test_hooks_example_matches_the_hand_computed_numbers(capsys: pytest.CaptureF
 
 
 def test_saliency_example_fgsm_raises_the_loss() -> None:
-    result = load("saliency").main(["--steps", "60", "--eps", "0.2"])
+    result = load("saliency").main(["--quick"])  # 60 steps, eps 0.2
     # measured with --seed 0..39 x torch.set_num_threads(1, 2), 80 runs: accuracy worst 0.992 (median
     # 1.0; chance 0.5), adversarial accuracy worst 0.004 (median 0), adversarial / clean loss worst 87
     # (median 140). Input gradients mixed up between samples leave about half the predictions
@@ -47,22 +47,39 @@ def test_saliency_example_fgsm_raises_the_loss() -> None:
 
 
 def test_clip_vs_mean_example(capsys: pytest.CaptureFixture[str]) -> None:
-    load("clip_vs_mean").main()
+    load("clip_vs_mean").main(["--quick"])
     out = capsys.readouterr().out
     assert "||T(E[g])|| = 1.0000" in out and "cosine" in out
 
 
 def test_dp_sgd_example_learns_with_noise() -> None:
-    result = load("dp_sgd").main(["--epochs", "2", "--sigma", "1.0"])
+    result = load("dp_sgd").main(["--quick"])  # 2 epochs, sigma 1.0
     # chance is 1/3. This run: 0.838. With the example's torch.manual_seed and data seeds offset by
     # 1000 * k, k = 0..39, x torch.set_num_threads(1, 2), 80 runs: worst 0.708, median 0.819.
     assert result["accuracy"] > 0.6
 
 
 def test_cabs_example_grows_the_batch() -> None:
-    sizes = load("cabs").main(["--steps", "120"])["batch_sizes"]
+    sizes = load("cabs").main(["--quick"])["batch_sizes"]  # 120 steps
     # --seed 0..39 x torch.set_num_threads(1, 2), 80 runs: first 16..22, last 47..67, last / first
     # 2.41..4.19 (median 3.30). A tr(Sigma) of zero (or B times too small) stays at 16 throughout;
     # one B times too large ends at the cap 2048 (the example clips every size to [16, 2048]).
     assert sizes[-1] > 1.5 * sizes[0]  # the noise dominates as the loss falls
     assert sizes[-1] < 200
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in EXAMPLES.glob("*.py")))
+def test_every_example_answers_help_and_has_a_quick_mode(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python examples/NAME.py --help`` prints its options and exits without running; ``--quick`` is one of them
+    (the tests run each example in its quick mode: here, tests/test_examples_*.py)."""
+    with pytest.raises(SystemExit) as exit_:
+        load(name).main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "--quick" in out, out
+
+
+def test_the_examples_are_found() -> None:
+    assert {"hooks", "clip_vs_mean", "dp_sgd", "dp_finetune", "fishr", "attribution"} <= {
+        p.stem for p in EXAMPLES.glob("*.py")
+    }

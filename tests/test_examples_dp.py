@@ -56,7 +56,7 @@ def finetune() -> ModuleType:
     return load("dp_finetune")
 
 
-TINY = ["--model", "both", "--pretrain-steps", "20", "--epochs", "1", "--rate", "0.1", "--sigma", "1.0"]
+TINY = ["--quick"]  # both models, 20 pretraining steps, 1 epoch at rate 0.1, sigma 1.0
 
 
 @pytest.fixture(scope="module")

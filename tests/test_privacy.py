@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import logging
 import math
 import re
 import subprocess
@@ -964,9 +965,36 @@ def test_no_noise_no_privacy_no_step_no_cost() -> None:
 
 def test_without_dp_accounting_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "dp_accounting", None)
-    with pytest.raises(ModuleNotFoundError, match=r"pip install 'pergrad\[dp\]'") as info:
+    with pytest.raises(
+        ModuleNotFoundError, match=r"pip install 'pergrad\[dp\]' \(in a clone of pergrad: pip install -e '\.\[dp\]'\)"
+    ) as info:
         epsilon_of(1.0, 0.1, 10, 1e-5)
     assert info.value.name == "dp_accounting"
+
+
+def test_orders_the_accountant_leaves_out_are_not_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """At q = 0.1, sigma = 1 dp_accounting's RDP accountant cannot sum the series of some fractional orders: called
+    directly it logs a warning for each and leaves the order out (the control). ``epsilon_of`` and
+    ``noise_multiplier_for`` log none of these lines, and their results are dp_accounting's own; another absl
+    warning still passes."""
+    import dp_accounting
+
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(1.0)), 10
+    )
+    absl = logging.getLogger("absl")
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        direct = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+    left_out = [r for r in caplog.records if "failed to converge" in r.getMessage()]
+    assert left_out and all(r.name == "absl" for r in left_out)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        assert epsilon_of(1.0, 0.1, 10, 1e-5) == direct
+        sigma = noise_multiplier_for(direct, 1e-5, 0.1, 10)
+        absl.warning("another warning")
+    assert [r.getMessage() for r in caplog.records] == ["another warning"]
+    assert sigma == pytest.approx(1.0, abs=1e-5)
+    assert not absl.filters
 
 
 def test_pergrad_does_not_import_privacy_nor_its_accountant() -> None:

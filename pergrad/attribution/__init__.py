@@ -17,7 +17,7 @@ The query's features may differentiate any measurement of its own (a test loss, 
 and ``token_scores``; ``subsets`` / ``retrain`` / ``lds`` to measure any of them on your task
 (docs/guides/attribution.md has the LDS of each, measured beside traker).
 
-pergrad's core never imports this package; it needs numpy (``pip install pergrad[attribution]``, which
+pergrad's core never imports this package; it needs numpy (``pip install 'pergrad[attribution]'``, which
 also brings tqdm for ``progress=True``).
 """
 

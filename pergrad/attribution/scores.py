@@ -646,8 +646,8 @@ def _progress(items: Iterable[T], total: int, enabled: bool, desc: str) -> Itera
         from tqdm.auto import tqdm
     except ImportError:
         warnings.warn(
-            "progress=True needs tqdm: install it with `pip install pergrad[attribution]`; scoring goes on without "
-            "a progress bar.",
+            "progress=True needs tqdm: install it with pip install 'pergrad[attribution]' (in a clone of pergrad: "
+            "pip install -e '.[attribution]'); scoring goes on without a progress bar.",
             stacklevel=3,
         )
         return items

@@ -69,7 +69,8 @@ def numpy() -> Any:
         import numpy as np
     except ImportError as err:
         raise ImportError(
-            "pergrad.attribution stores features with numpy: install it with `pip install pergrad[attribution]`"
+            "pergrad.attribution stores features with numpy: install it with pip install 'pergrad[attribution]' "
+            "(in a clone of pergrad: pip install -e '.[attribution]')"
         ) from err
     return np
 

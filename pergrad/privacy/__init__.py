@@ -15,7 +15,7 @@ independently with probability ``q``, so the batch size ``B`` varies and may be 
   ``optimizer.step()``, and the checks that make the reported privacy the privacy the training got.
 - ``epsilon_of`` / ``noise_multiplier_for`` (``pergrad.privacy.accounting``): the (epsilon, delta) of
   ``steps`` Poisson-sampled Gaussian steps, and the noise multiplier that spends a given epsilon, from
-  Google's ``dp_accounting`` (``pip install pergrad[dp]``; imported only when called).
+  Google's ``dp_accounting`` (``pip install 'pergrad[dp]'``; imported only when called).
 - ``pergrad.privacy.randomness``: where the batches and the noise come from (the operating system's
   entropy by default; a cryptographically secure stream with ``secure_mode=True``).
 

@@ -1,9 +1,12 @@
 """The privacy spent: Google's ``dp_accounting`` on DP-SGD's Poisson-sampled Gaussian steps
-(``pip install pergrad[dp]``; imported only when called)."""
+(``pip install 'pergrad[dp]'``, or in a clone ``pip install -e '.[dp]'``; imported only when called)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+from collections.abc import Iterator
 from typing import Any
 
 ACCOUNTANTS = ("rdp", "pld")
@@ -17,10 +20,32 @@ def _dp_accounting() -> Any:
             raise
         raise ModuleNotFoundError(
             "pergrad.privacy's accountant is Google's dp_accounting: pip install 'pergrad[dp]' "
-            "(or pip install 'dp-accounting>=0.6,<0.7')",
+            "(in a clone of pergrad: pip install -e '.[dp]')",
             name="dp_accounting",
         ) from err
     return dp_accounting
+
+
+class _OrderLeftOut(logging.Filter):
+    """Drops the warning ``dp_accounting``'s RDP accountant logs (through absl) for each fractional order whose
+    series does not converge (``_compute_log_a_frac failed to converge ... Excluding this order``): that order is
+    left out of the minimum over orders, so the epsilon stays an upper bound, only a looser one, and the line says
+    nothing a user can act on. Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("failed to converge" in message and "Excluding this order" in message)
+
+
+@contextlib.contextmanager
+def _orders_left_out_quietly() -> Iterator[None]:
+    """``_OrderLeftOut`` on absl's logger while pergrad calls the accountant."""
+    logger, quiet = logging.getLogger("absl"), _OrderLeftOut()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _event(dp_accounting: Any, noise_multiplier: float, sample_rate: float, steps: int) -> Any:
@@ -61,7 +86,8 @@ def epsilon_of(noise_multiplier: float, sample_rate: float, steps: int, delta: f
     if noise_multiplier == 0:
         return math.inf
     event = _event(dp_accounting, noise_multiplier, sample_rate, steps)
-    return float(_accountant(dp_accounting, accountant).compose(event).get_epsilon(delta))
+    with _orders_left_out_quietly():
+        return float(_accountant(dp_accounting, accountant).compose(event).get_epsilon(delta))
 
 
 def noise_multiplier_for(
@@ -76,11 +102,12 @@ def noise_multiplier_for(
     if steps == 0:
         return 0.0
     dp_accounting = _dp_accounting()
-    sigma = dp_accounting.calibrate_dp_mechanism(
-        lambda: _accountant(dp_accounting, accountant),
-        lambda s: _event(dp_accounting, s, sample_rate, steps),
-        target_epsilon,
-        delta,
-        dp_accounting.LowerEndpointAndGuess(0.0, 1.0),
-    )
+    with _orders_left_out_quietly():
+        sigma = dp_accounting.calibrate_dp_mechanism(
+            lambda: _accountant(dp_accounting, accountant),
+            lambda s: _event(dp_accounting, s, sample_rate, steps),
+            target_epsilon,
+            delta,
+            dp_accounting.LowerEndpointAndGuess(0.0, 1.0),
+        )
     return float(sigma)

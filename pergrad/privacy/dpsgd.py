@@ -29,7 +29,14 @@ from ..loss_scale import factor_reader
 from ..module import PerSampleModule
 from ..transforms import ClipNorm
 from .accounting import ACCOUNTANTS, epsilon_of
-from .randomness import SecureStream, entropy_generator, public_seed, same_on_every_rank, world_size
+from .randomness import (
+    SecureStream,
+    collective_device,
+    entropy_generator,
+    public_seed,
+    same_on_every_rank,
+    world_size,
+)
 from .sampling import PoissonBatchSampler
 
 # the live DPSGD of each optimizer (a second one would add its noise again) and of each sampler (two would
@@ -304,8 +311,10 @@ class DPSGD:
         world = world_size()
         if world == 1:
             return
-        found: list[Any] = [None] * world
-        torch.distributed.all_gather_object(found, (self.sampler.num_replicas, self.sampler.rank))
+        mine = torch.tensor([self.sampler.num_replicas, self.sampler.rank], device=collective_device())
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        torch.distributed.all_gather(gathered, mine)
+        found = [(int(g[0]), int(g[1])) for g in gathered]
         if found != [(world, r) for r in range(world)]:
             raise PrivacyError(
                 f"the ranks' PoissonBatchSamplers have (num_replicas, rank) = {found}, not (world size {world}, the "

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,21 +34,33 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _rank0s(value: Any) -> Any:
-    """``value`` as rank 0 has it, on every rank (itself in one process)."""
+def collective_device() -> torch.device:
+    """Where the default process group's collectives take their tensors: the current CUDA device under NCCL,
+    the CPU otherwise. (pergrad's collectives send tensors, not pickled objects: torch's ``*_object``
+    collectives need numpy, which pergrad does not require.)"""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _rank0s(value: bytes) -> bytes:
+    """``value`` as rank 0 has it, on every rank (itself in one process); every rank passes as many bytes."""
     if world_size() == 1:
         return value
-    found = [value]
-    dist.broadcast_object_list(found, src=0)
-    return found[0]
+    found = torch.tensor(list(value), dtype=torch.uint8, device=collective_device())
+    dist.broadcast(found, src=0)
+    return bytes(found.tolist())
 
 
 def same_on_every_rank(generator: torch.Generator) -> bool:
-    """Whether ``generator``'s state is the same on every rank (one small all-gather)."""
-    state = generator.get_state().numpy().tobytes()
-    digests: list[Any] = [None] * world_size()
-    dist.all_gather_object(digests, hashlib.sha256(state).hexdigest())
-    return len(set(digests)) == 1
+    """Whether ``generator``'s state is the same on every rank (one small all-gather of its SHA-256)."""
+    digest = torch.tensor(
+        list(hashlib.sha256(bytes(generator.get_state().tolist())).digest()), dtype=torch.uint8,
+        device=collective_device(),
+    )  # fmt: skip
+    digests = [torch.empty_like(digest) for _ in range(world_size())]
+    dist.all_gather(digests, digest)
+    return all(torch.equal(d, digest) for d in digests)
 
 
 def public_seed(generator: torch.Generator) -> str | None:
@@ -67,7 +78,7 @@ def public_seed(generator: torch.Generator) -> str | None:
 
 def entropy_seed() -> int:
     """A fresh seed of 63 bits from the operating system's entropy; rank 0's under ``torch.distributed``."""
-    return int(_rank0s(secrets.randbits(63)))
+    return int.from_bytes(_rank0s(secrets.randbits(63).to_bytes(8, "little")), "little")
 
 
 def entropy_generator(device: torch.device | str = "cpu") -> torch.Generator:
@@ -81,7 +92,7 @@ class SecureStream:
     draws from a new key."""
 
     def __init__(self) -> None:
-        self._key = bytes(_rank0s(secrets.token_bytes(KEY_BYTES)))
+        self._key = _rank0s(secrets.token_bytes(KEY_BYTES))
         self._block = 0
 
     def _bytes(self, n: int) -> bytes:
