@@ -25,7 +25,8 @@ the copy's source is the top-1 proponent (a training sequence with the same byte
 source: the text repeats some lines), against a random ranking (about 1 / number of training
 sequences). It also prints a held-out query with its top proponents, to read.
 
-Run: python examples/attribution_lm.py [--epochs 4] [--dim 512] [--seed 0] [--seeds 1] [--partial 20] [--quick]
+Run: python examples/attribution_lm.py [--epochs 4] [--dim 512] [--seed 0] [--seeds 1] [--partial 20] [--threads 1]
+[--quick]
 (needs scikit-learn and numpy: ``pip install -e ".[examples]"``)
 """
 
@@ -280,8 +281,20 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, default=1, help="how many seeds, from --seed on")
     parser.add_argument("--quick", action="store_true", help="2 epochs, dim 256")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the model is tiny)")
     args = parser.parse_args(argv)
     epochs, dim = (2, 256) if args.quick else (args.epochs, args.dim)
+    threads = torch.get_num_threads()
+    # a width-64 model on batches of 32 x 32 bytes: each op is too small for intra-op threads to pay; on a
+    # loaded machine they spin (quick, 2 shared cores: 1 thread 5 s of CPU, 2 threads 19 s and twice the wall)
+    torch.set_num_threads(args.threads)
+    try:
+        return _main(args, epochs, dim)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(args: argparse.Namespace, epochs: int, dim: int) -> list[Result]:
     from tqdm.auto import tqdm
 
     results = [

@@ -618,9 +618,10 @@ class PerSampleModule:
         ``module.`` prefix): the features one process computes for those samples.
 
         - ``kind="kron"``: a parameter of two or more dims gets ``P_row ⊗ P_col`` with
-          ``r_row * r_col = dim`` (``dim = r^2``: ``r x r``; ``dim = 2 r^2``: ``r`` and ``2r``, the ``2r`` on the
-          side of the weight with fewer entries; every power of
-          two is one of these), computed without building ``g_i`` for Linear (any leading dims),
+          ``r_row * r_col = dim`` (``dim`` a square or twice a square: every power of two is one), the
+          factor pair of ``dim`` in the proportion of the weight's sides (``pergrad.projectors.kron_ranks``:
+          a ``[256, 32]`` LM head at ``dim=128`` gets ``32 x 4``, a square weight ``r x r`` or ``r x 2r``),
+          computed without building ``g_i`` for Linear (any leading dims),
           Conv1d/2d/3d and ConvTranspose1d/2d/3d (any stride, padding, dilation, groups, output
           padding), Embedding and HF ``Conv1D``, and from
           the built ``g_i`` of one layer at a time for every other layer; one-dim parameters (biases,

@@ -370,3 +370,56 @@ def test_tracin_end_to_end_from_torch_func_gradients(tmp_path: Path) -> None:
     assert torch.equal(where, torch.topk(expected, 5, dim=1).indices)
     own = sum(lr * ((grads_train[name] @ projection.T) ** 2).sum(1) for name, lr in lrs.items())
     torch.testing.assert_close(self_influence(reader, weights=lrs, chunk=10), own, rtol=1e-12, atol=1e-14)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, M, M + 1])  # one query, not dividing m, m, more than m
+@pytest.mark.parametrize("preconditioner", ["identity", "gram"])
+def test_query_batches_give_the_unbatched_numbers(
+    store: FeatureStore,
+    train: dict[str, Tensor],
+    test: dict[str, Tensor],
+    batch_size: int,
+    preconditioner: str,
+) -> None:
+    expected = dense(test, train, preconditioner)
+    whole = scores(test, store, preconditioner=preconditioner, weights=WEIGHTS, chunk=5)
+    got = scores(test, store, preconditioner=preconditioner, weights=WEIGHTS, chunk=5, batch_size=batch_size)
+    torch.testing.assert_close(got, whole, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    subset = torch.tensor([30, 2, 11, 36])
+    torch.testing.assert_close(
+        scores(test, store, preconditioner=preconditioner, weights=WEIGHTS, indices=subset, batch_size=batch_size),
+        expected[:, subset],
+        rtol=1e-12,
+        atol=1e-12,
+    )
+    for largest in (True, False):
+        values, where = top_k(
+            test, store, 5, largest=largest, preconditioner=preconditioner, weights=WEIGHTS, batch_size=batch_size
+        )
+        best = torch.topk(expected, 5, dim=1, largest=largest)
+        torch.testing.assert_close(values, best.values, rtol=1e-12, atol=1e-12)
+        assert torch.equal(where, best.indices)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, M + 1])
+def test_query_batches_read_the_store_once_per_batch_and_build_the_gram_once(
+    store: FeatureStore, test: dict[str, Tensor], batch_size: int
+) -> None:
+    batches = math.ceil(M / batch_size)
+    for run in (
+        lambda s: scores(test, s, preconditioner="gram", chunk=8, batch_size=batch_size),
+        lambda s: top_k(test, s, 3, preconditioner="gram", chunk=8, batch_size=batch_size),
+    ):
+        counting = Counting(store)
+        run(counting)
+        assert counting.calls == (1 + batches) * len(NAMES)  # the Gram pass, then one pass per batch
+        assert sum(counting.sizes) == (1 + batches) * N * len(NAMES)
+
+
+def test_query_batches_refuse_a_batch_of_no_queries(store: FeatureStore, test: dict[str, Tensor]) -> None:
+    for bad in (0, -2):
+        with pytest.raises(ScoreArgumentError, match=rf"batch_size={bad}: pass a positive number of queries"):
+            scores(test, store, batch_size=bad)
+        with pytest.raises(ScoreArgumentError, match=rf"batch_size={bad}: pass a positive number of queries"):
+            top_k(test, store, 2, batch_size=bad)

@@ -152,7 +152,9 @@ def test_features_of_another_projection_version_are_refused(tmp_path: Path) -> N
     spec["projection"] = pergrad.projectors.VERSION - 1
     spec_path.write_text(json.dumps(spec))
     with pytest.raises(
-        StoreSpecError, match=r"projection version 1; this pergrad draws version 2 .*write the features"
+        StoreSpecError,
+        match=rf"projection version {pergrad.projectors.VERSION - 1}; this pergrad draws version "
+        rf"{pergrad.projectors.VERSION} .*write the features",
     ):
         FeatureStore.open(tmp_path / "ours", readonly=True)
     with FeatureStore.open(tmp_path / "theirs", n=4, k=8) as store:  # no kind: features from elsewhere

@@ -6,6 +6,7 @@ Nothing about time is asserted: timings live in benchmarks/README.md, not in tes
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import subprocess
 import sys
@@ -347,3 +348,23 @@ def test_hostcost_saves_a_row_per_workload_and_method(tmp_path: Path) -> None:
     ]  # fmt: skip
     assert report["rows"][0]["ratio"] == 1.0
     assert "| mlp |" in proc.stdout
+
+
+def test_the_kron_ranks_benchmark_draws_version_3_and_version_2s_ranks() -> None:
+    """``benchmarks/kron_ranks.py``'s "v3" blocks are pergrad's own; its "v2" blocks have version 2's ranks
+    (the larger on the narrower side) and factors drawn as version 2 drew them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("kron_ranks_benchmark", ROOT / "benchmarks" / "kron_ranks.py")
+    assert spec is not None and spec.loader is not None
+    module: Any = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from pergrad.projectors import Projector, Spec
+
+    for shape, v2 in (((256, 32), (8, 16)), ((32, 256), (16, 8)), ((12, 12), (8, 16)), ((10, 64), (16, 8))):
+        assert module.version2_ranks(128, *shape) == v2
+        own = Projector(Spec(128, "kron", 3), "w", shape).matrix()
+        assert torch.equal(module.matrix("w", shape, 128, 3, "v3"), own)
+        old = module.matrix("w", shape, 128, 3, "v2")
+        assert old.shape == own.shape and (shape[0] == shape[1]) == torch.equal(old, own)
+    bias = Projector(Spec(128, "kron", 3), "b", (32,)).matrix()  # a CountSketch under every rule
+    assert torch.equal(module.matrix("b", (32,), 128, 3, "v2"), bias)

@@ -19,7 +19,7 @@ import pergrad.projectors
 import pergrad.sources
 from pergrad import PerSampleModule, TargetError, transforms
 from pergrad.errors import ProjectionError
-from pergrad.projectors import Projector, Spec
+from pergrad.projectors import Projector, Spec, kron_ranks
 
 transformers = pytest.importorskip("transformers")
 Conv1D = transformers.pytorch_utils.Conv1D
@@ -398,3 +398,38 @@ def test_a_one_dim_parameter_of_a_kronecker_projection_is_count_sketched() -> No
     g = torch.randn(5, 300, dtype=torch.float64)
     assert_close(projector.apply(g), g @ p.T, "sketched features")
     torch.testing.assert_close(projector.apply(g.float()), (g @ p.T).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("k", "rows", "cols", "expected"),
+    [
+        (128, 256, 32, (32, 4)),  # an LM head [vocab, width]: the vocabulary the most compressed side before
+        (128, 32, 256, (4, 32)),
+        (128, 32, 32, (8, 16)),  # square, 2 r^2: a tie, the smaller r_row (as version 2)
+        (64, 8, 8, (8, 8)),  # square, r^2
+        (128, 128, 32, (16, 8)),  # 2 and 8 equally far from 4: the cheaper (128 * 16 + 32 * 8)
+        (128, 10, 64, (4, 32)),  # never 16 rows for 10 (version 2 gave 16 x 8)
+        (512, 512, 784, (16, 32)),
+        (4096, 50257, 768, (512, 8)),
+        (18, 3, 3, (3, 6)),
+    ],
+)
+def test_kronecker_ranks_follow_the_proportion_of_the_sides(
+    k: int, rows: int, cols: int, expected: tuple[int, int]
+) -> None:
+    """``r_row * r_col = k`` with ``r_row / r_col`` nearest ``rows / cols`` in log among every factor pair of
+    ``k`` (checked here by brute force in floats), the Projector's ranks and its factors' shapes."""
+    got = kron_ranks(k, rows, cols)
+    assert got == expected and got[0] * got[1] == k
+    pairs = [(r, k // r) for r in range(1, k + 1) if k % r == 0]
+    distance = [abs(math.log(a / b) - math.log(rows / cols)) for a, b in pairs]
+    assert abs(math.log(got[0] / got[1]) - math.log(rows / cols)) <= min(distance) + 1e-12
+    projector = Projector(Spec(k, "kron", seed=1), "w", (rows, cols))
+    assert projector.ranks == expected
+    if rows * cols <= 1 << 16:
+        row, col = projector.factors()
+        assert row.shape == (expected[0], rows) and col.shape == (expected[1], cols)
+    conv = Projector(Spec(k, "kron", seed=1), "conv", (rows, 1, cols))  # [out, in, kernel]: C * prod(rest)
+    assert conv.ranks == expected
+    with pytest.raises(ValueError):
+        kron_ranks(24, rows, cols)  # neither a square nor twice one

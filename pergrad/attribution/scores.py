@@ -385,23 +385,43 @@ def scores(
     weights: Sequence[float] | Mapping[str, float] | None = None,
     chunk: int = DEFAULT_CHUNK,
     indices: Tensor | Sequence[int] | None = None,
+    batch_size: int | None = None,
     progress: bool = False,
 ) -> Tensor:
     """The ``[m, n]`` scores (``[m, len(indices)]`` with ``indices``), computed chunk by chunk; only the
-    result is ``[m, n]``: use :func:`top_k` when it does not fit in memory."""
-    blocks = [
-        block
+    result is ``[m, n]``: use :func:`top_k` when it does not fit in memory. ``batch_size``: score the queries
+    this many at a time (each batch one pass over the store; the preconditioner built once), so that what is
+    held besides the result is ``O(batch_size * (k + chunk))``; the same numbers as one batch."""
+    queries = _queries(test_features, store)
+    m = _resolve(preconditioner, store, chunk, indices, progress)
+    out: Tensor | None = None
+    for rows in _query_batches(queries[0].shape[0], batch_size):
+        column = 0
         for _, block in iter_scores(
-            test_features,
+            [q[rows] for q in queries],
             store,
-            preconditioner=preconditioner,
+            preconditioner=m,
             weights=weights,
             chunk=chunk,
             indices=indices,
             progress=progress,
-        )
-    ]
-    return torch.cat(blocks, dim=1)
+        ):
+            if out is None:
+                count = store.n if indices is None else len(indices)
+                out = block.new_empty((queries[0].shape[0], count))
+            out[rows, column : column + block.shape[1]] = block
+            column += block.shape[1]
+    assert out is not None
+    return out
+
+
+def _query_batches(m: int, batch_size: int | None) -> list[slice]:
+    """The rows of each batch of ``m`` queries (one batch when ``batch_size`` is None)."""
+    if batch_size is None:
+        return [slice(0, m)]
+    if batch_size < 1:
+        raise ScoreArgumentError(f"batch_size={batch_size}: pass a positive number of queries per batch, or None.")
+    return [slice(start, min(m, start + batch_size)) for start in range(0, max(m, 1), batch_size)]
 
 
 def top_k(
@@ -414,10 +434,13 @@ def top_k(
     weights: Sequence[float] | Mapping[str, float] | None = None,
     chunk: int = DEFAULT_CHUNK,
     indices: Tensor | Sequence[int] | None = None,
+    batch_size: int | None = None,
     progress: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The ``k`` highest (``largest=False``: lowest) scores of each test sample and their train sample
     indices, ``([m, k], [m, k])``, sorted, merged chunk by chunk (never the ``[m, n]`` matrix).
+    ``batch_size``: the queries this many at a time (each batch one pass over the store; the preconditioner
+    built once): ``O(batch_size * (k + chunk))`` held besides the result, the same result as one batch.
 
     Ties are broken toward the smaller train index, so the result does not depend on the chunk size
     (``torch.topk`` leaves the order of ties unspecified: its values agree, its indices may not).
@@ -425,23 +448,28 @@ def top_k(
     count = store.n if indices is None else len(indices)
     if not 1 <= k <= count:
         raise ScoreArgumentError(f"top_k: k={k} must be between 1 and the number of train samples scored ({count}).")
-    best_values: Tensor | None = None
-    best_indices: Tensor | None = None
-    for idx, block in iter_scores(
-        test_features,
-        store,
-        preconditioner=preconditioner,
-        weights=weights,
-        chunk=chunk,
-        indices=indices,
-        progress=progress,
-    ):
-        values, where = _block_top(block, idx.expand(block.shape[0], -1), k, largest)
-        if best_values is not None and best_indices is not None:
-            values, where = torch.cat([best_values, values], 1), torch.cat([best_indices, where], 1)
-        best_values, best_indices = _ordered_top(values, where, k, largest)
-    assert best_values is not None and best_indices is not None
-    return best_values, best_indices
+    queries = _queries(test_features, store)
+    m = _resolve(preconditioner, store, chunk, indices, progress)
+    found = []
+    for rows in _query_batches(queries[0].shape[0], batch_size):
+        best_values: Tensor | None = None
+        best_indices: Tensor | None = None
+        for idx, block in iter_scores(
+            [q[rows] for q in queries],
+            store,
+            preconditioner=m,
+            weights=weights,
+            chunk=chunk,
+            indices=indices,
+            progress=progress,
+        ):
+            values, where = _block_top(block, idx.expand(block.shape[0], -1), k, largest)
+            if best_values is not None and best_indices is not None:
+                values, where = torch.cat([best_values, values], 1), torch.cat([best_indices, where], 1)
+            best_values, best_indices = _ordered_top(values, where, k, largest)
+        assert best_values is not None and best_indices is not None
+        found.append((best_values, best_indices))
+    return torch.cat([v for v, _ in found]), torch.cat([i for _, i in found])
 
 
 def _ordered_top(values: Tensor, where: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor]:
