@@ -73,6 +73,8 @@ SLOW_TESTS: dict[str, str] = {
     "test_docs.py::test_docs_code_block_runs[[]docs/guides/audit.md#3]": "dp-accounting",
     "test_docs.py::test_docs_code_block_runs[[]docs/integrations/*": "the integrations' extras",
     "test_docs.py::test_docs_code_block_runs[[]docs/coming-from/opacus.md*": "dp-accounting",
+    "test_docs.py::test_docs_code_block_runs[[]docs/guides/attribution.md*": "numpy (the attribution extra)",
+    "test_attribution_fisher.py::test_ekfac_of_the_sampled_label_fisher_equals_the_naive_formula": "numpy (a store)",
     "test_audit.py::test_the_cost_benchmark_runs": "runs a benchmark script",
     "test_host_syncs.py::test_the_counter_sees_every_kind_of_sync": "numpy (Tensor.numpy is one of the syncs)",
     "test_privacy.py::test_epsilon_is_the_accountants_for_the_steps_taken": "dp-accounting",

@@ -93,11 +93,14 @@ def test_rule_float32(family: str, data: st.DataObject, seed: int) -> None:
     # kernel returns round-off amplified by 1/sqrt(eps) there (pergrad and torch.func give 0), which
     # the first-backward check would report as a gradient part no layer produced.
     degenerate = isinstance(layer, nn.LayerNorm) and math.prod(layer.normalized_shape) == 1
+    # A norm over a few nearly equal elements: float32's round-off in ``x - mean`` (2^-24 |x|) is amplified by
+    # up to ``1/sqrt(eps)`` (316) in ``x_hat``, whichever kernel computes it: about 2e-5 |x| apart, seen at 2.7e-5.
+    atol = 1e-4 if family.endswith("_norm") else 1e-5
     with PerSampleModule(model, verify=not degenerate) as psm:
         run_pergrad(psm, x, target)
         for name, p in model.named_parameters():
             assert p.grad_sample.dtype == torch.float32
-            torch.testing.assert_close(p.grad_sample, expected[name], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(p.grad_sample, expected[name], rtol=1e-4, atol=atol)
 
 
 @given(data=st.data())
