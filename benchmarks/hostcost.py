@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import bench  # noqa: E402
+import transformer  # noqa: E402
 
 # label -> bench.setup's method
 METHODS = {
@@ -59,38 +60,13 @@ PROJECT_DIM = 16  # Kronecker 4 x 4: the features' arithmetic stays tiny like th
 def build(workload: str) -> tuple[Any, Any, Any]:
     """``(model, x, y)`` of a workload, tiny tensors, fixed seed; the model maps ``x`` to ``[B, classes]``."""
     import torch
-    import torch.nn.functional as F
     from torch import nn
 
     torch.manual_seed(0)
     if workload == "gpt":
-        d, heads, t, vocab = 16, 2, 8, 50
-
-        class Block(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
-                self.ln2, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                n, length, _ = x.shape
-                q, k, v = self.qkv(self.ln1(x)).view(n, length, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-                attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                x = x + self.proj(attended.transpose(1, 2).reshape(n, length, d))
-                return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-        class Gpt(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(t, d)
-                self.blocks = nn.Sequential(*[Block() for _ in range(12)])
-                self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, 10)
-
-            def forward(self, idx: torch.Tensor) -> torch.Tensor:
-                h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-                return self.head(self.ln(self.blocks(h)).mean(1))
-
-        return Gpt(), torch.randint(0, vocab, (BATCH, t)), torch.randint(0, 10, (BATCH,))
+        t, vocab = 8, 50
+        model = transformer.gpt_stack(16, 2, t, 12, vocab)
+        return model, torch.randint(0, vocab, (BATCH, t)), torch.randint(0, 10, (BATCH,))
     if workload == "mlp":
         layers: list[nn.Module] = [nn.Linear(32, 16), nn.ReLU()]
         for _ in range(14):

@@ -16,12 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 
-def gpt2_stack(quick: bool, batch: int | None) -> tuple[Any, Any, Any]:
+def gpt_stack(d: int, heads: int, length: int, blocks: int, vocab: int) -> Any:
+    """The GPT-2-shaped stack described above, ``d`` wide with ``blocks`` blocks, positions up to ``length``,
+    mapping ``[B, T]`` token ids to ``[B, 10]`` logits."""
     import torch
     import torch.nn.functional as F
     from torch import nn
-
-    d, heads, t, b, blocks, vocab = (48, 4, 16, batch or 4, 2, 100) if quick else (768, 12, 128, batch or 8, 2, 1000)
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -39,7 +39,7 @@ def gpt2_stack(quick: bool, batch: int | None) -> tuple[Any, Any, Any]:
     class Stack(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(t, d)
+            self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(length, d)
             self.blocks = nn.Sequential(*[Block() for _ in range(blocks)])
             self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, 10)
 
@@ -47,7 +47,15 @@ def gpt2_stack(quick: bool, batch: int | None) -> tuple[Any, Any, Any]:
             h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
             return self.head(self.ln(self.blocks(h)).mean(1))
 
-    return Stack(), torch.randint(0, vocab, (b, t)), torch.randint(0, 10, (b,))
+    return Stack()
+
+
+def gpt2_stack(quick: bool, batch: int | None) -> tuple[Any, Any, Any]:
+    import torch
+
+    d, heads, t, b, blocks, vocab = (48, 4, 16, batch or 4, 2, 100) if quick else (768, 12, 128, batch or 8, 2, 1000)
+    model = gpt_stack(d, heads, t, blocks, vocab)
+    return model, torch.randint(0, vocab, (b, t)), torch.randint(0, 10, (b,))
 
 
 def tiny_bert(quick: bool, batch: int | None) -> tuple[Any, Any, Any]:
