@@ -1,4 +1,4 @@
-"""What ``pergrad.audit.Audit`` costs: one training step (forward, backward, ``check``, optimizer step) of
+"""What ``pergrad.privacy.audit.Audit`` costs: one training step (forward, backward, ``check``, optimizer step) of
 a small MLP with per-sample clipping (``keep_grad_sample=False``), without an audit, on a step the audit
 is not due, on a due step and on the step after a due one; and the mean step at ``every=100`` (98 steps
 without an audit, a due one, the one after it) against the step without an audit. Medians over interleaved
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch import nn
 
     from pergrad import PerSampleModule, transforms
-    from pergrad.audit import Audit
+    from pergrad.privacy.audit import Audit
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)

@@ -86,7 +86,7 @@ def stem_row(shape: tuple[int, ...], repeat: int) -> dict[str, Any]:
     import torch
     from torch import nn
 
-    from pergrad.projectors import Projector, Spec
+    from pergrad.attribution.projectors import Projector, Spec
     from pergrad.rules.conv import _batch_as_groups, conv_project
 
     cin, cout, size, batch = shape

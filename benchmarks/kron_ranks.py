@@ -2,7 +2,7 @@
 ``r_row x r_col``, averaged over several projection seeds (one run's LDS moves by about 0.01 with the seed).
 
 The ground truth, the 5 checkpoints and the torch.func per-sample margin gradients are ``lds.py --quick``'s
-(40 half models); each projection is the matrix ``[P_1 ... P_m]`` of ``pergrad.projectors`` (version 3:
+(40 half models); each projection is the matrix ``[P_1 ... P_m]`` of ``pergrad.attribution.projectors`` (version 3:
 ``kron_ranks``, ranks in the proportion of a weight's sides), the same with version 2's ranks (the larger
 rank on the narrower side), or a dense one; the scores are TRAK's ``Phi_z (Phi^T Phi)^{-1} Phi^T`` averaged
 over checkpoints, times the mean out-to-loss term. One CPU thread, about a minute per 8 seeds and rule.
@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import lds as bench
 
 from pergrad.attribution import lds, retrain, subsets
-from pergrad.projectors import Projector, Spec, gaussian, split
+from pergrad.attribution.projectors import Projector, Spec, gaussian, split
 
 
 def version2_ranks(k: int, rows: int, cols: int) -> tuple[int, int]:
-    """``pergrad.projectors`` version 2: ``split(k)``, the larger rank on the side with fewer entries."""
+    """``pergrad.attribution.projectors`` version 2: ``split(k)``, the larger rank on the side with fewer entries."""
     small, large = split(k)
     return (large, small) if cols > rows else (small, large)
 

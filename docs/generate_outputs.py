@@ -35,7 +35,7 @@ class Example:
 EXAMPLES = [
     Example(
         "demo",
-        ("pergrad/demo.py", "pergrad/cli.py"),
+        ("pergrad/cli/demo.py", "pergrad/cli/__init__.py"),
         ("-m", "pergrad", "demo", "--out", "{tmp}"),
         {"pergrad-demo.png": "demo.png"},
     ),

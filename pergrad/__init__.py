@@ -5,8 +5,10 @@ psm.register_transform(model, transforms.clip_norm(1.0))
 loss_fn(psm(x), y).backward()                 # p.grad_sample: [B, *p.shape]; p.grad: mean_i T(g_i)
 """
 
-from . import rules, transforms
-from .convert import fix_batchnorm
+from pergrad._core.convert import fix_batchnorm
+from pergrad.integrations.lm import PerSampleLMLoss, per_sample_lm_loss
+
+from . import _moved, rules, transforms
 from .errors import (
     BatchMixingError,
     BatchSizeError,
@@ -26,11 +28,21 @@ from .errors import (
     UnsupportedLayerError,
     WrapperAttributeError,
 )
-from .lm_loss import PerSampleLMLoss, per_sample_lm_loss
 from .module import PerSampleModule
 from .registry import LayerCall, RuleRegistry, default_registry, register_rule
 
 __version__ = "0.1.0"
+
+_moved.install()
+
+
+def __getattr__(name: str) -> object:
+    """``pergrad.hf``, ``pergrad.projectors``, ...: the modules that moved, by their old names (deprecated)."""
+    if name in _moved.MOVED and "." not in name:
+        module = globals()[name] = _moved.moved(name)
+        return module
+    raise AttributeError(f"module 'pergrad' has no attribute {name!r}")
+
 
 __all__ = [
     "BatchMixingError",

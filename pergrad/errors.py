@@ -70,7 +70,7 @@ class OpacusRouteError(PergradError, RuntimeError):
 
 
 class CaptumError(PergradError, ValueError):
-    """``pergrad.captum`` was asked for scores it cannot compute from per-sample gradients (a loss that
+    """``pergrad.integrations.captum`` was asked for scores it cannot compute from per-sample gradients (a loss that
     is not one per sample, a wrapper that keeps no ``grad_sample``)."""
 
 

@@ -15,13 +15,19 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
-from .calls import HookedLayer
-from .consumers.factors import Factors, check_factored
-from .consumers.grad_sample import Holder
-from .consumers.projection import Projected, check_per_token, check_request
-from .discover import discover, is_lazy_module, layout_of
-from .distributed import DataParallel, running_ddp, world_for
-from .engine import Engine
+from pergrad._core.backward.engine import Engine
+from pergrad._core.backward.sources import Materialized
+from pergrad._core.backward.targets import Target
+from pergrad._core.capture.calls import HookedLayer
+from pergrad._core.capture.discover import discover, is_lazy_module, layout_of
+from pergrad._core.capture.hooks import LayerHooks, owners
+from pergrad._core.consumers.grad_sample import Holder
+from pergrad._core.loss_scale import GradScalerLike, LossScaleLike, factor_reader, lightning_divisor, loss_scale_reader
+from pergrad._core.parallel.distributed import DataParallel, running_ddp, world_for
+from pergrad.attribution.factors import Factors, check_factored
+from pergrad.attribution.projection import Projected, check_per_token, check_request
+from pergrad.attribution.projectors import Budget, Projector, Spec
+
 from .errors import (
     NormNotComputedError,
     PergradError,
@@ -31,13 +37,8 @@ from .errors import (
     TransformError,
     WrapperAttributeError,
 )
-from .hooks import LayerHooks, owners
-from .loss_scale import GradScalerLike, LossScaleLike, factor_reader, lightning_divisor, loss_scale_reader
-from .projectors import Budget, Projector, Spec
 from .registry import RuleRegistry, default_registry
-from .sources import Materialized
 from .statistics import Statistics, compute_statistics, requested
-from .targets import Target
 from .transforms import Transform, UserTransform
 
 _REDUCTIONS = ("mean", "sum")
@@ -193,7 +194,7 @@ class PerSampleModule:
             loss_scale=loss_scale_reader(grad_scaler),
             loss_factor=factor_reader(loss_scale),
         )
-        # DDP or FSDP2: how pergrad's part of .grad reaches every rank (pergrad.distributed)
+        # DDP or FSDP2: how pergrad's part of .grad reaches every rank (pergrad._core.parallel.distributed)
         self._engine.world = world_for(model, self._engine, accumulate)
         self._canonical = self._engine.world.canonical if self._engine.world is not None else _same
         self._targets: list[tuple[nn.Module | str, Transform]] = []  # as registered, resolved again on rebinding
@@ -337,7 +338,7 @@ class PerSampleModule:
         switched), wrap the model as it is now -- the registered transforms included -- and check the
         next backward against autograd again (``verify``). And if DDP was applied after wrapping (to the
         model or a parent of it) and this is its forward, carry pergrad's gradients in its buckets from
-        now on (``pergrad.distributed``)."""
+        now on (``pergrad._core.parallel.distributed``)."""
         if self._engine.world is None and not self._engine.closed:
             ddp = running_ddp(self.module)
             if ddp is not None:
@@ -379,7 +380,7 @@ class PerSampleModule:
             f"but the wrapper has {said}: pergrad would see each sample's gradient divided by {k} (a clip_norm(C) "
             f"would clip it at {k}C, a privacy bound {k} times weaker than set). Pass "
             "loss_scale=lambda: 1 / self.trainer.accumulate_grad_batches to PerSampleModule (or set psm.loss_scale "
-            "so), or let pergrad.lightning.PerSample('<attribute of the network>', transforms={...}) wrap it: it "
+            "so), or let pergrad.integrations.lightning.PerSample('<attribute of the network>', transforms={...}) wrap it: it "
             "sets the loss scale and checks the Trainer's other options."
         )
 
@@ -421,7 +422,7 @@ class PerSampleModule:
             "the model's own methods on the model (psm.module.to(device), psm.module.config, "
             "psm.module.save_pretrained(...)), and give frameworks the model, not the wrapper (AveragedModel(psm.module)): "
             "for HuggingFace's "
-            "Trainer use pergrad.hf.PerSampleTrainer(model=model, ...), which wraps it."
+            "Trainer use pergrad.integrations.hf.PerSampleTrainer(model=model, ...), which wraps it."
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -540,7 +541,7 @@ class PerSampleModule:
         return {label: bad.nonzero().flatten() for label, bad in self._engine.reducer.last_dropped.items() if bad.any()}
 
     def hold_per_sample(self) -> Holder:
-        """A switch for audits (``pergrad.audit``): while ``holder.armed`` is True, every backward pass
+        """A switch for audits (``pergrad.privacy.audit``): while ``holder.armed`` is True, every backward pass
         hands the returned ``Holder`` its per-sample gradients ``g_i`` ``[B, *p.shape]`` of every
         parameter it reached, whatever ``keep_grad_sample``, with its batch size, loss scale and
         transforms (``holder.take()``). ``.grad`` is computed as unarmed; with ``keep_grad_sample=False``
@@ -613,19 +614,19 @@ class PerSampleModule:
         object or its qualified name). ``P = [P_1 ... P_m]`` projects the target's whole gradient (its
         parameters concatenated): each parameter's block ``P_p`` has ``dim`` rows and is regenerated
         from ``(seed, the parameter's qualified name, its shape, kind)``, never saved, so features of
-        the same model agree across batches, processes and restarts (``pergrad.projectors``). Under DDP
+        the same model agree across batches, processes and restarts (``pergrad.attribution.projectors``). Under DDP
         each rank gets its own samples' features, ``P`` named as in the model DDP holds (without DDP's
         ``module.`` prefix): the features one process computes for those samples.
 
         - ``kind="kron"``: a parameter of two or more dims gets ``P_row ⊗ P_col`` with
           ``r_row * r_col = dim`` (``dim`` a square or twice a square: every power of two is one), the
-          factor pair of ``dim`` in the proportion of the weight's sides (``pergrad.projectors.kron_ranks``:
+          factor pair of ``dim`` in the proportion of the weight's sides (``pergrad.attribution.projectors.kron_ranks``:
           a ``[256, 32]`` LM head at ``dim=128`` gets ``32 x 4``, a square weight ``r x r`` or ``r x 2r``),
           computed without building ``g_i`` for Linear (any leading dims),
           Conv1d/2d/3d and ConvTranspose1d/2d/3d (any stride, padding, dilation, groups, output
           padding), Embedding and HF ``Conv1D``, and from
           the built ``g_i`` of one layer at a time for every other layer; one-dim parameters (biases,
-          norm weights) get a CountSketch (``pergrad.projectors``: one pass over ``g_i``).
+          norm weights) get a CountSketch (``pergrad.attribution.projectors``: one pass over ``g_i``).
         - ``kind="dense"``: a dense Rademacher ``[dim, numel]`` block per parameter (entries ``±1/sqrt(dim)``),
           applied to the built ``g_i`` of one layer at a time, drawn again at every backward in chunks of
           4M entries (never held whole when large) unless ``cache_mb`` MiB (for the whole target) can keep
@@ -646,13 +647,13 @@ class PerSampleModule:
         refused in the backward). A target the backward did not reach gets ``[B, 0, dim]``.
 
         ``grads=False`` says the target's ``.grad`` is not needed (an attribution pass: features only).
-        Its layers' weights then run detached (``pergrad.detach``): autograd spends no weight-gradient
+        Its layers' weights then run detached (``pergrad._core.shortcuts.detach``): autograd spends no weight-gradient
         matmul or convolution on them, and pergrad writes no ``.grad`` for them either: it is left as it
         was (None after ``zero_grad()``), so do not step an optimizer on the target. The features are
         unchanged (the gradient reaching each layer does not depend on its weight's gradient). This holds
         in one process, after the first backward (its ``verify`` check needs autograd's gradients; from
         the first with ``verify=False``), with ``detach_transformed=True`` (the default), for the weights
-        ``pergrad.detach`` may detach (held once in the model, with no ``register_hook`` hook, of a
+        ``pergrad._core.shortcuts.detach`` may detach (held once in the model, with no ``register_hook`` hook, of a
         Linear, convolution or HF ``Conv1D``); any other parameter of the target (a bias, an embedding,
         a tied weight, under DDP or FSDP2) keeps autograd's ``.grad``. A transform cannot cover a
         parameter of such a target (``TargetError``: its ``.grad`` would be missing).
@@ -738,7 +739,7 @@ class PerSampleModule:
 
             row = (1/N) sum_{i,s} u_is u_is^T  [r_row, r_row]    col = (1/N) sum_{i,s} v_is v_is^T  [r_col, r_col]
 
-        (``pergrad.consumers.factors``). With ``keep_grad_sample=True`` the tracked layers' inputs and
+        (``pergrad.attribution.factors``). With ``keep_grad_sample=True`` the tracked layers' inputs and
         output gradients are held until the end of each backward.
         """
         if not targets:

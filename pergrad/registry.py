@@ -28,7 +28,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from .projectors import Projector
+from pergrad.attribution.projectors import Projector
 
 Rule = Callable[[nn.Module, Any, Any], dict[str, Tensor]]  # d: a Tensor, or OutputGrads with output_dims
 OutputGrads = tuple[Tensor | None, ...]  # one per tensor of a call's output (output_tensors); None: no gradient
@@ -103,14 +103,14 @@ class FusedRule:
       (an outer product, not a Gram form): the caller then builds them once with the rule and reads
       norms, and weighted sums, off them.
     - ``project(layer, a, d, projectors, total, scale) -> bool``: adds ``scale P_p vec(g_i)`` of each
-      parameter name in ``projectors`` (``pergrad.projectors``) into ``total`` ``[B, k]`` (in place: the
+      parameter name in ``projectors`` (``pergrad.attribution.projectors``) into ``total`` ``[B, k]`` (in place: the
       features of every layer of a target share one buffer), Kronecker blocks without building ``g_i``;
       False, adding nothing, where the layer has no such form for these projectors (a dense one: the
       caller builds ``g_i``).
     - ``factors(layer, a, d, projectors) -> {name: (u [B, S, r_row], v [B, S, r_col])} | None``: the
       projected factors of each Kronecker block, ``P_p vec(g_i) = vec(sum_s u_is v_is^T)`` (``S``: the
       positions the weight's gradient sums over), for Kronecker-factored curvature
-      (``pergrad.consumers.factors``); None where the layer has no such form for these projectors.
+      (``pergrad.attribution.factors``); None where the layer has no such form for these projectors.
     - ``project_tokens(layer, a, d, projectors) -> {name: [B, T, k]} | None``: the same, per token: the
       projection of each position's term of ``g_i`` (they sum over ``t`` to ``project``'s), for inputs with
       one token dim after the batch; None where the layer has no such form for these shapes.
@@ -160,8 +160,10 @@ class RuleSpec:
     fused: FusedRule | None = None
     subtree: bool = False  # the rule covers the parameters of the layer's submodules too
     output_dims: OutputDims | None = None
-    raw: bool = False  # one raw parameter of a module, tracked where it meets the batch (``pergrad.shared``)
-    # a layer parametrized with torch.nn.utils.parametrize: its kept input is a ``pergrad.parametrized.Computed``
+    raw: bool = (
+        False  # one raw parameter of a module, tracked where it meets the batch (``pergrad._core.shortcuts.shared``)
+    )
+    # a layer parametrized with torch.nn.utils.parametrize: its kept input is a ``pergrad._core.capture.parametrized.Computed``
     # and the rule differentiates the forward's graph, so it runs during the backward
     parametrized: bool = False
 

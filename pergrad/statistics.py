@@ -48,8 +48,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from pergrad._core.backward.sources import Fused, Materialized
+
 from .errors import StatisticNotTrackedError
-from .sources import Fused, Materialized
 
 #: Statistics that come with the per-sample norms and the mean gradient, at no extra cost.
 FREE = ("mean", "sq_norms", "grad_sq_norm", "trace_variance", "norm_test", "cabs_batch_size")

@@ -788,7 +788,7 @@ def test_sum_loss_with_loss_reduction_left_mean_is_refused_by_the_privacy_audit(
     cannot see the loss, takes each g_i B times too large and clips ``B g_i`` (each contribution still at most
     C: the sensitivity holds, the numbers do not). Documented, and refused at the first step by the privacy
     audit (``dp.audit``), before the parameters move."""
-    from pergrad.audit import AuditError
+    from pergrad.privacy.audit import AuditError
 
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -1022,7 +1022,7 @@ def _pl_trainer(tmp_path: Path, **kwargs: Any) -> Any:
 
 def _poisson_module(optimizer: str = "sgd", skip_empty: bool = False, seed: int = 5, q: float = Q) -> Any:
     pl = _lightning()
-    from pergrad.lightning import poisson_loader
+    from pergrad.integrations.lightning import poisson_loader
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -1064,7 +1064,7 @@ def test_lightning_lbfgs_is_exact_or_refused_naming_the_cause(tmp_path: Path) ->
     """``configure_optimizers`` returns LBFGS (Lightning calls it with a closure, re-evaluated within a step).
     Every evaluation after the first is a noiseless clipped sum the optimizer moves with: refused, with a
     message naming the closure's re-evaluation (not 'add_noise() called twice', which the user never did)."""
-    from pergrad.lightning import DPSGD as DPSGDCallback
+    from pergrad.integrations.lightning import DPSGD as DPSGDCallback
 
     net = _poisson_module("lbfgs")
     callback = DPSGDCallback("model", max_grad_norm=C, noise_multiplier=1.0, delta=1e-5)
@@ -1079,7 +1079,7 @@ def test_lightning_lbfgs_is_exact_or_refused_naming_the_cause(tmp_path: Path) ->
 def test_lightning_training_step_returning_none_on_an_empty_batch(tmp_path: Path) -> None:
     """``training_step`` returns None on an empty Poisson batch (Lightning then skips the step): the empty
     draw is neither noised nor counted. Exact accounting or a refusal that names the skipped step."""
-    from pergrad.lightning import DPSGD as DPSGDCallback
+    from pergrad.integrations.lightning import DPSGD as DPSGDCallback
 
     net = _poisson_module(skip_empty=True, seed=0, q=0.05)
     callback = DPSGDCallback("model", max_grad_norm=C, noise_multiplier=1.0, delta=1e-5)
@@ -1102,7 +1102,7 @@ def test_lightning_mid_epoch_resume_continues_exactly(tmp_path: Path) -> None:
     resumed from the checkpoint of step 2 takes exactly the uninterrupted run's steps 3 to 8, noise included,
     and counts 8 steps."""
     pl = _lightning()
-    from pergrad.lightning import DPSGD as DPSGDCallback
+    from pergrad.integrations.lightning import DPSGD as DPSGDCallback
 
     def run(root: Path, ckpt: Path | None) -> tuple[Any, Any]:
         net = _poisson_module(seed=9)
@@ -1127,7 +1127,7 @@ def test_lightning_mid_epoch_resume_continues_exactly(tmp_path: Path) -> None:
 def test_lightning_dpsgd_model_saved_mid_training_carries_no_per_sample_gradients(tmp_path: Path) -> None:
     """The Lightning DPSGD callback wraps with ``keep_grad_sample`` left True: a ``torch.save(self.model)`` (or
     a deep copy for EMA/SWA) at the end of an epoch, while fitting, must not hold the samples' own gradients."""
-    from pergrad.lightning import DPSGD as DPSGDCallback
+    from pergrad.integrations.lightning import DPSGD as DPSGDCallback
 
     net = _poisson_module(seed=3)
     leaks: list[list[str]] = []
@@ -1150,7 +1150,7 @@ def test_hf_dpconfig_seed_equal_to_the_training_seed_is_refused(tmp_path: Path) 
     config): the batches follow the public training seed. The docs say the batches are never seeded from
     ``TrainingArguments.seed``; this seeds them alike. Must be refused."""
     pytest.importorskip("transformers")
-    from pergrad.hf import DPConfig, PerSampleTrainer
+    from pergrad.integrations.hf import DPConfig, PerSampleTrainer
     from tests.test_hf_trainer import collate, dp_arguments, gpt2, lm_data
 
     args = dp_arguments(tmp_path, seed=42)
@@ -1169,7 +1169,7 @@ def test_hf_eval_between_steps_every_step_exact(tmp_path: Path) -> None:
     """``eval_strategy="steps", eval_steps=1``: an evaluation after every optimizer step. Every step's .grad is
     still the clipped sum over the step's draw / E[B] (sigma = 0), and 6 steps are counted."""
     pytest.importorskip("transformers")
-    from pergrad.hf import DPConfig
+    from pergrad.integrations.hf import DPConfig
     from tests.test_hf_trainer import LM_CLIP, dp_arguments, gpt2, lm_data, lm_sample, reference, run
 
     base = gpt2()
@@ -1192,7 +1192,7 @@ def test_hf_train_twice_continues_the_accounting_or_refuses(tmp_path: Path) -> N
     """A notebook calls ``trainer.train()`` a second time to train on: the second run's steps must be noised
     and counted on (12 steps), or refused clearly."""
     pytest.importorskip("transformers")
-    from pergrad.hf import DPConfig
+    from pergrad.integrations.hf import DPConfig
     from tests.test_hf_trainer import LM_CLIP, dp_arguments, gpt2, lm_data, run
 
     privacy = DPConfig(max_grad_norm=LM_CLIP, noise_multiplier=1.0, delta=1e-5)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from pergrad import PerSampleModule
 from pergrad.attribution import FeatureStore, ekfac, feature_columns, sampled_labels, scores
-from pergrad.projectors import Projector, Spec
+from pergrad.attribution.projectors import Projector, Spec
 
 N, M, DIM, SEED, DAMPING = 23, 5, 8, 3, 1e-3
 WEIGHTS = ("0.weight", "2.weight")

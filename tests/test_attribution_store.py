@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data.distributed import DistributedSampler
 
-import pergrad.projectors
+import pergrad.attribution.projectors
 from pergrad import PergradError
 from pergrad.attribution import FeatureStore, MissingFeaturesError, StoreIndexError, StoreSpecError
 
@@ -148,13 +148,13 @@ def test_features_of_another_projection_version_are_refused(tmp_path: Path) -> N
         store.write(torch.arange(4), torch.ones(4, 8))
     spec_path = tmp_path / "ours" / "spec.json"
     spec = json.loads(spec_path.read_text())
-    assert spec["projection"] == pergrad.projectors.VERSION
-    spec["projection"] = pergrad.projectors.VERSION - 1
+    assert spec["projection"] == pergrad.attribution.projectors.VERSION
+    spec["projection"] = pergrad.attribution.projectors.VERSION - 1
     spec_path.write_text(json.dumps(spec))
     with pytest.raises(
         StoreSpecError,
-        match=rf"projection version {pergrad.projectors.VERSION - 1}; this pergrad draws version "
-        rf"{pergrad.projectors.VERSION} .*write the features",
+        match=rf"projection version {pergrad.attribution.projectors.VERSION - 1}; this pergrad draws version "
+        rf"{pergrad.attribution.projectors.VERSION} .*write the features",
     ):
         FeatureStore.open(tmp_path / "ours", readonly=True)
     with FeatureStore.open(tmp_path / "theirs", n=4, k=8) as store:  # no kind: features from elsewhere

@@ -32,7 +32,7 @@ from pergrad.attribution import (
     top_k,
     trak,
 )
-from pergrad.projectors import Projector, Spec
+from pergrad.attribution.projectors import Projector, Spec
 
 N, M, K = 23, 5, 16  # kron 4 x 4
 NAMES = ("e1", "e2", "e3")

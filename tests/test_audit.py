@@ -1,4 +1,4 @@
-"""``pergrad.audit``: silent on correct models over several steps, and each check raising on a fault
+"""``pergrad.privacy.audit``: silent on correct models over several steps, and each check raising on a fault
 injected where it looks (a wrong rule, a forward hook mixing samples, a dropped regulariser, a fused
 reduction writing a wrong ``.grad``, DP-SGD noise missing, repeated or of another size, a clipping
 bound exceeded)."""
@@ -21,8 +21,8 @@ from torch import Tensor, nn
 
 import pergrad
 from pergrad import PerSampleModule, transforms
-from pergrad.audit import Audit, AuditError, select_sample
-from pergrad.sources import Fused, Materialized
+from pergrad._core.backward.sources import Fused, Materialized
+from pergrad.privacy.audit import Audit, AuditError, select_sample
 from tests.test_architecture import GRAPH
 
 Batch = tuple[Tensor, Tensor]
@@ -419,9 +419,9 @@ def test_accumulate_samples_needs_grad_cleared() -> None:
 
 def test_the_core_does_not_import_the_audit() -> None:
     features = ("pergrad.privacy",)  # DP-SGD's privacy audit builds on it
-    users = [name for name, deps in GRAPH.items() if "pergrad.audit" in deps and name != "pergrad"]
+    users = [name for name, deps in GRAPH.items() if "pergrad.privacy.audit" in deps and name != "pergrad"]
     assert [name for name in users if not name.startswith(features)] == []
-    assert "pergrad.module" in GRAPH["pergrad.audit"]
+    assert "pergrad.module" in GRAPH["pergrad.privacy.audit"]
 
 
 # -- DP-SGD ----------------------------------------------------------------------------------------------------------

@@ -358,7 +358,7 @@ def test_the_kron_ranks_benchmark_draws_version_3_and_version_2s_ranks() -> None
     assert spec is not None and spec.loader is not None
     module: Any = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    from pergrad.projectors import Projector, Spec
+    from pergrad.attribution.projectors import Projector, Spec
 
     for shape, v2 in (((256, 32), (8, 16)), ((32, 256), (16, 8)), ((12, 12), (8, 16)), ((10, 64), (16, 8))):
         assert module.version2_ranks(128, *shape) == v2

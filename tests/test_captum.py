@@ -1,4 +1,4 @@
-"""captum and pergrad: TracIn scores from ``grad_sample`` (``pergrad.captum``) against captum's own
+"""captum and pergrad: TracIn scores from ``grad_sample`` (``pergrad.integrations.captum``) against captum's own
 ``TracInCP`` and against torch.func, in float64, on a model trained a few steps while wrapped (its
 weights run detached from the second backward on); captum's default mode on a model still wrapped is
 refused with pergrad's error naming the ways out."""
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pergrad import CaptumError, DetachedWeightError, PerSampleModule, transforms
-from pergrad.captum import sample_grads, tracin_influence, tracin_self_influence
+from pergrad.integrations.captum import sample_grads, tracin_influence, tracin_self_influence
 from tests.reference import assert_close, reference_grad_sample
 
 RATES = [0.5, 0.25, 0.125]  # the learning rate each checkpoint's load function returns
@@ -198,4 +198,6 @@ def test_the_core_never_imports_pergrad_captum() -> None:
                 names = [alias.name for alias in node.names]
             else:
                 continue
-            assert not any("captum" in name for name in names), f"{path} imports pergrad.captum (or captum)"
+            assert not any("captum" in name for name in names), (
+                f"{path} imports pergrad.integrations.captum (or captum)"
+            )

@@ -14,9 +14,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import pergrad.module
 from pergrad import PerSampleModule, transforms
-from pergrad.distributed import World
+from pergrad._core.capture.hooks import LayerHooks
+from pergrad._core.parallel.distributed import World
 from pergrad.errors import PergradError
-from pergrad.hooks import LayerHooks
 from tests.reference import assert_close, reference_grad_sample, run_pergrad
 
 CLIP = 0.1

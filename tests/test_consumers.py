@@ -1,4 +1,4 @@
-"""Adding a consumer of ``(a, d)`` is adding one class (``pergrad/consumers/``): this one computes
+"""Adding a consumer of ``(a, d)`` is adding one class (``pergrad/_core/consumers/``): this one computes
 ``<g_i, v>`` per sample against a fixed direction ``v`` (what TracIn scores against a test gradient),
 from built ``g_i`` or from each layer's fused rule, and is checked against torch.func every step."""
 
@@ -10,12 +10,12 @@ from reference import assert_close, clipped_mean, reference_grad_sample, run_per
 from torch import Tensor, nn
 
 from pergrad import PerSampleModule, transforms
-from pergrad.calls import Kept
-from pergrad.consumers import Batch
+from pergrad._core.capture.calls import Kept
+from pergrad._core.consumers import Batch
 
 
 class InnerProducts:
-    """``<g_i, v>`` summed over the parameters ``v`` names (a consumer, as in ``pergrad/consumers/``)."""
+    """``<g_i, v>`` summed over the parameters ``v`` names (a consumer, as in ``pergrad/_core/consumers/``)."""
 
     def __init__(self, direction: dict[nn.Parameter, Tensor]) -> None:
         self.direction = direction

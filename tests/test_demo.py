@@ -33,7 +33,7 @@ def test_the_default_run_learns_steadily(tmp_path: Path) -> None:
     falls by more than 0.03 from one epoch to the next and ends above 0.9, and the clipped run ends above 0.7.
     Measured on seeds 0-3, 8 epochs: the plain run's largest fall 0.01, after 6 epochs plain 0.96-0.98 and
     clipped 0.83-0.89 (with lr 0.5 and no momentum, the old defaults, plain fell by up to 0.24 between epochs)."""
-    from pergrad.demo import DemoConfig, run
+    from pergrad.cli.demo import DemoConfig, run
 
     results, text, _ = run(DemoConfig(out=tmp_path, progress=False))
     plain, clipped = results
@@ -61,12 +61,12 @@ def test_demo_with_noise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 @pytest.fixture
 def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bad options must be refused before training starts: training fails the test."""
-    import pergrad.demo
+    import pergrad.cli.demo
 
     def run(cfg: object) -> None:
         raise AssertionError("the demo started training")
 
-    monkeypatch.setattr(pergrad.demo, "run", run)
+    monkeypatch.setattr(pergrad.cli.demo, "run", run)
 
 
 @pytest.mark.parametrize(

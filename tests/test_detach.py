@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from pergrad import DetachedWeightError, PerSampleModule, transforms
-from pergrad.detach import Detacher, touch
+from pergrad._core.shortcuts.detach import Detacher, touch
 from tests.reference import assert_close, clipped_mean, reference_grad_sample
 from tests.test_fused import check_statistics
 from tests.test_host_syncs import counting_syncs
@@ -166,7 +166,7 @@ def test_a_transform_registered_after_some_steps_detaches_its_weights_from_then_
         for step in range(5):
             if step == 2:
                 psm.register_transform("4", transforms.clip_norm(0.5))  # the Linear on [B, 4, 36]
-                # the detacher, and the tap that checks what reaches the weights (pergrad.reach)
+                # the detacher, and the tap that checks what reaches the weights (pergrad._core.shortcuts.reach)
                 assert sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks + 2
             by_autograd.clear()
             psm.zero_grad()

@@ -78,7 +78,13 @@ def test_every_public_name_has_an_api_entry(site: Path) -> None:
     assert not missing, f"pergrad.__all__ names without an API entry: {missing}"
     from pergrad import attribution
 
-    modules = ["pergrad.transforms", "pergrad.rules", "pergrad.statistics", "pergrad.attribution", "pergrad.projectors"]
+    modules = [
+        "pergrad.transforms",
+        "pergrad.rules",
+        "pergrad.statistics",
+        "pergrad.attribution",
+        "pergrad.attribution.projectors",
+    ]
     missing = [m for m in modules if m not in ids]
     for module, names in [
         ("pergrad.attribution", attribution.__all__),
@@ -239,7 +245,7 @@ def test_loss_scaling_example() -> None:
 def test_attribution_example() -> None:
     """The attribution guide's snippet gives ``P vec(g_i)`` of each sample's own loss (torch.func's per-sample
     gradients times the regenerated P), float64."""
-    from pergrad.projectors import Projector, Spec
+    from pergrad.attribution.projectors import Projector, Spec
 
     block = block_under("docs/guides/attribution.md", "# Training-data attribution")
     torch.manual_seed(0)

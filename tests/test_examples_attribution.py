@@ -15,7 +15,7 @@ from reference import assert_close, reference_grad_sample
 from torch import Tensor, nn
 
 from pergrad.attribution import StoreSpecError
-from pergrad.projectors import Projector, Spec
+from pergrad.attribution.projectors import Projector, Spec
 from tests.test_examples_core import load
 
 pytest.importorskip("sklearn")

@@ -316,7 +316,7 @@ def test_output_gradients_no_one_reads_are_not_kept_to_the_end(detach: bool, mon
     """With only the head clipped, the other layers' output gradients are not needed at the end of
     the backward (after the first one, whose check reads them all): pergrad lets them go at once
     instead of holding every layer's ``d`` until the end. ``.grad`` stays exact on every step."""
-    from pergrad import sources
+    from pergrad._core.backward import sources
 
     seen: list[list[str]] = []
     init = sources.Fused.__init__

@@ -1,4 +1,4 @@
-"""``pergrad.hf.PerSampleTrainer``: a real HuggingFace ``Trainer`` on the CPU, every optimizer step's ``.grad``
+"""``pergrad.integrations.hf.PerSampleTrainer``: a real HuggingFace ``Trainer`` on the CPU, every optimizer step's ``.grad``
 (captured at ``on_pre_optimizer_step``) and the parameters after each step against a per-sample reference:
 each sample run ALONE (unpadded) through a copy of the model at that step's parameters, its own loss
 differentiated by autograd in float64, clipped where the run clips, averaged over every sample of the step
@@ -32,7 +32,7 @@ from transformers import (
 )
 
 from pergrad import PerSampleModule, TrainerConfigError, WrapperAttributeError, transforms
-from pergrad.hf import DPConfig, PerSampleTrainer
+from pergrad.integrations.hf import DPConfig, PerSampleTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 23
@@ -373,7 +373,7 @@ def test_gpt2_features_of_every_micro_batch_are_of_each_samples_own_gradient(tmp
     ``per_sample_projections()`` holds ``P vec(g_i)`` of that micro-batch's samples, each run alone at the step's
     parameters (the raw ``g_i``, before clipping, of the sample's own loss), for a Kronecker projection of the
     whole model and a dense one of one block; and every step's ``.grad`` is still the clipped mean."""
-    from pergrad.projectors import Projector, Spec
+    from pergrad.attribution.projectors import Projector, Spec
 
     base = gpt2()
     specs = {"": Spec(16, "kron", 5, None), "transformer.h.1.mlp": Spec(8, "dense", 2, None)}
@@ -560,7 +560,7 @@ def test_trainer_given_the_wrapper_says_what_to_pass(tmp_path: Path) -> None:
     with pytest.raises(
         WrapperAttributeError,
         match=r"PerSampleModule has no attribute 'to': it is not an nn.Module.*"
-        r"psm.module.to.*pergrad.hf.PerSampleTrainer\(model=model",
+        r"psm.module.to.*pergrad.integrations.hf.PerSampleTrainer\(model=model",
     ):
         Trainer(model=psm, args=arguments(tmp_path))
     assert not hasattr(psm, "config") and hasattr(psm.module, "config")
@@ -664,8 +664,8 @@ def test_per_sample_lm_loss_is_each_rows_own_loss() -> None:
 
 def test_the_core_never_imports_the_hf_integration() -> None:
     code = (
-        "import sys, pergrad, pergrad.privacy, pergrad.lm_loss; "
-        "assert 'transformers' not in sys.modules and 'pergrad.hf' not in sys.modules, 'imported'"
+        "import sys, pergrad, pergrad.privacy, pergrad.integrations.lm; "
+        "assert 'transformers' not in sys.modules and 'pergrad.integrations.hf' not in sys.modules, 'imported'"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
@@ -682,7 +682,7 @@ import torch
 sys.path.insert(0, {root!r})
 from tests.test_hf_trainer import LM_CLIP, Recorder, Recording, collate, dp_arguments, gpt2, lm_data
 
-from pergrad.hf import DPConfig
+from pergrad.integrations.hf import DPConfig
 
 out = Path(sys.argv[1])
 for name, sigma in (("exact", 0.0), ("noisy", 1.0)):

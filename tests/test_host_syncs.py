@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pergrad import PerSampleModule, layout, transforms
+from pergrad import PerSampleModule, transforms
+from pergrad._core.memory import layout
 from tests.reference import reference_grad_sample
 
 aten = torch.ops.aten
@@ -141,7 +142,7 @@ class Sequence(nn.Module):
 
 
 class Positions(Sequence):
-    """The positions ``wpe(torch.arange(T))`` are shared by the batch (``pergrad.shared``)."""
+    """The positions ``wpe(torch.arange(T))`` are shared by the batch (``pergrad._core.shortcuts.shared``)."""
 
     def __init__(self, vocab: int = 11, dim: int = 6) -> None:
         super().__init__(vocab, dim)

@@ -1,4 +1,4 @@
-"""pergrad.lightning with a real ``lightning.pytorch.Trainer`` on CPU: every optimizer step's ``.grad``
+"""pergrad.integrations.lightning with a real ``lightning.pytorch.Trainer`` on CPU: every optimizer step's ``.grad``
 (captured in ``on_before_optimizer_step``) against a per-sample reference (torch.func, float64) of the
 micro-batches that step saw, and the parameters the optimizer made of it."""
 
@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pergrad import PerSampleModule, TrainerConfigError, transforms
-from pergrad.lightning import DPSGD, LightningOptionError, PerSample, per_sample_module, poisson_loader
+from pergrad.integrations.lightning import DPSGD, LightningOptionError, PerSample, per_sample_module, poisson_loader
 from pergrad.privacy import epsilon_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,7 +220,7 @@ def test_a_hand_wrapped_network_under_accumulate_grad_batches_without_its_loss_s
         TrainerConfigError,
         match=r"wrapped Sequential is called from the training_step of HandWrapped, whose "
         r"Trainer\(accumulate_grad_batches=2\) divides each micro-batch's loss by 2.*no loss_scale.*clip it at 2C.*"
-        r"loss_scale=lambda: 1 / self.trainer.accumulate_grad_batches.*pergrad.lightning.PerSample",
+        r"loss_scale=lambda: 1 / self.trainer.accumulate_grad_batches.*pergrad.integrations.lightning.PerSample",
     ):
         trainer(tmp_path, accumulate_grad_batches=2).fit(net, DataLoader(data(16), batch_size=4))
     assert not net.records and all(p.grad is None for p in net.model.parameters())
@@ -244,7 +244,7 @@ def test_loss_scale_is_the_callbacks() -> None:
 
 
 def test_import_pergrad_does_not_import_lightning() -> None:
-    code = "import sys, pergrad; assert 'lightning' not in sys.modules and 'pergrad.lightning' not in sys.modules"
+    code = "import sys, pergrad; assert 'lightning' not in sys.modules and 'pergrad.integrations.lightning' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
@@ -468,7 +468,7 @@ sys.path.insert(0, {tests!r})
 from test_lightning import BOUND, DELTA, Net, PoissonNet, assert_unwrapped, data, trainer
 
 from pergrad import transforms
-from pergrad.lightning import DPSGD, PerSample
+from pergrad.integrations.lightning import DPSGD, PerSample
 
 out = Path(sys.argv[1])
 net = Net()

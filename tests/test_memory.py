@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from pergrad import HookStateError, PerSampleModule, transforms
-from pergrad.pool import SLACK, BufferPool
+from pergrad._core.memory.pool import SLACK, BufferPool
 from tests.reference import assert_close, held_bytes, reference_grad_sample
 from tests.test_every_step import expected_grads
 
@@ -100,7 +100,7 @@ def one_step_worth(model: nn.Module, keep: bool, transform: str | None, b: int, 
 def test_memory_stays_within_one_step_over_changing_shapes(config: str) -> None:
     """30 steps of Poisson batch sizes (0 and 1 among them) and changing lengths, with evaluation
     batches larger than any training batch in between: after every step pergrad holds no more than
-    the pool's bound (``pergrad.pool``): what a fresh wrapper holds after one step of the largest of
+    the pool's bound (``pergrad._core.memory.pool``): what a fresh wrapper holds after one step of the largest of
     those shapes, with each per-sample tensor in a block up to ``SLACK`` times its size (a block
     that served another shape before; a fresh wrapper allocates exact sizes). Every step is exact."""
     keep, transform = CONFIGS[config]["keep"], CONFIGS[config]["transform"]

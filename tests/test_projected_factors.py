@@ -13,8 +13,8 @@ from reference import assert_close, reference_grad_sample, run_pergrad
 from torch import Tensor, nn
 
 from pergrad import PerSampleModule
+from pergrad.attribution.projectors import Projector, Spec
 from pergrad.errors import ProjectionError
-from pergrad.projectors import Projector, Spec
 from tests.test_projection import Attention, Tied, Twice, floats, token_ids
 
 DIM, SEED = 8, 4  # kron: 2 x 4

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from reference import assert_close, clipped_mean, reference_grad_sample, run_pergrad
 from torch import Tensor, nn
 
-import pergrad.projectors
-import pergrad.sources
+import pergrad._core.backward.sources
+import pergrad.attribution.projectors
 from pergrad import PerSampleModule, TargetError, transforms
+from pergrad.attribution.projectors import Projector, Spec, kron_ranks
 from pergrad.errors import ProjectionError
-from pergrad.projectors import Projector, Spec, kron_ranks
 
 transformers = pytest.importorskip("transformers")
 Conv1D = transformers.pytorch_utils.Conv1D
@@ -263,7 +263,7 @@ def test_kronecker_families_build_no_per_sample_gradient(family: str) -> None:
     psm.register_projection(net, dim=DIM)
     x, y = batch_of(4), torch.randn(4, *out_shape, dtype=torch.float64)
     ref = reference_grad_sample(net, x, y)
-    with mock.patch.object(pergrad.sources, "run_rule", side_effect=AssertionError("a rule built g_i")):
+    with mock.patch.object(pergrad._core.backward.sources, "run_rule", side_effect=AssertionError("a rule built g_i")):
         run_pergrad(psm, x, y)
     assert_close(psm.per_sample_projections()[""], expected(ref, net, Spec(DIM)), "features")
 
@@ -271,7 +271,7 @@ def test_kronecker_families_build_no_per_sample_gradient(family: str) -> None:
 PRINT_P = """
 import torch
 torch.set_num_threads(1)
-from pergrad.projectors import Projector, Spec
+from pergrad.attribution.projectors import Projector, Spec
 for kind in ("kron", "dense", "sjlt"):
     p = Projector(Spec(32, kind, seed=7), "0.weight", (6, 5)).matrix()
     print(kind, p.flatten().tolist())
@@ -295,7 +295,7 @@ def test_factors_and_sketches_are_moved_to_the_parameters_device_once() -> None:
     # there is a new tensor each time); a factor above CACHED elements (1.2M) is kept too
     like = torch.empty(0, device="meta")
     factors = Projector(Spec(8, "kron"), "emb.weight", (600_000, 3))
-    assert factors.factors()[0].numel() > pergrad.projectors.CACHED
+    assert factors.factors()[0].numel() > pergrad.attribution.projectors.CACHED
     first, again = factors.factors(like), factors.factors(like)
     assert all(a.device == like.device and a is b for a, b in zip(first, again))
     sketch = Projector(Spec(8, "kron"), "linear.bias", (5,))
@@ -307,7 +307,7 @@ def test_factors_and_sketches_are_moved_to_the_parameters_device_once() -> None:
 def test_a_dense_block_is_drawn_in_chunks_that_make_the_same_matrix() -> None:
     """A large dense block is drawn ``CHUNK`` elements at a time (never whole); it projects exactly as
     the matrix its chunks make."""
-    with mock.patch("pergrad.projectors.CHUNK", 64), mock.patch("pergrad.projectors.CACHED", 0):
+    with mock.patch("pergrad.attribution.projectors.CHUNK", 64), mock.patch("pergrad.attribution.projectors.CACHED", 0):
         proj = Projector(Spec(16, "dense", seed=1), "w", (3, 10))
         assert sum(1 for _ in proj.dense_blocks()) == 8  # 4 columns of 16 at a time
         g = torch.randn(5, 3, 10, dtype=torch.float64)
@@ -342,7 +342,7 @@ def test_a_dense_block_is_kept_within_cache_mb_and_drawn_again_without() -> None
         psm = PerSampleModule(net, keep_grad_sample=False)
         psm.register_projection(net, dim=64, kind="dense", cache_mb=cache_mb)
         with (
-            mock.patch("pergrad.projectors.CACHED", 1000),
+            mock.patch("pergrad.attribution.projectors.CACHED", 1000),
             mock.patch.object(torch, "randint", wraps=torch.randint) as draws,
         ):
             feats = []

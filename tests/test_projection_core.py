@@ -19,10 +19,10 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call, jacrev, vmap
 
-import pergrad.sources
+import pergrad._core.backward.sources
 from pergrad import PerSampleModule, TargetError, transforms
+from pergrad.attribution.projectors import Projector, Spec
 from pergrad.errors import ProjectionError
-from pergrad.projectors import Projector, Spec
 from tests.reference import assert_close, clipped_mean, reference_grad_sample, run_pergrad
 from tests.strategies import conv_layers
 from tests.test_distributed import Pool, make_model
@@ -57,7 +57,7 @@ def _target_like(net: nn.Module, x: Tensor) -> Tensor:
 
 # family (of tests/test_projection.CASES) -> the parameters of its first layer "0" that run detached
 GRADLESS = {
-    "linear": ["0.weight"],  # its bias anchors the call (pergrad.detach): autograd's .grad, exact
+    "linear": ["0.weight"],  # its bias anchors the call (pergrad._core.shortcuts.detach): autograd's .grad, exact
     "conv1d": ["0.weight", "0.bias"],  # a convolution's bias goes with its weight
     "hf_conv1d": ["0.weight"],
     "embedding": ["0.weight"],  # no bias: pergrad's probe added to its output anchors the call
@@ -207,7 +207,9 @@ def test_conv_transpose_features_build_no_per_sample_gradient(case: str) -> None
         x = batch_of(batch)
         y = _target_like(net, x)
         ref = reference_grad_sample(net, x, y)
-        with mock.patch.object(pergrad.sources, "run_rule", side_effect=AssertionError("a rule built g_i")):
+        with mock.patch.object(
+            pergrad._core.backward.sources, "run_rule", side_effect=AssertionError("a rule built g_i")
+        ):
             run_pergrad(psm, x, y)
         assert_close(psm.per_sample_projections()[""], _features(ref, net, Spec(DIM)), "features")
     psm.remove()
@@ -237,7 +239,9 @@ def test_conv_features_by_each_contraction(channels: int, outputs: int, size: in
         x = torch.randn(batch, channels, size, size, dtype=torch.float64)
         y = _target_like(net, x)
         ref = reference_grad_sample(net, x, y)
-        with mock.patch.object(pergrad.sources, "run_rule", side_effect=AssertionError("a rule built g_i")):
+        with mock.patch.object(
+            pergrad._core.backward.sources, "run_rule", side_effect=AssertionError("a rule built g_i")
+        ):
             run_pergrad(psm, x, y)
         assert_close(psm.per_sample_projections()[""], _features(ref, net, Spec(32, seed=5)), f"batch {batch}")
     psm.remove()
@@ -257,7 +261,9 @@ def test_conv_features_of_any_convolution_every_step(data: st.DataObject, dim: i
         x = torch.randn(batch, *shape[1:], dtype=torch.float64)
         y = _target_like(net, x)
         ref = reference_grad_sample(net, x, y)
-        with mock.patch.object(pergrad.sources, "run_rule", side_effect=AssertionError("a rule built g_i")):
+        with mock.patch.object(
+            pergrad._core.backward.sources, "run_rule", side_effect=AssertionError("a rule built g_i")
+        ):
             run_pergrad(psm, x, y)
         assert_close(psm.per_sample_projections()[""], _features(ref, net, Spec(dim, seed=3)), f"batch {batch}")
     psm.remove()

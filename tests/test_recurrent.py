@@ -232,7 +232,7 @@ READERS = [
     (nn.LSTM, 2, True, False, "sorted", "h_n+c_n"),
 ]
 # (batch size, padded length) of each step: the batch and the lengths change; 17 positions make the
-# Linear layers run detached (`pergrad.detach.MANY`)
+# Linear layers run detached (`pergrad._core.shortcuts.detach.MANY`)
 STEPS = [(3, 5), (4, 17), (2, 7)]
 
 

@@ -556,7 +556,7 @@ def test_parametrized_clipped_grad_is_differentiable(family: str, t: int, keep_g
 
 class Positions(nn.Module):
     """Token embeddings plus weight-normed position embeddings of ``arange(T)`` (an input shared by the
-    batch, ``pergrad.shared``), under a spectral-normed head."""
+    batch, ``pergrad._core.shortcuts.shared``), under a spectral-normed head."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""Second order through tensors shared by the batch (``pergrad.shared``): position embeddings of
+"""Second order through tensors shared by the batch (``pergrad._core.shortcuts.shared``): position embeddings of
 ``torch.arange(T)``, HuggingFace's ``position_ids`` buffer, relative-position buckets, raw parameters
 (cls token, position embeddings, LayerScale), a shared weight looked up by ``F.embedding``, and
 tensors created inside the forward that may carry the batch. After ``loss.backward(create_graph=True)``

@@ -1,4 +1,4 @@
-"""Inputs and parameters shared by the batch (``pergrad.shared``): position ids without a batch dim
+"""Inputs and parameters shared by the batch (``pergrad._core.shortcuts.shared``): position ids without a batch dim
 or with a batch dim of 1, relative-position buckets, raw parameters broadcast into activations.
 Exact against torch.func over steps whose length equals the batch size on some steps (where a
 shared input looks batched) and crosses the 16-position threshold from which weights run detached.

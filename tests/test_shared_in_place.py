@@ -1,4 +1,4 @@
-"""In-place ops on a layer output shared by the batch (``pergrad.shared``): a position embedding
+"""In-place ops on a layer output shared by the batch (``pergrad._core.shortcuts.shared``): a position embedding
 ``pos(torch.arange(T))`` or of HuggingFace's ``position_ids`` buffer ``[1, T]``, or a Linear on Fourier features ``sin(arange(T)[:, None] * freqs)`` built inside
 the forward, rewritten in place by the user's forward hook (``out.mul_(s)``, ``out.add_(b)``,
 ``out.copy_(...)``) or by the model right after the layer (``out *= s``, ``ReLU(inplace=True)``, some

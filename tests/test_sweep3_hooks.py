@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from pergrad import HookStateError, PergradError, PerSampleModule, SecondOrderError, transforms
-from pergrad.hooks import owners
+from pergrad._core.capture.hooks import owners
 from tests.reference import assert_close
 
 STEPS = [(4, 1), (3, 15), (4, 16), (3, 17), (5, 1), (4, 24)]  # (batch, positions); 1: a flat [B, features] input

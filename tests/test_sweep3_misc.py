@@ -27,7 +27,7 @@ from pergrad import (
     UnsupportedLayerError,
     transforms,
 )
-from pergrad.hooks import owners
+from pergrad._core.capture.hooks import owners
 
 Loss = Callable[[Tensor], Tensor]  # the model's output -> each sample's own loss, [B]
 BOUND = 0.3

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pergrad import BatchMixingError, BatchSizeError, PerSampleModule, transforms
-from pergrad.dims import LOST, folded
-from pergrad.shared import Provenance
+from pergrad._core.capture.dims import LOST, folded
+from pergrad._core.shortcuts.shared import Provenance
 from tests.reference import assert_close, clipped_mean
 
 STEPS = [(4, 4), (3, 5), (17, 17), (2, 15), (16, 16), (3, 17)]  # (batch, length): T == B on half of them

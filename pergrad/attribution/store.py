@@ -16,7 +16,7 @@ c`` (TRAK's ensemble needs independent projections per model: traker draws ``see
 those passed as ``seeds=``. ``store.projection(checkpoint)`` gives the ``register_projection`` arguments of a
 checkpoint, and :meth:`FeatureStore.write_from` writes a wrapper's features after checking that it projects
 with them: a store never mixes features of several projections in one checkpoint, nor (``projection``, the
-version of ``pergrad.projectors``) features of another pergrad's projection.
+version of ``pergrad.attribution.projectors``) features of another pergrad's projection.
 
 Why ``numpy.lib.format.open_memmap``: a ``.npy`` file is a 128-byte header and the raw array, so it is
 memory-mapped without copies, read one slice at a time (the store never loads a whole file), written in
@@ -47,7 +47,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..projectors import VERSION as PROJECTION_VERSION
+from pergrad.attribution.projectors import VERSION as PROJECTION_VERSION
+
 from .errors import MissingFeaturesError, StoreIndexError, StoreSpecError
 
 SPEC_FILE = "spec.json"
@@ -92,7 +93,7 @@ class StoreSpec:
     output: str = ""  # what the features are gradients of: "loss", "margin", "lm-margin", ... ("": not said)
     out_to_loss: bool = False  # each row has an out-to-loss term (TRAK's Q)
     tokens: int = 0  # features per token, [n, tokens, k] (0: one row [k] per sample)
-    projection: int = 0  # pergrad.projectors.VERSION of the features, where kind says they are pergrad's
+    projection: int = 0  # pergrad.attribution.projectors.VERSION of the features, where kind says they are pergrad's
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -276,7 +277,7 @@ class FeatureStore:
         if spec.kind and spec.projection != PROJECTION_VERSION:
             raise StoreSpecError(
                 f"feature store {str(root)!r} holds kind={spec.kind!r} features of pergrad's projection version "
-                f"{spec.projection}; this pergrad draws version {PROJECTION_VERSION} (pergrad.projectors.VERSION), "
+                f"{spec.projection}; this pergrad draws version {PROJECTION_VERSION} (pergrad.attribution.projectors.VERSION), "
                 "whose features do not match them: write the features again into a new path."
             )
         if not 0 <= rank < spec.world_size:

@@ -21,11 +21,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import lm_loss
-from ..audit import Audit, AuditError, LossFn, Select
+from pergrad._core.capture.hooks import InertWhenCopied
+from pergrad._core.loss_scale import factor_reader
+from pergrad.integrations import lm as lm_loss
+from pergrad.privacy.audit import Audit, AuditError, LossFn, Select
+
 from ..errors import PrivacyError, TargetError
-from ..hooks import InertWhenCopied
-from ..loss_scale import factor_reader
 from ..module import PerSampleModule
 from ..transforms import ClipNorm
 from .accounting import ACCOUNTANTS, epsilon_of
@@ -657,7 +658,7 @@ class DPSGD:
         rtol: float | None = None,
         select: Select | None = None,
     ) -> PrivateAudit:
-        """A privacy audit of this run (``pergrad.audit``), made before the training loop: on the first step
+        """A privacy audit of this run (``pergrad.privacy.audit``), made before the training loop: on the first step
         and every ``every``-th, at the noise, ``samples`` samples' gradients are recomputed with plain autograd
         on a copy of the model (``loss_fn(model, batch)``, the loss the loop backpropagates), and the step is
         refused (``AuditError``, before the parameters move) unless every sample's clipped contribution is at

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..layout import new_buffer, owned, recorded
-from ..projectors import Projector, add_kron_features
+from pergrad._core.memory.layout import new_buffer, owned, recorded
+from pergrad.attribution.projectors import Projector, add_kron_features
+
 from ..registry import FusedRule, default_registry
 from .linear import gram_is_cheaper, outer_sq_norms
 

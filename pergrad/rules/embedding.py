@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from pergrad._core.memory.layout import new_buffer
+from pergrad.attribution.projectors import Projector, add_kron_features, kron_token_features
+
 from ..errors import UnsupportedLayerError
-from ..layout import new_buffer
-from ..projectors import Projector, add_kron_features, kron_token_features
 from ..registry import FusedRule, LayerCall, default_registry
 
 

@@ -16,8 +16,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
+from pergrad._core.memory.layout import recorded
+
 from ..errors import BatchMixingError, PergradError, UnsupportedLayerError
-from ..layout import recorded
 from ..registry import LayerCall, OutputGrads, default_registry, output_tensors
 
 

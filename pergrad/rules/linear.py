@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..layout import new_buffer, owned, recorded, rows
-from ..projectors import Projector, add_kron_features, kron_token_features
+from pergrad._core.memory.layout import new_buffer, owned, recorded, rows
+from pergrad.attribution.projectors import Projector, add_kron_features, kron_token_features
+
 from ..registry import FusedRule, Moments, default_registry
 
 

@@ -2,7 +2,7 @@
 timm's ``pos_embed``, a ``LayerScale`` gamma): parameters a module uses directly in its forward
 rather than through a layer with a rule.
 
-Such a parameter is shared by the batch; ``pergrad.shared`` tracks it through the module's forward
+Such a parameter is shared by the batch; ``pergrad._core.shortcuts.shared`` tracks it through the module's forward
 to where it meets the batch in a broadcasting op, and the per-sample gradient caught there,
 ``g_i = d f_i / d p``, arrives here whole: the rule is the identity.
 """

@@ -16,8 +16,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from pergrad._core.memory.layout import recorded
+
 from ..errors import UnsupportedLayerError
-from ..layout import recorded
 from ..registry import LayerCall, OutputGrads, default_registry, output_tensors
 from .fallback import RERUNNING
 

@@ -1,0 +1,270 @@
+"""The checks of one backward, and what pergrad says when a gradient reached a parameter in a way
+it cannot split into samples.
+
+Every backward: each parameter the backward reached got its gradient from its layers' outputs
+(``check_reached``), backward(inputs=...) named all of a transform's target or none of it
+(``check_partial``), and nothing but the layers' outputs reached a tapped parameter
+(``check_taps``, see ``pergrad._core.shortcuts.reach``), and a parameter Opacus's optimizer steps gets the
+``grad_sample`` it reads, untransformed and of one forward only (``check_opacus``,
+``check_opacus_stale``). The first backward (``check_sums``):
+the per-sample gradients must add up to autograd's gradient of every parameter,
+``sum_i g_i = grad`` (``(1/B) sum_i g_i`` for a mean loss). They do unless part of the loss reaches
+a parameter other than through its layer's output: a regulariser added to the loss, or a parent
+module using the parameter directly. pergrad cannot attribute that part to samples, so it refuses
+rather than drop or transform it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Collection, Container, Iterable
+
+import torch
+from torch import Tensor, nn
+
+from pergrad._core.backward.sources import Fused, Materialized
+from pergrad._core.backward.state import Backward
+from pergrad._core.backward.targets import Targets
+from pergrad._core.capture.calls import HookedLayer
+from pergrad.errors import RECOMPUTED, HookStateError, OpacusRouteError, TransformError
+
+Canonical = Callable[[nn.Parameter], nn.Parameter]
+
+
+def check_sums(
+    source: Materialized | Fused,
+    params: list[nn.Parameter],
+    batch_grads: dict[nn.Parameter, Tensor],
+    batch_size: int,
+    loss_reduction: str,
+    names: dict[nn.Parameter, str],
+) -> None:
+    """Raise ``HookStateError`` for the first parameter whose per-sample gradients do not add up to
+    autograd's ``batch_grads`` (in the units of the per-sample gradients), within the round-off of
+    two summation orders: relative to the larger side, or, where the samples' terms cancel, to the
+    terms themselves (``sum_i w_i |g_i|`` elementwise, built only then: a layer that computes in float32
+    inside float64 parameters, as HF's Gemma RMSNorm does, rounds each term at float32)."""
+    first = batch_grads[params[0]]
+    weight = 1.0 / batch_size if loss_reduction == "mean" else 1.0
+    totals = source.summed(params, first.new_full((batch_size,), weight))
+    for p in params:
+        autograd = batch_grads[p].detach()  # (create_graph=True: compared as values)
+        ours = totals[p].detach().to(autograd.dtype)
+        if not torch.isfinite(autograd).all():
+            continue  # non-finite values: nothing to compare; a poisoned sample is handled elsewhere
+        # a floor for sums that cancel to ~0 (a term below it would not change training anyway)
+        rel, floor = (1e-6, 1e-10) if autograd.dtype == torch.float64 else (1e-2, 1e-4)
+        scale = torch.maximum(autograd.abs().max(), ours.abs().max())
+        if torch.allclose(autograd, ours, rtol=0, atol=float(rel * scale + floor)):
+            continue
+        terms = source.per_sample([p])[p].detach().abs().sum(0).mul_(weight).to(autograd.dtype)
+        if not ((autograd - ours).abs() <= rel * terms + floor).all():
+            raise HookStateError(
+                unattributable(names[p], f"max difference {float((autograd - ours).abs().max()):.3g}")
+                + " Or pass verify=False to PerSampleModule if dropping that part is intended."
+            )
+
+
+def unreached(
+    param: nn.Parameter, name: str, layers: list[HookedLayer], canonical: Callable[[nn.Parameter], nn.Parameter]
+) -> str:
+    """What pergrad saw when a parameter got a gradient that none of its layers' outputs passed on."""
+    holders = [layer for layer in layers if any(canonical(p) is param for _, p in layer.trainable())]
+
+    def caught(layer: HookedLayer) -> str:
+        if layer.spec.raw:
+            return f"the uses of {layer.label} in its forward"
+        if layer.spec.output_dims is not None:
+            return f"any tensor returned by {layer.label}"
+        return (
+            f"the first tensor returned by {layer.label}" if layer.spec.all_inputs else f"the output of {layer.label}"
+        )
+
+    where = " or ".join(caught(layer) for layer in holders)
+    return (
+        f"parameter {name!r} received a gradient in this backward pass, but pergrad caught "
+        f"no gradient on {where or 'the output of a hooked layer holding it'} in a forward of the wrapped "
+        "model: the gradient reached the parameter another way, which pergrad cannot split into samples. "
+        "Such a way is a loss computed from a forward run before wrapping (or through another wrapper), a "
+        "module using the parameter outside the layer's own forward (e.g. F.linear(x, self.emb.weight)), or "
+        "an output of the layer that its rule does not take (a rule registered without output_dims takes "
+        "the first tensor the layer returns)."
+        + (ROOT_FORWARD if any(layer.name == "" for layer in holders) else "")
+        + (COMPILED if compiled_in_process() else "")
+    )
+
+
+def compiled_in_process() -> bool:
+    """Whether Dynamo (``torch.compile``) holds code it compiled in this process (none since its last reset)."""
+    convert = sys.modules.get("torch._dynamo.convert_frame")  # (torch is pinned: a private name)
+    return convert is not None and bool(convert.output_codes.seen)
+
+
+# appended where torch.compile has compiled code in the process: Dynamo does not guard on module hooks
+# (torch._dynamo.config.skip_nnmodule_hook_guards), so code it compiled for an unhooked module of the
+# same class (or for this model before wrapping) runs the wrapped model without pergrad's hooks
+COMPILED = (
+    " torch.compile has compiled code in this process: code Dynamo compiled for a model of the same class "
+    "before it had pergrad's hooks (another copy of it, or this model before wrapping) runs this model without "
+    "calling them, as Dynamo does not check module hooks (torch._dynamo.config.skip_nnmodule_hook_guards), so "
+    "pergrad saw no forward. Call torch._dynamo.reset() just before the compiled wrapped model's first call "
+    "(after wrapping it and after compiling other models of its class), or set torch._dynamo.config.skip_nnmodule_hook_guards = False before compiling anything."
+)
+
+
+# appended where the root module holds the parameter: its hooks run only when the module itself is called
+ROOT_FORWARD = (
+    " The root module's own hooks run only when it is called: a wrapper that calls its .forward() directly "
+    "skips them (Opacus's GradSampleModule does: pass wrap_model=False to make_private and call the model, or "
+    "the PerSampleModule, yourself)."
+)
+
+
+def unattributable(name: str, seen: str) -> str:
+    """A parameter's gradient has a part no hooked layer's output produced (``seen``: the evidence)."""
+    return (
+        f"parameter {name!r}: its gradient has a part that no hooked layer's output "
+        f"produced ({seen}). A term of the loss that uses the parameter directly (a regulariser such as "
+        "weight decay: use the optimizer's weight_decay instead) or a parent module using it outside the "
+        "layer's forward (e.g. F.linear(x, self.emb.weight)) cannot be attributed to samples. Compute it "
+        "through the layer."
+    )
+
+
+def check_reached(
+    state: Backward, known: Container[nn.Parameter], names: dict[nn.Parameter, str], layers: list[HookedLayer],
+    canonical: Canonical,
+) -> None:  # fmt: skip
+    """Every parameter the backward reached got a gradient through a hooked layer's output (``known``:
+    those with per-sample gradients, or kept ``(a, d)``)."""
+    missing = [p for p in state.autograd.reached if p not in known and p not in state.arrived.passed]
+    if missing:
+        message = unreached(missing[0], names[missing[0]], layers, canonical)
+        raise HookStateError(message + (RECOMPUTED if state.nested else ""))
+
+
+def check_partial(
+    state: Backward, targets: Targets, known: Container[nn.Parameter], layers: list[HookedLayer], canonical: Canonical
+) -> None:
+    """A backward that accumulates into part of a transform's target only -- ``backward(inputs=...)``
+    naming some of its parameters: their per-sample gradients were computed, their ``AccumulateGrad``
+    did not run -- cannot transform: ``T`` of a sample's gradient needs every parameter it covers (a
+    clipping norm over all of them). Told from a parameter of a layer whose rule computes one op on
+    its parameters (an output gradient flowed, so they are in the graph); a rule over a subtree or
+    every input may give zeros for parameters off the loss's path."""
+    reached = state.autograd.reached
+    for target in targets:
+        if not any(p in reached for p in target.params.values()):
+            continue
+        left = {p: n for n, p in target.params.items() if p in known and p not in reached}
+        if left:
+            in_graph = {
+                canonical(p)
+                for layer in layers
+                if not (layer.spec.subtree or layer.spec.all_inputs or layer.spec.parametrized)
+                for _, p in layer.trainable()
+            }
+            named = [n for p, n in left.items() if p in in_graph]
+            if named:
+                raise TransformError(
+                    f"this backward accumulates into some of the parameters the transform registered for "
+                    f"{target.label} covers, but not into {named} (backward(inputs=...) names part of them), "
+                    "although their per-sample gradients flowed: the transform of each sample's gradient "
+                    "needs all of them. Name every parameter the target covers in inputs, or none."
+                )
+
+
+def check_taps(state: Backward, detached: Collection[nn.Parameter], names: dict[nn.Parameter, str]) -> None:
+    """Whatever reached a tapped parameter's ``AccumulateGrad`` beside its tap's very tensor must add
+    up to what the tap passed on (``pergrad._core.shortcuts.reach``): values read (a host sync) only where such an
+    arrival happened. A term that is exactly zero (``loss + 0 * p.sum()``) is let through.
+    ``detached``: the parameters that ran detached in the backward's forward."""
+    seen = state.autograd
+    for param, grads in seen.untapped.items():
+        tapped = seen.tapped.get(param)
+        if tapped is None and param not in detached:  # no layer sent it anything in this backward
+            continue
+        extra = torch.stack(grads).sum(0)
+        if tapped is not None and param not in seen.matched:  # summed with the tap's part
+            extra = extra - tapped
+        if bool(extra.any()):
+            raise HookStateError(
+                unattributable(
+                    names[param], "it arrived beside what the parameter's layers sent it, in a backward after the first"
+                )
+                + " Or pass verify=False to PerSampleModule if dropping that part is intended."
+            )
+
+
+def check_hooked(state: Backward, names: dict[nn.Parameter, str]) -> None:
+    """A tensor hook of the user's (``p.register_hook``) on a parameter whose ``.grad`` pergrad writes
+    from the transformed per-sample gradients may observe autograd's sum but not change it: what it
+    returns would be dropped. Values are read only where a hook returned another tensor."""
+    for param, pairs in state.autograd.rehooked.items():
+        for summed, returned in pairs:
+            if returned.shape == summed.shape and torch.equal(returned, summed):
+                continue
+            raise HookStateError(
+                f"parameter {names[param]!r}: a hook registered on it with register_hook returned a gradient other "
+                "than the one autograd gave it, but a transform covers this parameter, so pergrad writes its .grad "
+                "from the transformed per-sample gradients and the hook's change would be dropped (a tensor hook "
+                "sees autograd's gradient of the whole batch, untransformed). Return None from the hook (to observe "
+                "the gradient), or change the gradient pergrad writes: in a post-accumulate-grad hook, which runs "
+                "once .grad is final (p.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(0.5))), or per "
+                "sample, in the transform."
+            )
+
+
+def stepped_by_opacus(param: nn.Parameter) -> bool:
+    """Whether Opacus's ``DPOptimizer`` steps ``param``: it gives every parameter it steps a
+    ``summed_grad`` attribute when made (``make_private``), and clips ``p.grad_sample`` into it."""
+    return "summed_grad" in vars(param)
+
+
+_NO_OP_ROUTE = (
+    "The route that keeps Opacus: PerSampleModule(model, keep_grad_sample=True) with no transform, and "
+    'make_private(..., grad_sample_mode="no_op", loss_reduction=<the same as pergrad\'s>)'
+)
+
+
+def check_opacus(
+    params: Container[nn.Parameter], keep_grad_sample: bool, targets: Targets, names: dict[nn.Parameter, str]
+) -> None:
+    """Opacus's ``DPOptimizer`` clips ``p.grad_sample`` itself and overwrites ``.grad``: a parameter it
+    steps needs ``grad_sample`` kept, and a transform of pergrad would be dropped without a word."""
+    # in the model's order (a parameter's hash is a Python call: asked only of those Opacus steps)
+    stepped = [p for p in names if stepped_by_opacus(p) and p in params]
+    if not stepped:
+        return
+    if not keep_grad_sample:
+        raise OpacusRouteError(
+            f"parameter {names[stepped[0]]!r} is stepped by Opacus's DPOptimizer (make_private), which clips "
+            "p.grad_sample, but this PerSampleModule was made with keep_grad_sample=False, so there is none. "
+            f"Pass keep_grad_sample=True. {_NO_OP_ROUTE}."
+        )
+    for target in targets:
+        mine = set(target.params.values())
+        covered = [p for p in stepped if p in mine]
+        if covered:
+            raise OpacusRouteError(
+                f"parameter {names[covered[0]]!r} is stepped by Opacus's DPOptimizer (make_private), which clips "
+                "p.grad_sample (before any transform) itself and overwrites .grad, but pergrad has a transform "
+                f"registered for {target.label}: it would be dropped. Remove the transform and let make_private's "
+                "max_grad_norm clip, or keep the transform and step a plain torch.optim optimizer (adding the noise "
+                f"yourself). {_NO_OP_ROUTE}."
+            )
+
+
+def check_opacus_stale(held: Iterable[nn.Parameter], names: dict[nn.Parameter, str]) -> None:
+    """A backward of a new forward would replace ``grad_sample`` (pergrad keeps the last forward's)
+    while Opacus's ``DPOptimizer`` has not consumed and cleared the one of the forward before: it
+    would clip only this backward's samples, not every sample since its last step."""
+    stale = [p for p in held if stepped_by_opacus(p)]
+    if stale:
+        raise OpacusRouteError(
+            f"parameter {names[stale[0]]!r} still holds the grad_sample of an earlier forward, which Opacus's "
+            "DPOptimizer has not cleared, and pergrad keeps only the last forward's grad_sample: the optimizer "
+            "would clip this backward's samples only. Call optimizer.step() and optimizer.zero_grad() after every "
+            "backward; for a logical batch larger than one forward, use Opacus's BatchMemoryManager (virtual "
+            "steps accumulate the clipped sums in the optimizer)."
+        )

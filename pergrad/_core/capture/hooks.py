@@ -1,0 +1,1038 @@
+"""Hooks: keep each hooked layer's input in the forward, catch its output gradient in the backward.
+
+Nothing is computed here; the hooks hand ``(kept input, output gradient)`` to the engine.
+
+The output gradient is caught by a pre-hook on the autograd node that produced the layer's
+output (``output.grad_fn``), not by a full module backward hook:
+- in-place operations on the output afterwards (``ReLU(inplace=True)``, ``out += identity``) do
+  not touch that node, so the hook still sees the gradient of the layer's own output;
+- node pre-hooks run after every tensor hook and module backward hook upstream, so the gradient
+  is exactly the one autograd feeds the layer's backward (user hooks that rescale included);
+- each call of a layer has its own node and its own kept input, so a layer called several times
+  in one forward, or a graph backwarded twice with ``retain_graph=True``, needs no stack.
+
+pergrad's forward hooks on a layer run before the user's (``_run_first``), so the output kept and
+caught is the layer's own: a forward hook of the user's that rescales or replaces it is an op of the
+model after the layer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
+
+from pergrad._core.capture.calls import Detached, HookedLayer, Kept
+from pergrad._core.capture.coupling import refuse_batch_statistics
+from pergrad._core.capture.dims import LOST, carries
+from pergrad._core.capture.parametrized import Capture, Computed, parametrizations_of, sites
+from pergrad._core.memory.layout import batch_to_front
+from pergrad._core.shortcuts.detach import anchor_output
+from pergrad._core.shortcuts.shared import (
+    SEEN,
+    BatchInfo,
+    Group,
+    Origin,
+    Provenance,
+    Shared,
+    batch_of_call,
+    classify,
+    located,
+    per_sample_input,
+    provenance,
+    pulling,
+    track,
+)
+from pergrad.errors import (
+    EAGER,
+    RECOMPUTED,
+    BatchMixingError,
+    BatchSizeError,
+    SharedInputError,
+    UnsupportedLayerError,
+    module_label,
+)
+from pergrad.integrations import lm as lm_loss
+from pergrad.registry import LayerCall, output_tensors
+from pergrad.rules.fallback import RERUNNING, drawing, random_modules
+
+OnOutputGrad = Callable[..., None]  # (kept, d) or, for a rule with output_dims, (kept, d, k): output k's gradient
+ToDetach = Callable[[HookedLayer, Any, int, int], "Detached | None"]
+ToTap = Callable[[Any, int], "Tensor | None"]  # (a module's parameter, generation) -> the tap it is read through
+
+
+def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if args:
+        return args[0]
+    return next(iter(kwargs.values()), None)
+
+
+class _Inert:
+    """What a pergrad hook becomes in a deepcopied or unpickled model: a hook that does nothing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class InertWhenCopied:
+    """A hook calling ``fn`` whose copy (``copy.deepcopy`` or pickling of the model it is on) does nothing
+    and holds nothing: for the hooks pergrad's features put on a model."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Inert:
+        return _Inert()
+
+    def __reduce__(self) -> tuple[type[_Inert], tuple[()]]:
+        return (_Inert, ())
+
+
+class ModuleHook:
+    """A module hook owned by one ``LayerHooks``. Copying or pickling the model copies no pergrad
+    state: the copy gets a ``_Inert`` hook in its place."""
+
+    def __init__(self, owner: LayerHooks, fn: Callable[..., Any], aside: bool = False) -> None:
+        self.owner, self.fn, self.aside = owner, fn, aside
+        self.removed = False
+
+    @torch.compiler.disable(reason=EAGER)  # (runs eagerly, also in a compiled model: ``Provenance``)
+    def __call__(self, *args: Any) -> Any:
+        if self.removed:
+            # removed while its module's call was running: torch runs the hooks it listed when the call
+            # began (a lazy root materialised in its own pre-hook, then rebound by the model's) and no
+            # longer knows which took keyword arguments; the hooks installed in its place run from the
+            # next call on
+            return None
+        try:
+            if self.aside:  # a layer's hook: pergrad's own ops are not the model's (``Provenance.aside``)
+                following = self.owner.following()
+                if following is not None:
+                    return following.aside(self.fn, *args)
+            return self.fn(*args)
+        except Exception:
+            self.owner.failed()
+            raise
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Inert:
+        return _Inert()
+
+    def __reduce__(self) -> tuple[type[_Inert], tuple[()]]:
+        return (_Inert, ())
+
+
+def owners(model: nn.Module) -> list[LayerHooks]:
+    """The ``LayerHooks`` whose hooks are installed on ``model`` or its submodules."""
+    found: list[LayerHooks] = []
+    for module in model.modules():
+        for hooks in (module._forward_hooks, module._forward_pre_hooks):
+            found.extend(h.owner for h in hooks.values() if isinstance(h, ModuleHook))
+    return list(dict.fromkeys(found))
+
+
+def _refuse_batch_statistics(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+    """A forward pre-hook for BatchNorm: normalising with batch statistics couples the samples."""
+
+    def check(module: nn.Module, args: tuple[Any, ...]) -> None:
+        assert isinstance(module, nn.modules.batchnorm._BatchNorm)
+        if torch.is_grad_enabled() and (module.training or module.running_mean is None):
+            raise BatchMixingError(
+                f"{module_label(name)} ({type(module).__name__}) normalises with the statistics of the whole batch "
+                f"({'training mode' if module.training else 'track_running_stats=False'}), so each sample's output "
+                "depends on every other sample and per-sample gradients are undefined, for every layer before it too. "
+                "Put it in eval mode with running statistics (model.eval(), or module.eval()), or use nn.GroupNorm "
+                "or nn.LayerNorm instead: pergrad.fix_batchnorm(model) replaces every BatchNorm of the model by a "
+                "GroupNorm of the same channels (before you build the optimizer: its parameters are new)."
+            )
+
+    return check
+
+
+def _refuse_random_draws(layer: HookedLayer, drawers: list[tuple[str, nn.Module]]) -> Callable[..., None]:
+    """A forward pre-hook for a layer whose rule runs its forward again in the backward
+    (``rules.fallback.RERUNNING``): a random draw in that forward (dropout in training mode) would be
+    drawn anew there, so the per-sample gradients would not be those of the forward that ran."""
+
+    def check(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for sub, drawer in drawers:
+            found = drawing(drawer)
+            if found is None:
+                continue
+            what, attr = found
+            where = ".".join(n for n in (layer.name, sub) if n)
+            label = f"its submodule {where!r} ({type(drawer).__name__})" if sub else "it"
+            off = (
+                f"set model.get_submodule({where!r}).{attr} = 0.0 (it stays 0 through model.train())"
+                if attr
+                else f"replace {where!r} by nn.LeakyReLU"
+            )
+            raise UnsupportedLayerError(
+                f"{layer.label}: {label} draws {what} in training mode, and pergrad computes this layer's per-sample "
+                "gradients by running its forward again for each sample in the backward, which would draw new random "
+                "numbers, not the ones this forward drew: the gradients would not be this forward's. To train it "
+                f"with pergrad, {off}, or run the model in eval mode. (A dropout between hooked layers, such as the "
+                "nn.Dropout modules of nn.TransformerEncoderLayer around its attention, is fine: only the layers "
+                "whose forward pergrad runs again are concerned.)"
+            )
+
+    return check
+
+
+def _producer(output: Tensor) -> Tensor:
+    """The tensor whose autograd node computed ``output``'s values.
+
+    When ``output`` is a reshaping view (Linear on ``[B, T, D]`` returns a view of a 2-D matmul),
+    an in-place op on it later (``relu_``, ``+=``) rewrites the view's history and its node never
+    runs; the base's original node still does, with the gradient of the pre-in-place values.
+    """
+    base = output._base if output._is_view() else None
+    if (
+        base is not None
+        and base.grad_fn is not None
+        and base.numel() == output.numel()
+        and base.is_contiguous()
+        and output.is_contiguous()
+    ):
+        return base
+    return output
+
+
+def _output_dims(layer: HookedLayer, returned: Any, batch_dim: int) -> tuple[int | None, ...]:
+    """Where the batch is in each tensor the call returned, as the layer's ``output_dims`` says."""
+    assert layer.spec.output_dims is not None
+    dims = tuple(layer.spec.output_dims(layer.module, returned, batch_dim))
+    found = len(output_tensors(returned))
+    if len(dims) != found:
+        raise TypeError(
+            f"pergrad: output_dims of the rule {layer.spec.fn.__qualname__} gave {len(dims)} batch dims for layer "
+            f"{layer.name!r}, which returned {found} tensors"
+        )
+    return dims
+
+
+def _check_layout(module: nn.Module, first: Any, dim: int, label: str, known: bool = False) -> None:
+    """Refuse a layer with a layout of its own (``batch_first`` of ``nn.LSTM``, ``nn.MultiheadAttention``)
+    called with the batch on another dim of its input (``dim``, as the forward put it; ``known``: as it
+    put it in the calls a checkpoint computes again): it would take the samples for time steps and mix them."""
+    own = getattr(module, "batch_first", None)
+    if not isinstance(own, bool) or not isinstance(first, Tensor):
+        return
+    found = provenance()
+    if not known and (found is None or found.where(first) < 0):
+        return
+    if first.dim() >= 3 and dim != (0 if own else 1):
+        raise BatchMixingError(
+            f"{label} has batch_first={own}, so it takes dim {0 if own else 1} of its "
+            f"input for the batch, but the model's forward gives it the batch on dim {dim} (input shape "
+            f"{tuple(first.shape)}): it would mix the samples. Build it with batch_first={not own}, or move the "
+            f"batch to dim {0 if own else 1} before calling it"
+        )
+
+
+def _place_outputs(returned: Any, dims: tuple[int | None, ...], size: int) -> None:
+    """Tell the running forward's ``Provenance`` that the tensors a batched layer call returned have the
+    batch where its rule takes their gradients' batch (``dims``: the input's batch dim for one output),
+    whatever ops the layer ran inside (HuggingFace's ``Conv1D`` folds it: ``x.view(-1, D)``)."""
+    found = provenance()
+    if found is None:
+        return
+    for t, dim in zip(output_tensors(returned), dims, strict=False):
+        if dim is not None and t.dim() > dim and t.shape[dim] == size:
+            found.mark(t, dim)
+
+
+def _first_tensor(output: Any, nested: bool) -> Tensor | None:
+    """The first tensor a layer returned: the first item of a tuple or list that is one, or, for a rule
+    that takes every output (``nested``), the first of ``output_tensors`` (dicts and nesting walked)."""
+    if nested:
+        tensors = output_tensors(output)
+    else:
+        tensors = tuple(o for o in output if isinstance(o, Tensor)) if isinstance(output, tuple | list) else ()
+    return tensors[0] if tensors else None
+
+
+def _run_first(module: nn.Module, handles: list[RemovableHandle]) -> None:
+    """Run the forward hooks of ``module`` among ``handles`` before every other forward hook of it, in
+    their order (as ``prepend=True`` would): pergrad's run before the user's, whenever those were
+    registered, so that the output kept is the layer's own; a hook of the user's that rescales or
+    replaces it (``out * s``, ``out.mul_(s)``: a schedule, stochastic depth) is then an op of the model
+    after the layer, like any other."""
+    hooks = cast(OrderedDict[int, Callable[..., Any]], module._forward_hooks)  # (an OrderedDict, typed as a dict)
+    for handle in reversed(handles):
+        if handle.id in hooks:
+            hooks.move_to_end(handle.id, last=False)
+
+
+Edge = tuple[Any, int]  # an autograd node and the index of one of its outputs
+
+
+def _consumers(starts: set[Any], stop: set[Any], wanted: set[Edge]) -> dict[Edge, list[Edge]]:
+    """The nodes of a layer call's own graph that use each ``wanted`` node output, with the index of
+    the edge they use it by: the graph backward from ``starts`` (the nodes of its outputs) down to
+    ``stop`` (the nodes of its inputs, left out)."""
+    found: dict[Edge, list[Edge]] = {}
+    seen, stack = set(starts), list(starts)
+    while stack:
+        node = stack.pop()
+        if node in stop:
+            continue
+        for e, (used, nr) in enumerate(node.next_functions):
+            if used is None:
+                continue
+            if (used, nr) in wanted:
+                found.setdefault((used, nr), []).append((node, e))
+            if used not in seen:
+                seen.add(used)
+                stack.append(used)
+    return found
+
+
+def _catch_outputs(kept: Kept, returned: Any, inputs: Any, on_output_grad: OnOutputGrad) -> None:
+    """Catch the gradient of every tensor the call returned (``output_tensors``) and hand output k's,
+    batch on dim 0 (``kept.a.output_dims``), to ``on_output_grad(kept, d, k)``.
+
+    Each is caught on the node that computed it (the first one where ``_producer`` finds it, so that
+    in-place operations on it later do not hide it). A node's gradient is the tensor's whole
+    gradient: where the layer itself computed another output from it (``h, h.sum()``; hidden
+    states returned with the last of them), what the nodes inside the layer send back into it is
+    taken out again (post-hooks on them), so that each output's gradient is the one that reached it
+    from outside the layer and no path is counted twice. A tensor returned twice is caught once.
+    """
+    assert isinstance(kept.a, LayerCall)
+    tensors, dims = output_tensors(returned), kept.a.output_dims
+    own: list[Edge | None] = [None if t.grad_fn is None else (t.grad_fn, t.output_nr) for t in tensors]
+    caught = list(own)
+    if own and own[0] is not None:
+        produced = _producer(tensors[0])
+        caught[0] = (produced.grad_fn, produced.output_nr)
+    starts = {edge[0] for edge in [*own, *caught] if edge is not None}
+    stop = {t.grad_fn for t in output_tensors(inputs) if t.grad_fn is not None} - starts
+    used_by = _consumers(starts, stop, {edge for edge in [*own, *caught] if edge is not None})
+    view = own[0][0] if own and own[0] is not None and caught[0] != own[0] else None
+    base = caught[0] if view is not None else None
+    if base is not None and any(node is not view for node, _ in used_by.get(base, [])):
+        caught[0], view = own[0], None  # the view's base is used inside the layer too: catch the view
+    done: set[Edge] = set()
+    for k, edge in enumerate(caught):
+        if edge is None or edge in done:
+            continue
+        done.add(edge)
+        inside = [(node, e) for node, e in used_by.get(edge, []) if node is not view]
+        _catch(kept, k, edge, tuple(tensors[k].shape), dims[k], inside, on_output_grad)
+
+
+def _catch(
+    kept: Kept,
+    k: int,
+    edge: Edge,
+    shape: tuple[int, ...],
+    dim: int | None,
+    inside: list[Edge],
+    on_output_grad: OnOutputGrad,
+) -> None:
+    """Hand the gradient of output k, less what ``inside`` sent back into it, to ``on_output_grad``."""
+    node, index = edge
+    taken: dict[int, Tensor] = {}  # per backward pass (graph task): what the layer's own nodes sent
+
+    def take(position: int) -> Callable[[tuple[Tensor | None, ...], tuple[Tensor | None, ...]], None]:
+        def hook(grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
+            g = grad_inputs[position]
+            if g is not None and not pulling():
+                task = torch._C._current_graph_task_id()
+                taken[task] = g if task not in taken else taken[task] + g
+
+        return hook
+
+    for consumer, position in inside:
+        consumer.register_hook(take(position))
+
+    def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
+        d, inner = grad_outputs[index], taken.pop(torch._C._current_graph_task_id(), None)
+        taken.clear()  # left by a backward pass that failed midway
+        if d is None or pulling():
+            return
+        d = (d if inner is None else d - inner).reshape(shape)
+        on_output_grad(kept, d if dim is None else d.movedim(dim, 0), k)
+
+    node.register_prehook(catch)
+
+
+class LayerHooks:
+    """Installs and removes the forward hooks of the hooked layers and the root's generation counter.
+
+    The root's hook stays for the wrapper's lifetime; the layers' hooks are installed for one set of
+    layers and replaced when the model's parameters change (``install``/``uninstall``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch_first: bool,
+        on_output_grad: OnOutputGrad,
+        on_input_grad: Callable[[int, Tensor], None] | None = None,
+        to_detach: ToDetach | None = None,
+        on_model_call: Callable[[], None] | None = None,
+        may_detach: Callable[[HookedLayer], bool] | None = None,
+        on_recompute: Callable[[], None] | None = None,
+        to_tap: ToTap | None = None,
+        may_tap: Callable[[HookedLayer], bool] | None = None,
+        on_model_returned: Callable[[], None] | None = None,
+        on_failed: Callable[[], None] | None = None,
+    ) -> None:
+        self._model = model
+        self._on_recompute = on_recompute
+        self._on_failed = on_failed  # a hook raised inside a backward: that backward stops there
+        self._batch_first = batch_first
+        self._to_detach = to_detach
+        self._may_detach = may_detach  # which layers get the detaching hooks (all, when None)
+        self._detached: dict[str, Detached] = {}  # layer name -> parameters detached for the running call
+        self._to_tap, self._may_tap = to_tap, may_tap  # see ``pergrad._core.shortcuts.reach``
+        self._tapped: dict[nn.Module, list[tuple[str, Tensor, Tensor]]] = {}  # (name, parameter, tap) per call
+        self._on_output_grad = self._reaching(on_output_grad)
+        self._on_input_grad = on_input_grad
+        self._on_model_call = on_model_call
+        self._on_model_returned = on_model_returned
+        self._calls: dict[str, int] = {}
+        self.generation = 0
+        self.batch: BatchInfo | None = None  # the batch of the running call of the model
+        self._buffer_storages: frozenset[int] | None = None
+        # raw parameters swapped for a call, by the module whose call it is: (holder, name, parameter, alias)
+        self._swapped: dict[nn.Module, list[tuple[nn.Module, str, Tensor, Tensor]]] = {}
+        # calls of the model running (nested: several); whether the running forward is a direct call
+        # of its layers (not through the model); the forward the latest output gradient belongs to
+        self._in_model, self._direct, self._reached = 0, False, -1
+        # first of the model's pre-hooks, whenever the user's were registered: the batch is read where the caller
+        # put it (``batch_first``), and a pre-hook of the user's that moves it (``x.transpose(0, 1)`` for a
+        # sequence-first model) is an op of the forward, followed like any other
+        self._root = model.register_forward_pre_hook(
+            ModuleHook(self, self._next_generation), with_kwargs=True, prepend=True
+        )
+        self._token_loss_warning = lm_loss.warner()
+        self._root_out = model.register_forward_hook(ModuleHook(self, self._model_returned), with_kwargs=True)
+        self._provenance: list[Provenance] = []  # of the running forwards of the model (nested calls: several)
+        self._root_done = model.register_forward_hook(ModuleHook(self, self._forward_done), always_call=True)
+        self._handles: list[RemovableHandle] = []
+        # per layer, the dims its calls in the running forward had the batch on (LOST: not followed), for the
+        # calls that checkpointing computes again inside the backward (``_placed_before``)
+        self._placed: dict[str, set[int]] = {}
+        self._installs = 0  # how many times ``install`` ran (the root's own hooks, made again in its call: ``_missed``)
+        self._graph_unchecked = True  # the first graph is checked for batch statistics (pergrad._core.capture.coupling)
+        self._captures: dict[str, Capture] = {}  # parametrized layers: what their parametrizations computed
+
+    def install(self, layers: list[HookedLayer]) -> None:
+        """Hook ``layers`` (and refuse batch statistics in every BatchNorm of the model)."""
+        self.uninstall()
+        self._installs += 1
+        raw: dict[nn.Module, list[HookedLayer]] = {}
+        for layer in layers:
+            if layer.spec.raw:
+                raw.setdefault(layer.module if layer.host is None else layer.host, []).append(layer)
+                continue
+            batch_dim = 0 if self._batch_first or layer.spec.batch_dim_fixed else 1
+            mine = len(self._handles)
+            enter = ModuleHook(self, self._direct_call([layer.name], batch_dim))  # (no op of its own in a model call)
+            self._handles.append(layer.module.register_forward_pre_hook(enter, with_kwargs=True))
+            spec = layer.spec
+            drawers = random_modules(layer.module) if spec.fn in RERUNNING else []
+            if drawers:  # before anything is swapped in for the call
+                refuse = ModuleHook(self, _refuse_random_draws(layer, drawers))
+                self._handles.append(layer.module.register_forward_pre_hook(refuse))
+            detachable = not (spec.all_inputs or spec.subtree or spec.parametrized)
+            if self._to_detach is not None and detachable and (self._may_detach is None or self._may_detach(layer)):
+                # before the keeper: the output it keeps is the one with the probe added
+                pre, post = (
+                    ModuleHook(self, self._detacher(layer), True),
+                    ModuleHook(self, self._reattacher(layer), True),
+                )
+                self._handles.append(layer.module.register_forward_pre_hook(pre))
+                self._handles.append(layer.module.register_forward_hook(post, always_call=True))
+            if (
+                self._to_tap is not None
+                and not (spec.subtree or spec.parametrized)
+                and (self._may_tap is None or self._may_tap(layer))
+            ):
+                # after the detacher: a weight detached for the call is not tapped
+                pre, post = ModuleHook(self, self._tapper, True), ModuleHook(self, self._untapper, True)
+                self._handles.append(layer.module.register_forward_pre_hook(pre))
+                self._handles.append(layer.module.register_forward_hook(post, always_call=True))
+            if layer.spec.parametrized:
+                self._capture(layer)
+            hook = ModuleHook(self, self._keeper(layer), aside=True)
+            self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
+            _run_first(layer.module, self._handles[mine:])
+        for module, own in raw.items():
+            enter = ModuleHook(self, self._direct_call([layer.name for layer in own], 0 if self._batch_first else 1))
+            self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+            self._handles.append(module.register_forward_pre_hook(ModuleHook(self, self._tracker(own))))
+            self._handles.append(module.register_forward_hook(ModuleHook(self, self._untracker), always_call=True))
+        for name, module in self._model.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                hook = ModuleHook(self, _refuse_batch_statistics(name))
+                self._handles.append(module.register_forward_pre_hook(hook))
+
+    def _capture(self, layer: HookedLayer) -> None:
+        """Keep what each parametrization of ``layer`` computes during a call (``pergrad._core.capture.parametrized``)."""
+        capture = self._captures[layer.name] = Capture(sites(layer.module, layer.spec.subtree))
+        self._handles.append(layer.module.register_forward_pre_hook(ModuleHook(self, lambda m, args: capture.start())))
+        for site in capture.sites:
+            if site.hooked:  # computed by the owner's pre-hook, an attribute of the owner during its call
+
+                def read(
+                    m: nn.Module, args: tuple[Any, ...], out: Any, key: str = site.key, t: str = site.tensor
+                ) -> None:
+                    capture.record(key, m.__dict__.get(t))
+
+                self._handles.append(site.owner.register_forward_hook(ModuleHook(self, read)))
+                continue
+
+            def record(m: nn.Module, args: tuple[Any, ...], out: Any, key: str = site.key) -> None:
+                capture.record(key, out)
+
+            plist = parametrizations_of(site.owner)[site.tensor]
+            self._handles.append(plist.register_forward_hook(ModuleHook(self, record)))
+
+    def uninstall(self) -> None:
+        for handle in self._handles:
+            hooks = handle.hooks_dict_ref()
+            hook = None if hooks is None else hooks.get(handle.id)
+            if isinstance(hook, ModuleHook):
+                hook.removed = True
+            handle.remove()
+        self._handles.clear()
+        self._captures.clear()
+        self._detached.clear()
+        for module in list(self._tapped):
+            self._untapper(module, (), None)
+        for module in list(self._swapped):
+            self._untracker(module, (), None)
+
+    def _next_generation(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        self._in_model += 1  # (back down in ``_forward_done``, also when this raises)
+        installs = self._installs
+        if self._on_model_call is not None:
+            self._on_model_call()  # (may wrap the model again as it is now: ``install``)
+        self._direct = False
+        self._new_forward(args, kwargs, 0 if self._batch_first else 1)
+        x = args[0] if args else None
+        if self._on_input_grad is None or not (torch.is_grad_enabled() and isinstance(x, Tensor) and x.requires_grad):
+            self._follow(args, kwargs)
+            if self._installs != installs:
+                self._missed(module, args, kwargs)
+            return None
+        # a view of the input is a fresh node of this forward: its pre-hook sees d loss / d input
+        view = x.view_as(x)
+        generation, on_input_grad, batch_first = self.generation, self._on_input_grad, self._batch_first
+        assert view.grad_fn is not None
+
+        def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            if grad_outputs[0] is not None and not pulling():
+                on_input_grad(generation, batch_to_front(grad_outputs[0], batch_first))
+
+        view.grad_fn.register_prehook(catch)
+        self._follow((view, *args[1:]), kwargs)
+        if self._installs != installs:
+            self._missed(module, (view, *args[1:]), kwargs)
+        return (view, *args[1:]), kwargs
+
+    def _missed(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Run the forward pre-hooks that ``install`` just put on the model itself (a module with raw
+        parameters, ``cls_token`` on a ViT; a layer wrapped alone), which this call of it misses: torch
+        listed the hooks to run when the call began, before the model was wrapped again (``_sync``:
+        ``requires_grad`` switched)."""
+        with_kwargs = module._forward_pre_hooks_with_kwargs
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if isinstance(hook, ModuleHook) and hook.owner is self and key != self._root.id:
+                if key in with_kwargs:
+                    hook(module, args, kwargs)
+                else:
+                    hook(module, args)
+
+    def following(self) -> Provenance | None:
+        """The running forward's ``Provenance`` where it is the innermost torch function mode (a layer's
+        hooks then run aside from it), else None."""
+        if not self._provenance:
+            return None
+        found = self._provenance[-1]
+        return found if found.on_top() else None
+
+    def _follow(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Follow, for this forward, which tensors carry the batch (``pergrad._core.shortcuts.shared.Provenance``),
+        starting from the call's tensor arguments with the batch on the batch dim."""
+        batch = self.batch
+        if batch is None:
+            return
+        if not kwargs and all(isinstance(a, Tensor) for a in args):
+            tensors: Any = args
+        else:
+            tensors = tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, PackedSequence))[0]
+        dim, size = batch.dim, batch.size
+        seeds = [(t, dim) for t in tensors if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == size]
+        seeds += [(t.data, LOST) for t in tensors if isinstance(t, PackedSequence) and int(t.batch_sizes[0]) == size]
+        seen = [t for t in tensors if isinstance(t, Tensor)]
+        found = Provenance(seeds, seen, size)
+        found.__enter__()
+        self._provenance.append(found)
+
+    def _forward_done(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Forward hook of the root (also when the forward raised): stop following the batch."""
+        self._in_model = max(self._in_model - 1, 0)
+        if not self._provenance:
+            return
+        found = self._provenance.pop()
+        stack = torch._C._len_torch_function_stack()
+        if stack and torch._C._get_function_stack_at(stack - 1) is found:
+            found.__exit__(None, None, None)
+
+    def _new_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> None:
+        """A forward starts (a call of the model, or a direct call of its layers): its generation, and
+        its batch read from the call's arguments."""
+        self.generation += 1
+        self._calls.clear()
+        self._placed.clear()
+        self._buffer_storages = None
+        tracking = torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+        tracking = tracking and not torch.compiler.is_compiling()
+        self.batch = batch_of_call(args, kwargs, dim, self._buffers) if tracking else None
+
+    def _direct_call(self, names: list[str], dim: int) -> Callable[..., None]:
+        """Forward pre-hook of a hooked layer (or a module with raw parameters; ``names``: the hooked
+        layers it is) for calls outside a call of the model (``model.backbone(x)``, then
+        ``model.head(h)``): the first such call starts a forward whose batch is read from its
+        arguments, as a call of the model starts one. The calls after it belong to that forward,
+        until a backward has reached it or a layer is called again (a forward of its own: a
+        backward through both is refused, as for two calls of the model)."""
+
+        def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._in_model or not torch.is_grad_enabled() or pulling():
+                return
+            if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+                return
+            if torch._C._current_graph_task_id() != -1:
+                return  # computed again inside a backward (activation checkpointing): its forward's
+            if self._direct and self._reached != self.generation and not any(n in self._calls for n in names):
+                return  # a later call of the running direct forward
+            self._direct = True
+            self._new_forward(args, kwargs, dim)
+
+        return enter
+
+    def _refuse_direct(self, label: str, what: str) -> None:
+        """Refuse a call in a direct forward (``_direct_call``) that needs the batch followed through
+        the forward (``pergrad._core.shortcuts.shared.Provenance``, active in a call of the model only)."""
+        if self._direct and not self._in_model and torch._C._current_graph_task_id() == -1:
+            raise SharedInputError(
+                f"{label} was called {what} outside a call of the wrapped model (a submodule called directly); "
+                "pergrad follows which tensors carry the batch through the model's forward only, so it cannot "
+                "split this call's gradient per sample. Call it through the wrapped model (a forward that makes "
+                "these calls), or wrap the module you call (PerSampleModule(model.backbone)) instead of the model."
+            )
+
+    def _reaching(self, on_output_grad: OnOutputGrad) -> OnOutputGrad:
+        """``on_output_grad``, noting which forward a backward has reached (see ``_direct_call``)."""
+
+        def reached(kept: Kept, *rest: Any) -> None:
+            self._reached = kept.generation
+            on_output_grad(kept, *rest)
+
+        return reached
+
+    def _buffers(self) -> frozenset[int]:
+        """The storages of the model's buffers (computed once per forward, when first asked)."""
+        if self._buffer_storages is None:
+            self._buffer_storages = frozenset(b.untyped_storage().data_ptr() for b in self._model.buffers())
+        return self._buffer_storages
+
+    def _detacher(self, layer: HookedLayer) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        """Forward pre-hook: run this call with the parameters pergrad owns detached (see ``Detached``)."""
+        assert self._to_detach is not None
+        to_detach = self._to_detach
+
+        def detach(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+                return
+            if torch.compiler.is_compiling():
+                return
+            batch_dim = 0 if self._batch_first or layer.spec.batch_dim_fixed else 1
+            a = _first_input(args, {})
+            following = provenance()
+            at = following.where(a) if following is not None and isinstance(a, Tensor) else LOST
+            found = to_detach(layer, a, at if at >= 0 else batch_dim, self.generation)
+            if found is None:
+                return
+            self._detached[layer.name] = found
+            for name, _, replacement in found.swaps:
+                module._parameters[name] = replacement  # type: ignore[assignment]
+
+        return detach
+
+    def _reattacher(self, layer: HookedLayer) -> Callable[..., Any]:
+        """Forward hook that runs even when the forward raised: put the real parameters back (and
+        add the probe to the output, for an anchor on the output)."""
+
+        def reattach(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            found = self._detached.get(layer.name)
+            if found is None:
+                return None
+            for name, original, replacement in found.swaps:
+                if module._parameters.get(name) is replacement:  # (FSDP2 may have put its shard back)
+                    module._parameters[name] = original  # type: ignore[assignment]
+            if not isinstance(output, Tensor):  # the forward raised: the keeper will not run
+                self._detached.pop(layer.name)
+                return None
+            if not found.on_output:
+                return None
+            anchored = anchor_output(output, found.anchor)  # (aside from the forward's Provenance: marked here)
+            following = self._provenance[-1] if self._provenance else None
+            if anchored is not output and following is not None:
+                at = following.where(output)
+                if carries(at):
+                    following.mark(anchored, at)
+                elif at == SEEN:
+                    following.see(anchored)
+            return anchored
+
+        return reattach
+
+    def _tapper(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Forward pre-hook: the call reads the parameters pergrad checks through their taps."""
+        to_tap = self._to_tap
+        if to_tap is None or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+            return
+        if torch.compiler.is_compiling():
+            return
+        swaps: list[tuple[str, Tensor, Tensor]] = []
+        for name, p in module._parameters.items():
+            tap = to_tap(p, self.generation)
+            if p is not None and tap is not None:
+                module._parameters[name] = tap  # type: ignore[assignment]
+                swaps.append((name, p, tap))
+        if swaps:
+            self._tapped[module] = swaps
+
+    def _untapper(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Forward hook (also when the forward raised): the parameters back in place."""
+        for name, p, tap in self._tapped.pop(module, []):
+            if module._parameters.get(name) is tap:  # (FSDP2 may have put its shard back)
+                module._parameters[name] = p  # type: ignore[assignment]
+
+    def _keeper(self, layer: HookedLayer) -> Callable[..., Tensor | None]:
+        # fixed for the layer: looked up once here, not at every call (this runs at every forward)
+        name, spec = layer.name, layer.spec
+        all_inputs, every = spec.all_inputs, spec.output_dims is not None  # every: the rule takes every output
+        batch_first = self._batch_first or spec.batch_dim_fixed
+        batch_dim = 0 if batch_first else 1
+        on_output_grad, detached_calls, captures = self._on_output_grad, self._detached, self._captures
+        grad_enabled, transforming = torch.is_grad_enabled, torch._C._are_functorch_transforms_active
+
+        def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Tensor | None:
+            detached = detached_calls.pop(name, None) if detached_calls else None
+            returned = output
+            packed_batch = None
+            if all_inputs and not isinstance(output, Tensor):
+                if isinstance(output, tuple | list) and output and isinstance(output[0], PackedSequence):
+                    packed_batch, output = int(output[0].batch_sizes[0]), output[0].data  # a recurrent layer, packed
+                else:
+                    output = _first_tensor(output, every)
+            if not (grad_enabled() and isinstance(output, Tensor)):
+                if self.batch is not None and self._provenance and not grad_enabled():
+                    self._place(name, _first_input(args, kwargs))  # (a reentrant checkpoint's segment, say)
+                return None
+            if every:
+                if not any(t.grad_fn is not None for t in output_tensors(returned)):
+                    return None  # nothing will flow back through this call: keep nothing
+            elif output.grad_fn is None:
+                return None
+            if transforming():
+                return None  # torch.func is differentiating the model itself (vmap/grad): not ours to track
+            capture = captures.get(name) if captures else None
+            computed = None if capture is None else capture.take(layer.label)
+            first = _first_input(args, kwargs)
+            dim = batch_dim  # where the batch is in this call's input (the forward may have moved it)
+            if self.batch is not None:
+                if provenance() is None and torch._C._current_graph_task_id() != -1:  # computed again (checkpoint)
+                    dim = self._placed_before(name, first, batch_dim, layer.label)
+                    if all_inputs and dim != batch_dim:
+                        _check_layout(module, first, dim, layer.label, known=True)
+                else:
+                    dim = located(first, batch_dim, self.batch.size, layer.label, spec.batch_dim_fixed)
+                    if all_inputs:
+                        _check_layout(module, first, dim, layer.label)
+                    if self._provenance:
+                        self._placed.setdefault(name, set()).add(dim)
+            a = LayerCall(args, kwargs, dim) if all_inputs else first
+            batched = output if all_inputs else a
+            dims = _output_dims(layer, returned, dim) if every else ()
+            reduced = bool(dims) and all(dim is None for dim in dims)
+            if reduced:  # it returns no batch (a loss reduced over it): the batch is its first input's
+                batched = _first_input(args, kwargs)
+            if not isinstance(batched, Tensor):
+                raise TypeError(f"pergrad: {layer.label} was called without a tensor input")
+            if self.batch is not None and not all_inputs:
+                group = classify(a, output, dim, self.batch, layer.label)
+                if group is not None:
+                    assert isinstance(a, Tensor)
+                    self._refuse_direct(layer.label, f"on an input shared by the batch (shape {tuple(a.shape)})")
+                    return self._keep_shared(layer, a, output, dim, group, detached, computed)
+            shape = output.shape
+            if packed_batch is None and (batched.dim() <= dim or (len(shape) <= dim and not reduced)):
+                raise BatchSizeError(
+                    f"{layer.label} got input of shape {tuple(batched.shape)}, which has "
+                    f"no batch dim {dim}; pergrad needs batched inputs"
+                    + ("" if batch_first else " (batch_first=False puts the batch on dim 1)")
+                )
+            batch_size = batched.shape[dim] if packed_batch is None else packed_batch
+            if isinstance(a, LayerCall) and every:
+                a = replace(a, output_dims=dims, batch_size=batch_size)
+            kept_input: Any = a if isinstance(a, LayerCall) or dim == 0 else a.movedim(dim, 0)
+            given = a if isinstance(a, Tensor) and kept_input is not a else None  # (the rule reads a view of it)
+            if computed is not None:
+                kept_input = Computed(kept_input, computed)
+            kept = Kept(
+                layer,
+                kept_input,
+                self.generation,
+                batch_size,
+                self._key(name),
+                packed_batch is not None,
+                detached,
+                self._recomputed(),
+                given=given,
+            )
+            if self.batch is not None and packed_batch is None:
+                _place_outputs(returned if every else output, dims if every else (dim,), batch_size)
+            if isinstance(a, LayerCall) and a.output_dims:  # the rule takes every output's gradient
+                _catch_outputs(kept, returned, (args, kwargs), on_output_grad)
+                return None
+            produced = _producer(output)
+            node, index, turn = produced.grad_fn, produced.output_nr, 0 if kept.packed else dim
+            assert node is not None
+
+            def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
+                d = grad_outputs[index]
+                if d is not None and not pulling():
+                    if d.shape != shape:  # the producer is the output's base (see _producer)
+                        d = d.reshape(shape)
+                    on_output_grad(kept, d.movedim(turn, 0) if turn else d)
+
+            node.register_prehook(catch)
+            return None
+
+        return keep
+
+    def failed(self) -> None:
+        """One of pergrad's hooks raises: inside a backward (a layer computed again by activation
+        checkpointing, an output shared by the batch whose gradient met no op that splits it), that backward
+        stops there and its end never runs, so the engine undoes what it wrote of ``.grad`` (``on_failed``)."""
+        if self._on_failed is not None and torch._C._current_graph_task_id() != -1:
+            self._on_failed()
+
+    def _place(self, name: str, a: Any) -> None:
+        """Note where the running forward has the batch in the input ``a`` of a call of layer ``name`` that
+        keeps nothing (grad mode off: a reentrant checkpoint's segment runs so in the forward)."""
+        found = provenance()
+        if found is not None and isinstance(a, Tensor) and not isinstance(a, Shared):
+            at = found.where(a)
+            if at >= 0 or at == LOST:
+                self._placed.setdefault(name, set()).add(at)
+
+    def _placed_before(self, name: str, a: Any, dim: int, label: str) -> int:
+        """The batch dim of the input ``a`` of a call of layer ``name`` computed again inside the backward
+        (activation checkpointing), where ``Provenance`` does not run: where this forward's calls of the layer
+        had it (``x.transpose(0, 1)`` before a sequence-first segment: dim 1), else ``dim``. Refused where
+        those calls had it on several dims and ``a``'s shape cannot tell which."""
+        found = self._placed.get(name)
+        if not found or not isinstance(a, Tensor) or self.batch is None:
+            return dim
+        size = self.batch.size
+        fits = [d for d in range(a.dim()) if a.shape[d] == size]
+        known = [d for d in found if d in fits]
+        if not fits or size == 1:  # (no batch here: ``classify`` says why; one sample: any dim of size 1)
+            return known[0] if known else dim
+        if LOST not in found:
+            if len(known) <= 1:
+                return known[0] if known else dim
+        elif len(fits) == 1:  # the forward lost track of it in some call: as ``located`` does then
+            return known[0] if known else dim
+        raise BatchSizeError(
+            f"{label} is computed again inside the backward (activation checkpointing), where pergrad does not see "
+            "the forward's ops; it takes its input's batch dim from this forward's calls of it, which had the batch "
+            f"on dims {sorted(d for d in found if d >= 0)}"
+            + (" or on one pergrad lost track of" if LOST in found else "")
+            + f", and this call's input (shape {tuple(a.shape)}) has the batch's size {size} on dims {fits}: pergrad "
+            "cannot tell which is the batch. Call the layer with the batch on the same dim every time (move it back "
+            "with x.movedim(...) before the call), or keep it outside the checkpointed segment"
+        )
+
+    def _recomputed(self) -> int | None:
+        """The backward pass this call runs inside (activation checkpointing computes a segment again
+        during the backward), announced to the engine; None for a call in an ordinary forward."""
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            return None
+        if self._on_recompute is not None:
+            self._on_recompute()
+        return task
+
+    def _key(self, name: str) -> str:
+        """``name``, with ":k" for its k-th call (k >= 1) in this forward."""
+        call = self._calls.get(name, 0)
+        self._calls[name] = call + 1
+        return name if call == 0 else f"{name}:{call}"
+
+    def _keep_shared(
+        self,
+        layer: HookedLayer,
+        a: Tensor,
+        output: Tensor,
+        dim: int,
+        group: Group,
+        detached: Detached | None,
+        computed: dict[str, Tensor] | None,
+    ) -> Tensor:
+        """A call whose output is (or may be) shared by the batch (see ``pergrad._core.shortcuts.shared``): the model
+        goes on with a tracked alias of the output, whose meetings with the batch deliver each
+        sample's output gradient; the gradient autograd sums over the batch is then not used."""
+        with torch._C.DisableTorchFunctionSubclass():
+            plain = a.view_as(a)  # a plain tensor, with a's graph (second order differentiates through it)
+        size = group.batch
+        key = self._key(layer.name)
+        a_shared, per_sample = per_sample_input(plain, output, dim, size)
+
+        def kept_input(x: Tensor) -> Any:
+            return x if computed is None else Computed(x, computed)
+
+        task = self._recomputed()
+        shared = Kept(
+            layer, kept_input(a_shared), self.generation, size, key, detached=detached, task=task, shared=True
+        )
+        on_output_grad = self._on_output_grad
+        origin = Origin(output, lambda g: on_output_grad(shared, per_sample(g)), group, layer.label)
+        before = a.origins if isinstance(a, Shared) else ()
+        alias = track(output, [*before, origin])
+        produced = _producer(output)
+        origin.aliased(alias, produced)  # (where the output gradient arrives, as ``catch`` below reads it)
+        # the batched reading of the same call, for a group that turns out batched after all
+        batched = None
+        if group.state == "maybe":
+            batched = Kept(
+                layer,
+                kept_input(batch_to_front(plain, dim == 0)),
+                self.generation,
+                size,
+                key,
+                detached=detached,
+                task=task,
+                shared=True,
+            )
+        node, index, shape, a_shape = produced.grad_fn, produced.output_nr, output.shape, tuple(a.shape)
+        assert node is not None
+        # The hook holds the origin weakly: the origin holds the alias, whose graph holds ``node``, and a
+        # cycle through an autograd node is one Python's gc cannot collect (every step's call would stay).
+        # An origin gone by the time its output's gradient arrives was met by no op of this graph.
+        delivered_to = weakref.ref(origin)
+
+        def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            d = grad_outputs[index]
+            if d is None or pulling():
+                return
+            if group.state == "shared":
+                met = delivered_to()
+                if met is not None and met.delivered:
+                    met.delivered = 0
+                    return
+                self.failed()  # (each branch below raises)
+                if task is not None:
+                    raise SharedInputError(
+                        f"{layer.label}, computed again inside the backward, took its input (shape {a_shape}) for one "
+                        "shared by the batch, and its output's gradient reached the loss without meeting the batch in "
+                        "an op that splits it per sample." + RECOMPUTED
+                    )
+                raise SharedInputError(
+                    f"the output of {layer.label} is shared by the batch (its input has no batch dim: shape "
+                    f"{a_shape}), but its gradient reached the loss without meeting the batch in an op that "
+                    "broadcasts it over the samples, so it cannot be split per sample. If the layer's input folds "
+                    "the batch into another dim, keep the batch on its own dim."
+                )
+            if group.state == "maybe":
+                self.failed()
+                raise SharedInputError(
+                    f"{layer.label} got an input of shape {a_shape} created inside the forward (not computed "
+                    f"from the model's inputs) with {size} on the batch dim {dim}, and its output reached the loss "
+                    "without meeting a tensor computed from the model's inputs in an op that shows whether that dim "
+                    "is the batch. If that input is the same for every sample, give it a batch dim of size 1 "
+                    "(ids[None]); if it is one row per sample, pass it to the model as an argument."
+                    + (RECOMPUTED if task is not None else "")
+                )
+            assert batched is not None, "only a group that may be batched turns out batched"
+            on_output_grad(batched, batch_to_front(d.reshape(shape), dim == 0))
+
+        node.register_prehook(catch)
+        return alias
+
+    def _tracker(self, layers: list[HookedLayer]) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        """Forward pre-hook of a module with raw parameters: for the call, the module holds tracked
+        aliases of them (see ``pergrad._core.shortcuts.shared``), whose meetings with the batch deliver ``g_i``."""
+
+        def swap(module: nn.Module, args: tuple[Any, ...]) -> None:
+            batch = self.batch
+            if batch is None or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+                return
+            self._refuse_direct(layers[0].label, "with raw parameters shared by the batch")
+            saved: list[tuple[nn.Module, str, Tensor, Tensor]] = []
+            for layer in layers:
+                holder = layer.module  # the module itself, or a ParameterDict/ParameterList of it
+                p = holder._parameters.get(layer.param)
+                if not (isinstance(p, nn.Parameter) and p.requires_grad):
+                    continue
+                key = self._key(layer.name)
+                kept = Kept(layer, layer.param, self.generation, batch.size, key, task=self._recomputed())
+                origin = Origin(p, self._deliver(kept), Group("shared", batch.size, batch.dim), layer.label)
+                tap = None if self._to_tap is None else self._to_tap(p, self.generation)
+                alias = track(p if tap is None else tap, [origin])
+                origin.aliased(alias, alias)
+                holder._parameters[layer.param] = origin.tensor  # type: ignore[assignment]
+                saved.append((holder, layer.param, p, origin.tensor))
+            self._swapped[module] = saved
+
+        return swap
+
+    def _deliver(self, kept: Kept) -> Callable[[Tensor], None]:
+        on_output_grad = self._on_output_grad
+        return lambda g: on_output_grad(kept, g)
+
+    def _untracker(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Forward hook (also when the forward raised): the module's own parameters back in place."""
+        for holder, name, p, alias in self._swapped.pop(module, []):
+            if holder._parameters.get(name) is alias:  # (FSDP2's forward hook may have put its own back)
+                holder._parameters[name] = p  # type: ignore[assignment]
+
+    def _model_returned(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if self.batch is not None and self._graph_unchecked:  # the first forward that builds a graph
+            self._graph_unchecked = False
+            refuse_batch_statistics(output_tensors(output))
+        if self._on_model_returned is not None:
+            self._on_model_returned()
+        labels = lm_loss.token_labels(kwargs) if self.batch is not None else None
+        if labels is not None:
+            lm_loss.watch(labels, output, self._token_loss_warning)
+
+    def remove(self) -> None:
+        self.uninstall()
+        self._root.remove()
+        self._root_out.remove()
+        self._root_done.remove()

@@ -1,0 +1,1 @@
+"""pergrad._core.memory"""
