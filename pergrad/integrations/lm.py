@@ -23,6 +23,7 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor
 
+from pergrad._core.capture.hooks import CALL_WATCHERS
 from pergrad.errors import TokenLossWarning
 
 IGNORE_INDEX = -100  # the label HuggingFace's losses skip (padding, prompt tokens)
@@ -122,17 +123,21 @@ def watch(labels: Tensor, output: Any, warn: Callable[[str], None]) -> None:
     loss.grad_fn.register_prehook(check)
 
 
-def warner() -> Callable[[str], None]:
-    """A ``warn`` that warns once (per wrapper), as a ``TokenLossWarning``."""
-    done = False
+def _watch_labels(labels: Any, output: Any, warned: set[str]) -> None:
+    """A wrapped model's call with token ``labels=``: warn (once per wrapper) if a backward runs through its
+    token-mean ``output.loss`` while the rows hold different numbers of labelled tokens."""
+    labels = token_labels({"labels": labels})
+    if labels is None:
+        return
 
     def warn(message: str) -> None:
-        nonlocal done
-        if not done:
-            done = True
+        if "token loss" not in warned:
+            warned.add("token loss")
             warnings.warn(f"pergrad: {message}", TokenLossWarning, stacklevel=2)
 
-    return warn
+    watch(labels, output, warn)
 
 
-__all__ = ["IGNORE_INDEX", "PerSampleLMLoss", "per_sample_lm_loss", "token_labels", "warner", "watch"]
+CALL_WATCHERS["labels"] = _watch_labels
+
+__all__ = ["IGNORE_INDEX", "PerSampleLMLoss", "per_sample_lm_loss", "token_labels", "watch"]

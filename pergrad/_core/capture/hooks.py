@@ -60,13 +60,17 @@ from pergrad.errors import (
     UnsupportedLayerError,
     module_label,
 )
-from pergrad.integrations import lm as lm_loss
 from pergrad.registry import LayerCall, output_tensors
 from pergrad.rules.fallback import RERUNNING, drawing, random_modules
 
 OnOutputGrad = Callable[..., None]  # (kept, d) or, for a rule with output_dims, (kept, d, k): output k's gradient
 ToDetach = Callable[[HookedLayer, Any, int, int], "Detached | None"]
 ToTap = Callable[[Any, int], "Tensor | None"]  # (a module's parameter, generation) -> the tap it is read through
+# Features that look at one keyword argument of the model's call and its output, by the keyword's name:
+# ``watch(value, output, warned)``, with ``warned`` the wrapper's set of warnings given (to give each once).
+# ``pergrad.integrations.lm`` registers ``labels`` (HuggingFace's token-mean loss); a call without keyword
+# arguments runs none of them.
+CALL_WATCHERS: dict[str, Callable[[Any, Any, set[str]], None]] = {}
 
 
 def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -420,7 +424,7 @@ class LayerHooks:
         self._root = model.register_forward_pre_hook(
             ModuleHook(self, self._next_generation), with_kwargs=True, prepend=True
         )
-        self._token_loss_warning = lm_loss.warner()
+        self._warned: set[str] = set()  # what ``CALL_WATCHERS`` warned of, once per wrapper
         self._root_out = model.register_forward_hook(ModuleHook(self, self._model_returned), with_kwargs=True)
         self._provenance: list[Provenance] = []  # of the running forwards of the model (nested calls: several)
         self._root_done = model.register_forward_hook(ModuleHook(self, self._forward_done), always_call=True)
@@ -1027,9 +1031,9 @@ class LayerHooks:
             refuse_batch_statistics(output_tensors(output))
         if self._on_model_returned is not None:
             self._on_model_returned()
-        labels = lm_loss.token_labels(kwargs) if self.batch is not None else None
-        if labels is not None:
-            lm_loss.watch(labels, output, self._token_loss_warning)
+        if kwargs and self.batch is not None:
+            for key in kwargs.keys() & CALL_WATCHERS.keys():
+                CALL_WATCHERS[key](kwargs[key], output, self._warned)
 
     def remove(self) -> None:
         self.uninstall()
