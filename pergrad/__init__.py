@@ -6,7 +6,9 @@ loss_fn(psm(x), y).backward()                 # p.grad_sample: [B, *p.shape]; p.
 """
 
 from pergrad._core.convert import fix_batchnorm
+from pergrad.integrations import lightning_loop as _lightning_loop  # noqa: F401 -- registers its check
 from pergrad.integrations.lm import PerSampleLMLoss, per_sample_lm_loss
+from pergrad.integrations.opacus import OpacusRouteError
 
 from . import _moved, rules, transforms
 from .errors import (
@@ -16,7 +18,6 @@ from .errors import (
     DetachedWeightError,
     HookStateError,
     NormNotComputedError,
-    OpacusRouteError,
     PergradError,
     SecondOrderError,
     SharedInputError,

@@ -64,11 +64,6 @@ class DetachedWeightError(HookStateError):
     ``backward(inputs=...)``): pergrad computes that weight's ``.grad`` itself."""
 
 
-class OpacusRouteError(PergradError, RuntimeError):
-    """Opacus's ``DPOptimizer`` steps parameters of the wrapped model (``make_private(...,
-    grad_sample_mode="no_op")``) in a way that would drop or mix what pergrad computed."""
-
-
 class CaptumError(PergradError, ValueError):
     """``pergrad.integrations.captum`` was asked for scores it cannot compute from per-sample gradients (a loss that
     is not one per sample, a wrapper that keeps no ``grad_sample``)."""

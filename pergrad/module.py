@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -15,14 +14,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
-from pergrad._core.backward.engine import Engine
+from pergrad._core.backward.engine import Engine, integration_checks
 from pergrad._core.backward.sources import Materialized
 from pergrad._core.backward.targets import Target
 from pergrad._core.capture.calls import HookedLayer
 from pergrad._core.capture.discover import discover, is_lazy_module, layout_of
 from pergrad._core.capture.hooks import LayerHooks, owners
 from pergrad._core.consumers.grad_sample import Holder
-from pergrad._core.loss_scale import GradScalerLike, LossScaleLike, factor_reader, lightning_divisor, loss_scale_reader
+from pergrad._core.loss_scale import GradScalerLike, LossScaleLike, factor_reader, loss_scale_reader
 from pergrad._core.parallel.distributed import DataParallel, running_ddp, world_for
 from pergrad.attribution.factors import Factors, check_factored
 from pergrad.attribution.projection import Projected, check_per_token, check_request
@@ -33,7 +32,6 @@ from .errors import (
     PergradError,
     ProjectionError,
     TargetError,
-    TrainerConfigError,
     TransformError,
     WrapperAttributeError,
 )
@@ -347,7 +345,9 @@ class PerSampleModule:
                 self._engine.world = world
         self._engine.on_forward()
         if not self._engine.closed and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            self._check_loss_divisor()
+            for check in integration_checks():
+                if check.forward is not None:
+                    check.forward(self)
         if self._engine.closed or layout_of(self._submodules, self._canonical) == self._layout:
             return
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
@@ -361,28 +361,6 @@ class PerSampleModule:
         for param in before - set(self._engine.param_names):
             self._engine.grad_sample.drop(param)  # no grad_sample left on parameters the model no longer holds
         self._engine.verify_backwards = 1 if self._verify else 0
-
-    def _check_loss_divisor(self) -> None:
-        """Refuse a call from the training step of a Lightning module whose Trainer divides each
-        micro-batch's loss by ``k = accumulate_grad_batches`` while ``loss_scale`` does not say ``1/k``:
-        pergrad would see ``g_i / k`` (``clip_norm(C)`` clipping each sample at ``kC``)."""
-        found = lightning_divisor(self.module)
-        if found is None:
-            return
-        k, holder = found
-        factor = None if self._engine.loss_factor is None else self._engine.loss_factor()
-        if factor is not None and math.isclose(float(factor), 1.0 / k, rel_tol=1e-9):
-            return
-        said = "no loss_scale" if factor is None else f"loss_scale={float(factor):g}"
-        raise TrainerConfigError(
-            f"the wrapped {type(self.module).__name__} is called from the training_step of {type(holder).__name__}, "
-            f"whose Trainer(accumulate_grad_batches={k}) divides each micro-batch's loss by {k} before its backward, "
-            f"but the wrapper has {said}: pergrad would see each sample's gradient divided by {k} (a clip_norm(C) "
-            f"would clip it at {k}C, a privacy bound {k} times weaker than set). Pass "
-            "loss_scale=lambda: 1 / self.trainer.accumulate_grad_batches to PerSampleModule (or set psm.loss_scale "
-            "so), or let pergrad.integrations.lightning.PerSample('<attribute of the network>', transforms={...}) wrap it: it "
-            "sets the loss scale and checks the Trainer's other options."
-        )
 
     def _after_call(self) -> None:
         """At the end of every call of the model while it holds lazy modules before their first

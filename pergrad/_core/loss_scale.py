@@ -16,13 +16,11 @@ it writes into ``.grad`` by ``S`` again, so ``.grad`` stays in the scaler's unit
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
-from types import FrameType
 from typing import TypeAlias
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 LossScale = Callable[[], "Tensor | None"]
 # what PerSampleModule(loss_scale=...) takes: the factor itself, or a callable returning it at each backward
@@ -105,28 +103,3 @@ def on_device(scale: Tensor, like: Tensor) -> Tensor:
     if scale.device == like.device or scale.device.type == "cpu":
         return scale
     return scale.to(like.device, non_blocking=like.device.type != "cpu")  # into host memory: wait for it
-
-
-def lightning_divisor(model: nn.Module) -> tuple[int, nn.Module] | None:
-    """``(k, module)`` where ``model`` is being called from the ``training_step`` of a Lightning module
-    that holds it, whose Trainer divides each micro-batch's loss by ``k = accumulate_grad_batches > 1``
-    before its backward (automatic optimization); else None.
-
-    Lightning is not imported: only where it is loaded already, the callers' frames are searched for a
-    ``training_step`` method of a module with an attached ``_trainer`` (duck typing), a few string
-    comparisons per frame."""
-    if "lightning.pytorch" not in sys.modules and "pytorch_lightning" not in sys.modules:
-        return None
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "training_step":
-            holder = frame.f_locals.get("self")
-            trainer = getattr(holder, "_trainer", None) if isinstance(holder, nn.Module) else None
-            k = getattr(trainer, "accumulate_grad_batches", None)
-            if isinstance(holder, nn.Module) and isinstance(k, int):
-                automatic = getattr(holder, "automatic_optimization", True)
-                if k > 1 and automatic is True and any(m is model for m in holder.modules()):
-                    return k, holder
-                return None
-        frame = frame.f_back
-    return None

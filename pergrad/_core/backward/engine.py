@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -48,8 +50,6 @@ from pergrad._core.backward.state import Backward, Backwards, any_replaced, queu
 from pergrad._core.backward.targets import Targets
 from pergrad._core.backward.verify import (
     check_hooked,
-    check_opacus,
-    check_opacus_stale,
     check_partial,
     check_reached,
     check_sums,
@@ -76,6 +76,27 @@ from pergrad.statistics import needs
 
 def _shape(a: object) -> object:
     return tuple(a.shape) if isinstance(a, Tensor) else "several inputs"
+
+
+@dataclass(frozen=True)
+class IntegrationCheck:
+    """What an integration checks of a library the wrapped model runs inside: ``forward(wrapper)`` at every call
+    of the model, ``begin(engine, generation)`` at a backward's first arrival, ``end(engine, batch)`` with the
+    core's checks once every gradient arrived. They run only in a process that imported one of ``libraries``."""
+
+    libraries: tuple[str, ...]
+    forward: Callable[[Any], None] | None = None
+    begin: Callable[[Engine, int], None] | None = None
+    end: Callable[[Engine, Batch], None] | None = None
+
+
+# The integrations' checks by name (``pergrad.integrations.opacus``, ``pergrad.integrations.lightning_loop``)
+INTEGRATION_CHECKS: dict[str, IntegrationCheck] = {}
+
+
+def integration_checks() -> list[IntegrationCheck]:
+    """The checks of ``INTEGRATION_CHECKS`` about a library this process imported."""
+    return [c for c in INTEGRATION_CHECKS.values() if any(library in sys.modules for library in c.libraries)]
 
 
 class Engine:
@@ -306,7 +327,9 @@ class Engine:
         if state.generation is None:
             state.generation, state.batch_size, state.first_layer = kept.generation, kept.batch_size, layer.name
             self._refuse_transforming_twice(kept.generation)
-            check_opacus_stale(self.grad_sample.held(kept.generation), self.param_names)
+            for check in integration_checks():
+                if check.begin is not None:
+                    check.begin(self, kept.generation)
             self.grad_sample.drop_stale(kept.generation)
             self.pool.begin()
         elif kept.generation != state.generation:
@@ -720,7 +743,9 @@ class Engine:
         check_partial(state, self.targets, known, self.layers, self.canonical)
         check_hooked(state, self.param_names)
         check_taps(state, self.detacher.current, self.param_names)
-        check_opacus(batch.params, self.keep_grad_sample, self.targets, self.param_names)
+        for check in integration_checks():
+            if check.end is not None:
+                check.end(self, batch)
         if self.verify_backwards > 0 and batch.size > 0 and batch.params:
             self.verify_backwards -= 1
             state.verified = True

@@ -4,9 +4,8 @@ it cannot split into samples.
 Every backward: each parameter the backward reached got its gradient from its layers' outputs
 (``check_reached``), backward(inputs=...) named all of a transform's target or none of it
 (``check_partial``), and nothing but the layers' outputs reached a tapped parameter
-(``check_taps``, see ``pergrad._core.shortcuts.reach``), and a parameter Opacus's optimizer steps gets the
-``grad_sample`` it reads, untransformed and of one forward only (``check_opacus``,
-``check_opacus_stale``). The first backward (``check_sums``):
+(``check_taps``, see ``pergrad._core.shortcuts.reach``); the integrations' checks of ``INTEGRATION_CHECKS``
+(Opacus's route: ``pergrad.integrations.opacus``). The first backward (``check_sums``):
 the per-sample gradients must add up to autograd's gradient of every parameter,
 ``sum_i g_i = grad`` (``(1/B) sum_i g_i`` for a mean loss). They do unless part of the loss reaches
 a parameter other than through its layer's output: a regulariser added to the loss, or a parent
@@ -17,7 +16,7 @@ rather than drop or transform it.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Collection, Container, Iterable
+from collections.abc import Callable, Collection, Container
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +25,7 @@ from pergrad._core.backward.sources import Fused, Materialized
 from pergrad._core.backward.state import Backward
 from pergrad._core.backward.targets import Targets
 from pergrad._core.capture.calls import HookedLayer
-from pergrad.errors import RECOMPUTED, HookStateError, OpacusRouteError, TransformError
+from pergrad.errors import RECOMPUTED, HookStateError, TransformError
 
 Canonical = Callable[[nn.Parameter], nn.Parameter]
 
@@ -213,58 +212,3 @@ def check_hooked(state: Backward, names: dict[nn.Parameter, str]) -> None:
                 "once .grad is final (p.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(0.5))), or per "
                 "sample, in the transform."
             )
-
-
-def stepped_by_opacus(param: nn.Parameter) -> bool:
-    """Whether Opacus's ``DPOptimizer`` steps ``param``: it gives every parameter it steps a
-    ``summed_grad`` attribute when made (``make_private``), and clips ``p.grad_sample`` into it."""
-    return "summed_grad" in vars(param)
-
-
-_NO_OP_ROUTE = (
-    "The route that keeps Opacus: PerSampleModule(model, keep_grad_sample=True) with no transform, and "
-    'make_private(..., grad_sample_mode="no_op", loss_reduction=<the same as pergrad\'s>)'
-)
-
-
-def check_opacus(
-    params: Container[nn.Parameter], keep_grad_sample: bool, targets: Targets, names: dict[nn.Parameter, str]
-) -> None:
-    """Opacus's ``DPOptimizer`` clips ``p.grad_sample`` itself and overwrites ``.grad``: a parameter it
-    steps needs ``grad_sample`` kept, and a transform of pergrad would be dropped without a word."""
-    # in the model's order (a parameter's hash is a Python call: asked only of those Opacus steps)
-    stepped = [p for p in names if stepped_by_opacus(p) and p in params]
-    if not stepped:
-        return
-    if not keep_grad_sample:
-        raise OpacusRouteError(
-            f"parameter {names[stepped[0]]!r} is stepped by Opacus's DPOptimizer (make_private), which clips "
-            "p.grad_sample, but this PerSampleModule was made with keep_grad_sample=False, so there is none. "
-            f"Pass keep_grad_sample=True. {_NO_OP_ROUTE}."
-        )
-    for target in targets:
-        mine = set(target.params.values())
-        covered = [p for p in stepped if p in mine]
-        if covered:
-            raise OpacusRouteError(
-                f"parameter {names[covered[0]]!r} is stepped by Opacus's DPOptimizer (make_private), which clips "
-                "p.grad_sample (before any transform) itself and overwrites .grad, but pergrad has a transform "
-                f"registered for {target.label}: it would be dropped. Remove the transform and let make_private's "
-                "max_grad_norm clip, or keep the transform and step a plain torch.optim optimizer (adding the noise "
-                f"yourself). {_NO_OP_ROUTE}."
-            )
-
-
-def check_opacus_stale(held: Iterable[nn.Parameter], names: dict[nn.Parameter, str]) -> None:
-    """A backward of a new forward would replace ``grad_sample`` (pergrad keeps the last forward's)
-    while Opacus's ``DPOptimizer`` has not consumed and cleared the one of the forward before: it
-    would clip only this backward's samples, not every sample since its last step."""
-    stale = [p for p in held if stepped_by_opacus(p)]
-    if stale:
-        raise OpacusRouteError(
-            f"parameter {names[stale[0]]!r} still holds the grad_sample of an earlier forward, which Opacus's "
-            "DPOptimizer has not cleared, and pergrad keeps only the last forward's grad_sample: the optimizer "
-            "would clip this backward's samples only. Call optimizer.step() and optimizer.zero_grad() after every "
-            "backward; for a logical batch larger than one forward, use Opacus's BatchMemoryManager (virtual "
-            "steps accumulate the clipped sums in the optimizer)."
-        )
