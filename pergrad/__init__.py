@@ -7,6 +7,8 @@ loss_fn(psm(x), y).backward()                 # p.grad_sample: [B, *p.shape]; p.
 
 from pergrad._core.convert import fix_batchnorm
 from pergrad.integrations import lightning_loop as _lightning_loop  # noqa: F401 -- registers its check
+from pergrad.integrations.captum import CaptumError
+from pergrad.integrations.errors import TrainerConfigError
 from pergrad.integrations.lm import PerSampleLMLoss, per_sample_lm_loss
 from pergrad.integrations.opacus import OpacusRouteError
 
@@ -14,7 +16,6 @@ from . import _moved, rules, transforms
 from .errors import (
     BatchMixingError,
     BatchSizeError,
-    CaptumError,
     DetachedWeightError,
     HookStateError,
     NormNotComputedError,
@@ -24,7 +25,6 @@ from .errors import (
     StatisticNotTrackedError,
     TargetError,
     TokenLossWarning,
-    TrainerConfigError,
     TransformError,
     UnsupportedLayerError,
     WrapperAttributeError,

@@ -6,6 +6,9 @@ what was seen (types, shapes) and what to do about it.
 
 from __future__ import annotations
 
+import importlib
+import warnings
+
 
 def module_label(name: str) -> str:
     """How messages name a module of the wrapped model by its qualified name: ``layer 'a.b'``, or
@@ -64,11 +67,6 @@ class DetachedWeightError(HookStateError):
     ``backward(inputs=...)``): pergrad computes that weight's ``.grad`` itself."""
 
 
-class CaptumError(PergradError, ValueError):
-    """``pergrad.integrations.captum`` was asked for scores it cannot compute from per-sample gradients (a loss that
-    is not one per sample, a wrapper that keeps no ``grad_sample``)."""
-
-
 class NormNotComputedError(PergradError, KeyError):
     """``per_sample_norms()[name]`` for a parameter whose norm the last backward did not compute."""
 
@@ -105,13 +103,22 @@ class WrapperAttributeError(PergradError, AttributeError):
     (``.to``, ``.config``, ``.save_pretrained``, ...); the message says to use the model itself."""
 
 
-class TrainerConfigError(PergradError, ValueError):
-    """A training framework's option (HuggingFace ``Trainer``'s ``TrainingArguments``, ...) that would
-    silently break the per-sample numbers: aggregate clipping after per-sample clipping, a loss that is
-    not a sum of per-sample losses, a data-parallel mode pergrad does not follow."""
+MOVED = {
+    "CaptumError": "pergrad.integrations.captum",
+    "OpacusRouteError": "pergrad.integrations.opacus",
+    "PrivacyError": "pergrad.privacy.errors",
+    "TrainerConfigError": "pergrad.integrations.errors",
+}
 
 
-class PrivacyError(PergradError, ValueError):
-    """DP-SGD (``pergrad.privacy``) is asked for with a setting whose noise or normalisation it cannot make
-    exact (another transform on the clipped parameters, trainable parameters left unclipped, a GradScaler,
-    ...), or with generators that differ across ranks."""
+def __getattr__(name: str) -> object:
+    """The feature errors that lived here, by their old path (deprecated: each feature keeps its own)."""
+    if name not in MOVED:
+        raise AttributeError(f"module 'pergrad.errors' has no attribute {name!r}")
+    warnings.warn(
+        f"pergrad.errors.{name} moved to {MOVED[name]}.{name}; import it from there or from pergrad "
+        "(the old path goes in pergrad 0.3)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(MOVED[name]), name)

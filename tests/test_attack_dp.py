@@ -25,8 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from pergrad import PergradError, PerSampleModule
-from pergrad.errors import PrivacyError
 from pergrad.privacy import DPSGD, PoissonBatchSampler, collate_with_empty, epsilon_of, make_private
+from pergrad.privacy.errors import PrivacyError
 from tests.test_distributed import Pool
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,7 +27,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from pergrad import PerSampleModule, TokenLossWarning, transforms
-from pergrad.errors import PrivacyError
 from pergrad.privacy import (
     DPSGD,
     PoissonBatchSampler,
@@ -36,6 +35,7 @@ from pergrad.privacy import (
     make_private,
     noise_multiplier_for,
 )
+from pergrad.privacy.errors import PrivacyError
 from tests.reference import clipped, reference_grad_sample
 from tests.test_distributed import Pool
 

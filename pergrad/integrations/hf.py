@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from pergrad.errors import TrainerConfigError
+from pergrad.integrations.errors import TrainerConfigError
 from pergrad.integrations.lm import IGNORE_INDEX, per_sample_lm_loss
 from pergrad.module import PerSampleModule
 from pergrad.privacy import DPSGD, PoissonBatchSampler, collate_with_empty

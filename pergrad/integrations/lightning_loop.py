@@ -18,7 +18,7 @@ from torch import nn
 
 from pergrad._core.backward.engine import INTEGRATION_CHECKS, IntegrationCheck
 from pergrad._core.loss_scale import factor_reader
-from pergrad.errors import TrainerConfigError
+from pergrad.integrations.errors import TrainerConfigError
 
 if TYPE_CHECKING:
     from pergrad.module import PerSampleModule

@@ -24,6 +24,7 @@ Only torch is needed to sample, clip and add noise.
 
 from .accounting import ACCOUNTANTS, epsilon_of, noise_multiplier_for
 from .dpsgd import DPSGD, PrivateClip
+from .errors import PrivacyError
 from .sampling import PoissonBatchSampler, collate_with_empty
 from .setup import Private, make_private
 
@@ -31,6 +32,7 @@ __all__ = [
     "ACCOUNTANTS",
     "DPSGD",
     "PoissonBatchSampler",
+    "PrivacyError",
     "Private",
     "PrivateClip",
     "collate_with_empty",

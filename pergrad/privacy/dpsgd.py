@@ -26,10 +26,11 @@ from pergrad._core.loss_scale import factor_reader
 from pergrad.integrations import lm as lm_loss
 from pergrad.privacy.audit import Audit, AuditError, LossFn, Select
 
-from ..errors import PrivacyError, TargetError
+from ..errors import TargetError
 from ..module import PerSampleModule
 from ..transforms import ClipNorm
 from .accounting import ACCOUNTANTS, epsilon_of
+from .errors import PrivacyError
 from .randomness import (
     SecureStream,
     collective_device,

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Sampler, default_collate
 
-from ..errors import PrivacyError
+from .errors import PrivacyError
 from .randomness import SecureStream, entropy_generator, public_seed, same_on_every_rank, world_size
 
 

@@ -1,0 +1,11 @@
+"""The errors of the integrations with training frameworks."""
+
+from __future__ import annotations
+
+from pergrad.errors import PergradError
+
+
+class TrainerConfigError(PergradError, ValueError):
+    """A training framework's option (HuggingFace ``Trainer``'s ``TrainingArguments``, ...) that would
+    silently break the per-sample numbers: aggregate clipping after per-sample clipping, a loss that is
+    not a sum of per-sample losses, a data-parallel mode pergrad does not follow."""
