@@ -1,9 +1,12 @@
-"""The package's layout: imports flow one way (type-only imports included), and no module reads
-another module's underscored names."""
+"""The package's layout: imports flow one way, in the order of the layer table of docs/how-it-works.md
+(type-only imports and imports inside functions included), and no module reads another module's
+underscored names."""
 
 from __future__ import annotations
 
 import ast
+import fnmatch
+import re
 from pathlib import Path
 
 import pytest
@@ -54,9 +57,48 @@ GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 
 def test_the_graph_is_read_from_the_sources() -> None:
     assert "pergrad._core.backward.state" in GRAPH["pergrad._core.backward.engine"]
-    assert (
-        "pergrad._core.parallel.world" in GRAPH["pergrad._core.parallel.distributed"]
-    )  # a type-only import would count too
+    assert "pergrad._core.parallel.world" in GRAPH["pergrad._core.parallel.distributed"]  # type-only counts too
+
+
+HOW_IT_WORKS = PACKAGE.parent / "docs" / "how-it-works.md"
+
+
+def _layers(text: str) -> list[tuple[str, list[str]]]:
+    """The rows of the layer table (``| layer | modules | what they do |``): each layer's name and the
+    patterns of its modules, relative to ``pergrad``, in the order imports flow."""
+    rows = text.split("| layer | modules | what they do |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    return [(row.split("|")[1].strip(), re.findall(r"`([^`]+)`", row.split("|")[2])) for row in rows]
+
+
+LAYERS = _layers(HOW_IT_WORKS.read_text())
+
+
+def _rows_of(name: str) -> list[int]:
+    short = "pergrad" if name == "pergrad" else name.removeprefix("pergrad.")
+    return [i for i, (_, patterns) in enumerate(LAYERS) if any(fnmatch.fnmatchcase(short, p) for p in patterns)]
+
+
+def test_every_module_is_in_exactly_one_row_of_the_documented_layers() -> None:
+    assert len(LAYERS) >= 8 and LAYERS[0][0] == "base"
+    assert {name: rows for name in MODULES if len(rows := _rows_of(name)) != 1} == {}
+
+
+def _upward(graph: dict[str, set[str]], row: dict[str, int]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if row[b] > row[a])
+
+
+def test_imports_flow_in_the_documented_order() -> None:
+    row = {name: _rows_of(name)[0] for name in MODULES}
+    assert _upward(GRAPH, row) == []
+
+
+def test_an_upward_import_is_found() -> None:
+    # the core importing a feature: what the order forbids
+    row = {"pergrad._core.backward.engine": 6, "pergrad.attribution.projection": 8, "pergrad.errors": 0}
+    graph = {"pergrad._core.backward.engine": {"pergrad.attribution.projection", "pergrad.errors"}}
+    assert _upward(graph, row) == ["pergrad._core.backward.engine -> pergrad.attribution.projection"]
+    assert [name for name, _ in LAYERS][-2:] == ["features", "package"]
+    assert _rows_of("pergrad.attribution.projection") == [len(LAYERS) - 2]
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
