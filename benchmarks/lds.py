@@ -29,18 +29,27 @@ trained on the whole training set (independent seeds: TRAK's ensemble), at ``k``
   ``trak (re-implemented)``: TRAK's estimator written out from the paper with torch.func per-sample gradients and
   a dense Gaussian projection, independent of pergrad's projections.
 
-Times: features (train and test, every checkpoint) plus scoring, on one thread; the ground truth's training is
-not counted. Nothing here is a test; tests run ``--tiny`` (seconds) and assert nothing about time.
+Projection seeds (``--seeds N``): the TRAK-mode rows and traker run with projection seeds ``0..N-1`` (pergrad:
+``FeatureStore.open(seed=s)``, checkpoint ``c`` projecting with ``s + 100_000 c``; traker: ``projector_seed=s``) on
+the same checkpoints and ground truth (trained once per task); each such row gives the mean and sd over seeds,
+and each TRAK-mode row is compared with traker at the same k (``versus_traker``: the difference, its standard
+error over seeds and paired over test samples, a bootstrap over both).
+
+Times: features (train and test, every checkpoint) plus scoring, on one thread (the median over seeds); the
+ground truth's training is not counted. Nothing here is a test; tests run ``--tiny`` (seconds) and assert nothing
+about time.
 
     python benchmarks/lds.py                        # 100 half models, 10 checkpoints, k = 128 and 512
     python benchmarks/lds.py --quick                # 40 half models, 5 checkpoints, k = 128 (under 5 minutes)
-    python benchmarks/lds.py --traker-python /tmp/trakvenv/bin/python --json benchmarks/runs/lds-run.json
+    python benchmarks/lds.py --traker-python /tmp/trakvenv/bin/python --seeds 5 --json benchmarks/runs/lds-run.json
+    python benchmarks/lds.py --tasks lm --seeds 5 --methods trak,traker --traker-python ENV/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib.util
 import json
 import math
@@ -314,18 +323,20 @@ def run_pergrad(
     what: str = "output",
     preconditioner: str = "trak",
     one_seed: bool = False,
+    seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, float]:
     names = [f"c{c}" for c in range(len(checkpoints))]
     start = time.perf_counter()
     store = FeatureStore.open(
-        root / label,
+        root / f"{label}-seed{seed}",
         n=task.n,
         k=k,
         checkpoints=names,
         kind=kind,
         dtype=dtype,
-        seeds=[0] * len(names) if one_seed else None,
+        seed=None if one_seed else seed,
+        seeds=[seed] * len(names) if one_seed else None,
         output=("margin" if task.name == "digits" else "lm-margin") if what == "output" else "loss",
         out_to_loss=what == "output",
     )
@@ -434,7 +445,7 @@ start = time.perf_counter()
 with tempfile.TemporaryDirectory() as tmp:
     out = "image_classification" if task == "digits" else LMMargin()
     traker = TRAKer(model=model, task=out, train_set_size=len(y), save_dir=tmp, device="cpu", proj_dim=k,
-                    logging_level=40)
+                    projector_seed=payload["seed"], logging_level=40)
     for mid, state in enumerate(payload["states"]):
         traker.load_checkpoint(state, model_id=mid)
         for s in range(0, len(y), payload["batch"]):
@@ -453,7 +464,7 @@ with tempfile.TemporaryDirectory() as tmp:
 
 
 def run_traker(
-    python: str, task: Task, checkpoints: list[nn.Module], k: int, threads: int
+    python: str, task: Task, checkpoints: list[nn.Module], k: int, threads: int, seed: int = 0
 ) -> tuple[Tensor, float] | str:
     import pickle
 
@@ -468,6 +479,7 @@ def run_traker(
             "x_test": task.x_test,
             "y_test": task.y_test,
             "batch": task.batch,
+            "seed": seed,
         }
         (Path(tmp) / "in.pkl").write_bytes(pickle.dumps(payload))
         (Path(tmp) / "run.py").write_text(TRAKER_SCRIPT)
@@ -508,6 +520,48 @@ def tracin_fidelity(task: Task, checkpoints: list[nn.Module], exact: Tensor, ks:
     return rows
 
 
+def versus_traker(per_test: dict[str, Tensor], ks: list[int], draws: int = 4000) -> list[dict[str, Any]]:
+    """Each TRAK-mode row against traker at the same k, on the same checkpoints and ground truth: the difference
+    of their LDS (means over seeds), its standard error over projection seeds (``sqrt(sd_a^2 / N_a + sd_b^2 /
+    N_b)``; absent with one seed), paired over test samples (``d_t``: the two rows' per-test LDS, each averaged
+    over seeds: ``sd(d) / sqrt(tests)``), and a 95% interval of a bootstrap that redraws both the seeds of each
+    row and the test samples (paired)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for k in ks:
+        theirs = per_test.get(f"traker 0.3.2, k={k}")
+        for label, ours in per_test.items():
+            if theirs is None or not label.startswith("trak,") or not label.endswith(f"k={k}"):
+                continue
+            valid = ~(ours.isnan().any(0) | theirs.isnan().any(0))  # test samples both rows define
+            a, b = ours[:, valid].double(), theirs[:, valid].double()
+            d = a.mean(0) - b.mean(0)
+            seeds_a, seeds_b = a.mean(1), b.mean(1)
+            pick_a = torch.randint(a.shape[0], (draws, a.shape[0]), generator=gen)
+            pick_b = torch.randint(b.shape[0], (draws, b.shape[0]), generator=gen)
+            tests = torch.randint(a.shape[1], (draws, a.shape[1]), generator=gen)
+            boot = torch.stack(
+                [a[pick_a[i]][:, tests[i]].mean() - b[pick_b[i]][:, tests[i]].mean() for i in range(draws)]
+            )
+            low, high = boot.quantile(torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+            spread = None
+            if a.shape[0] > 1 and b.shape[0] > 1:
+                spread = math.sqrt(float(seeds_a.var()) / a.shape[0] + float(seeds_b.var()) / b.shape[0])
+            rows.append(
+                {
+                    "row": label,
+                    "versus": f"traker 0.3.2, k={k}",
+                    "seeds": [a.shape[0], b.shape[0]],
+                    "tests": int(valid.sum()),
+                    "difference": float(d.mean()),
+                    "se_over_seeds": spread,
+                    "se_paired_over_tests": float(d.std() / math.sqrt(d.numel())),
+                    "bootstrap_95": [low, high],
+                }
+            )
+    return rows
+
+
 # -- the benchmark -------------------------------------------------------------------------------------------------
 
 
@@ -536,6 +590,7 @@ def run_task(task: Task, args: argparse.Namespace, ks: list[int]) -> dict[str, A
             )
     results: dict[str, dict[str, Any]] = {}
     fidelity: list[dict[str, Any]] = []
+    per_test: dict[str, Tensor] = {}  # label -> [seeds, tests] the LDS of each test sample, for each seed
 
     def record(label: str, found: tuple[Tensor, float] | str, **extra: Any) -> None:
         if isinstance(found, str):
@@ -546,19 +601,63 @@ def run_task(task: Task, args: argparse.Namespace, ks: list[int]) -> dict[str, A
         results[label] = {"lds": outcome.lds, "sem": outcome.sem, "seconds": outcome.seconds, **outcome.extra}
         print(f"  {label:42} LDS {outcome.lds:.3f} +- {outcome.sem:.3f}   {outcome.seconds:6.2f} s", flush=True)
 
+    def sweep(label: str, run: Callable[..., tuple[Tensor, float] | str]) -> None:
+        """``run(seed)`` for each of ``--seeds`` projection seeds, on the same checkpoints and ground truth: one
+        row (one seed), or the mean and sd over seeds with each seed's row."""
+        rows, tests = [], []
+        for seed in range(args.seeds):
+            found = run(seed=seed)
+            if isinstance(found, str) or args.seeds == 1:
+                record(label, found)
+                if not isinstance(found, str):
+                    per_test[label] = lds(found[0], masks, outputs)[None]
+                return
+            outcome = evaluate(found[0], masks, outputs, found[1])
+            rows.append({"seed": seed, "lds": outcome.lds, "sem": outcome.sem, "seconds": outcome.seconds})
+            tests.append(lds(found[0], masks, outputs))
+            print(
+                f"  {label + f', seed {seed}':42} LDS {outcome.lds:.3f} +- {outcome.sem:.3f}   {outcome.seconds:6.2f} s"
+            )
+        values = torch.tensor([r["lds"] for r in rows], dtype=torch.float64)
+        results[label] = {
+            "lds": float(values.mean()),
+            "sd": float(values.std()),  # over seeds
+            "sem": sum(r["sem"] for r in rows) / len(rows),  # over test samples, averaged over seeds
+            "seconds": float(torch.tensor([r["seconds"] for r in rows]).median()),
+            "seeds": rows,
+        }
+        per_test[label] = torch.stack(tests)
+        print(f"  {label:42} LDS {values.mean():.3f} sd {values.std():.3f} over {len(rows)} seeds", flush=True)
+
+    methods = set(args.methods.split(","))
     with tempfile.TemporaryDirectory(prefix="pergrad-lds-") as tmp:
         root = Path(tmp)
         for k in ks:
-            record(f"trak, kron, k={k}", run_pergrad(task, checkpoints, root, f"trak{k}", k=k))
-            record(
-                f"trak, kron, float16, k={k}",
-                run_pergrad(task, checkpoints, root, f"trak16-{k}", k=k, dtype=torch.float16),
+            kinds = (
+                ("kron", "float16", "dense", "sjlt") if task.name == "digits" or not args.quick else ("kron", "float16")
             )
-            if task.name == "digits" or not args.quick:
-                for kind in ("dense", "sjlt"):
-                    record(
-                        f"trak, {kind}, k={k}", run_pergrad(task, checkpoints, root, f"trak{kind}{k}", k=k, kind=kind)
-                    )
+            for kind in [kind for kind in kinds if ("float16" if kind == "float16" else "trak") in methods]:
+                label = f"trak, kron, float16, k={k}" if kind == "float16" else f"trak, {kind}, k={k}"
+                sweep(
+                    label,
+                    functools.partial(
+                        run_pergrad,
+                        task,
+                        checkpoints,
+                        root,
+                        f"trak-{kind}-{k}",
+                        k=k,
+                        kind="kron" if kind == "float16" else kind,
+                        dtype=torch.float16 if kind == "float16" else torch.float32,
+                    ),
+                )
+            if args.traker_python and "traker" in methods:
+                sweep(
+                    f"traker 0.3.2, k={k}",
+                    functools.partial(run_traker, args.traker_python, task, checkpoints, k, args.threads),
+                )
+            if "loss" not in methods:
+                continue
             record(
                 f"gram (loss), kron, k={k}",
                 run_pergrad(task, checkpoints, root, f"gram{k}", k=k, what="loss", preconditioner="gram"),
@@ -573,17 +672,15 @@ def run_task(task: Task, args: argparse.Namespace, ks: list[int]) -> dict[str, A
                 f"tracin, kron, k={k}",
                 run_pergrad(task, checkpoints, root, f"tracin{k}", k=k, what="loss", preconditioner="identity"),
             )
-            if args.traker_python:
-                record(f"traker 0.3.2, k={k}", run_traker(args.traker_python, task, checkpoints, k, args.threads))
-            if not args.quick:
-                record(f"trak (re-implemented), k={k}", reimplemented_trak(task, checkpoints, k))
+        for k in ks if not args.quick and "reimplemented" in methods else ():
+            record(f"trak (re-implemented), k={k}", reimplemented_trak(task, checkpoints, k))
         dims = weight_dims(checkpoints[0], args.ekfac_k)
-        for sampled in (False, True):
+        for sampled in (False, True) if "ekfac" in methods else ():
             label = f"ekfac{' (sampled Fisher)' if sampled else ''}, k={sum(dims.values())}"
             record(
                 label, run_ekfac(task, checkpoints, root, label.replace(" ", ""), args.ekfac_k, sampled, args.damping)
             )
-    if not args.quick or task.name == "digits":
+    if (not args.quick or task.name == "digits") and "exact" in methods:
         start = time.perf_counter()
         grads = [per_sample_grads(task, m, task.x, task.y, "loss") for m in checkpoints]
         grads_test = [per_sample_grads(task, m, task.x_test, task.y_test, "loss") for m in checkpoints]
@@ -607,6 +704,7 @@ def run_task(task: Task, args: argparse.Namespace, ks: list[int]) -> dict[str, A
         "test_accuracy": accuracy,
         "ground_truth_seconds": truth_seconds,
         "results": results,
+        "versus_traker": versus_traker(per_test, ks),
         "tracin_top5": fidelity,
     }
 
@@ -624,8 +722,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fidelity-k", default=None, help="k of TracIn's top-5 fidelity (default 128,256,512,1024)")
     parser.add_argument("--traker-python", help="a Python with traker 0.3.2 installed (a separate environment)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="projection seeds 0..N-1 for the TRAK-mode rows and traker (same checkpoints and ground truth); "
+        "each row then gives the mean and sd over seeds",
+    )
+    parser.add_argument(
+        "--methods",
+        default="trak,float16,traker,loss,reimplemented,ekfac,exact",
+        help="comma-separated: trak (pergrad's TRAK mode), float16 (its kron rows with a float16 store), traker, loss (the loss-gradient Gram and TracIn), "
+        "reimplemented, ekfac, exact (unprojected, and TracIn's top-5 fidelity)",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error(f"--seeds {args.seeds}: give at least one projection seed")
     torch.set_num_threads(args.threads)
     if args.tiny:
         args.quick = True
@@ -669,8 +782,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"| {name} | LDS | seconds |\n|---|---|---|")
         for label, r in found["results"].items():
             cell = f"{r['lds']:.3f} ± {r['sem']:.3f}" if "lds" in r else r["error"][:60]
+            if "sd" in r:
+                cell = f"{r['lds']:.3f} ± {r['sd']:.3f} (sd over {len(r['seeds'])} seeds; SE {r['sem']:.3f})"
             print(f"| {label} | {cell} | {r.get('seconds', float('nan')):.2f} |")
         print()
+        if found["versus_traker"]:
+            print(
+                "| row | minus traker | SE over seeds | SE paired over tests | bootstrap 95% |\n|---|---|---|---|---|"
+            )
+            for r in found["versus_traker"]:
+                spread = "" if r["se_over_seeds"] is None else f"{r['se_over_seeds']:.4f}"
+                low, high = r["bootstrap_95"]
+                print(
+                    f"| {r['row']} | {r['difference']:+.4f} | {spread} | {r['se_paired_over_tests']:.4f} | "
+                    f"[{low:+.4f}, {high:+.4f}] |"
+                )
+            print()
         if found["tracin_top5"]:
             print("| TracIn, kind | k | of exact top 5 | Spearman | seconds |\n|---|---|---|---|---|")
             for r in found["tracin_top5"]:

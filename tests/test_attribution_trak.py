@@ -5,8 +5,9 @@ float64 formulas (torch.func per-sample gradients of the margin times the whole 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -362,3 +363,55 @@ def test_a_per_token_store_scores_per_token_and_per_sample(tmp_path: Path) -> No
         token_scores(randn(2, K, seed=0), flat)
     with pytest.raises(StoreSpecError, match=r"holds one row of features per sample, not per token"):
         flat.read([0], per_token=True)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, M, M + 1])  # one query, not dividing m, m, more than m
+def test_token_scores_in_query_batches_give_the_unbatched_numbers(
+    tmp_path: Path, batch_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    T, weights = 4, [0.5, 2.0]
+    tokens = randn(N, T, K, seed=0)
+    test = {name: randn(M, K, seed=10 + c) for c, name in enumerate(NAMES[:2])}
+    with FeatureStore.open(tmp_path, n=N, k=K, tokens=T, dtype=torch.float64, checkpoints=NAMES[:2]) as store:
+        for c, name in enumerate(NAMES[:2]):
+            store.write(torch.arange(N), tokens * (1.0 + c), name)
+    reader = FeatureStore.open(tmp_path, readonly=True)
+    g = gram(reader)
+    passes = {False: 0, True: 0}  # per_token -> passes over the store
+    read = reader.chunks
+
+    def counted(*args: Any, per_token: bool = False) -> Iterator[tuple[Tensor, Tensor]]:
+        passes[per_token] += 1
+        return read(*args, per_token=per_token)
+
+    q = torch.rand(N, generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 0.5
+    for preconditioner in ("identity", "gram", TRAK(g.factors, g.damping, q)):
+        expected = torch.zeros(M, N, T, dtype=torch.float64)
+        for c, name in enumerate(NAMES[:2]):
+            mat = torch.eye(K, dtype=torch.float64) if preconditioner == "identity" else g.matrix(c)
+            expected += weights[c] * torch.einsum("mk,kl,ntl->mnt", test[name], mat, tokens * (1.0 + c))
+        if isinstance(preconditioner, TRAK):
+            expected *= q[None, :, None]
+        whole = token_scores(test, reader, preconditioner=preconditioner, weights=weights, chunk=7)
+        passes.update({False: 0, True: 0})
+        with monkeypatch.context() as patch:
+            patch.setattr(reader, "chunks", counted)
+            got = token_scores(
+                test, reader, preconditioner=preconditioner, weights=weights, chunk=7, batch_size=batch_size
+            )
+        torch.testing.assert_close(got, whole, rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+        batches = -(-M // batch_size)
+        assert passes == {False: 2 if preconditioner == "gram" else 0, True: batches * 2}
+        subset = torch.tensor([9, 0, 22])
+        torch.testing.assert_close(
+            token_scores(
+                test, reader, preconditioner=preconditioner, weights=weights, indices=subset, batch_size=batch_size
+            ),
+            expected[:, subset],
+            rtol=1e-10,
+            atol=1e-12,
+        )
+    for bad in (0, -1):
+        with pytest.raises(ScoreArgumentError, match=rf"batch_size={bad}: pass a positive number of queries"):
+            token_scores(test, reader, batch_size=bad)

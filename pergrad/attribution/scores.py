@@ -364,17 +364,77 @@ def iter_scores(
     queries = _queries(test_features, store)
     w = _weights(weights, store)
     m = _resolve(preconditioner, store, chunk, indices, progress)
+    yield from _score_blocks(queries, store, m, w, chunk, indices, progress)
+
+
+def _score_blocks(
+    queries: list[Tensor],
+    store: FeatureSource,
+    m: Preconditioner,
+    w: list[float],
+    chunk: int,
+    indices: Tensor | Sequence[int] | None,
+    progress: bool,
+    per_token: bool = False,
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """:func:`iter_scores`' blocks ``(train indices [c], scores [m, c])`` from checked queries and a resolved
+    preconditioner; ``per_token``: ``[m, c, tokens]``, each train sample's tokens apart (:func:`token_scores`)."""
     dtype = _compute_dtype(queries[0].dtype, store.dtype)
     # w_c M_c phi_c(test): applied once, on the test side
     q = [m.apply(c, queries[c].to(dtype)) * w[c] for c in range(len(queries))]
-    streams = [store.chunks(chunk, c, indices) for c in range(len(queries))]
-    for parts in _progress(zip(*streams), _count(store, chunk, indices), progress, "scores"):
+    reader: Any = store  # per_token=True: a per-token FeatureStore's chunks
+    streams = [
+        reader.chunks(chunk, c, indices, per_token=True) if per_token else store.chunks(chunk, c, indices)
+        for c in range(len(queries))
+    ]
+    desc = "token scores" if per_token else "scores"
+    for parts in _progress(zip(*streams), _count(store, chunk, indices), progress, desc):
         idx = parts[0][0]
-        block = q[0] @ parts[0][1].to(dtype).T
+        block = _block(q[0], parts[0][1].to(dtype), per_token)
         for c in range(1, len(parts)):
-            block += q[c] @ parts[c][1].to(dtype).T
+            block += _block(q[c], parts[c][1].to(dtype), per_token)
         columns = m.columns(idx)
-        yield idx, block if columns is None else block * columns.to(dtype)
+        if columns is not None:
+            block = block * columns.to(dtype).reshape(-1, *(1,) * (block.dim() - 2))
+        yield idx, block
+
+
+def _block(q: Tensor, features: Tensor, per_token: bool) -> Tensor:
+    """``q [m, k]`` against a chunk of train features: ``[c, k]`` -> ``[m, c]``, ``[c, tokens, k]`` -> ``[m, c,
+    tokens]``."""
+    return torch.einsum("mk,ntk->mnt", q, features) if per_token else q @ features.T
+
+
+def _batches(
+    queries: list[Tensor],
+    store: FeatureSource,
+    m: Preconditioner,
+    weights: Sequence[float] | Mapping[str, float] | None,
+    chunk: int,
+    indices: Tensor | Sequence[int] | None,
+    batch_size: int | None,
+    progress: bool,
+    per_token: bool = False,
+) -> Iterator[tuple[slice, Iterator[tuple[Tensor, Tensor]]]]:
+    """The queries ``batch_size`` at a time (all at once when None): each batch's rows and its score blocks
+    (:func:`_score_blocks`, one pass over the store per batch, the preconditioner ``m`` resolved once)."""
+    w = _weights(weights, store)
+    for rows in _query_batches(queries[0].shape[0], batch_size):
+        yield rows, _score_blocks([q[rows] for q in queries], store, m, w, chunk, indices, progress, per_token)
+
+
+def _assemble(batches: Iterator[tuple[slice, Iterator[tuple[Tensor, Tensor]]]], m: int, count: int) -> Tensor:
+    """The ``[m, count, ...]`` scores from each batch's blocks (the result is the only ``[m, count]`` held)."""
+    out: Tensor | None = None
+    for rows, blocks in batches:
+        column = 0
+        for _, block in blocks:
+            if out is None:
+                out = block.new_empty((m, count, *block.shape[2:]))
+            out[rows, column : column + block.shape[1]] = block
+            column += block.shape[1]
+    assert out is not None
+    return out
 
 
 def scores(
@@ -394,25 +454,8 @@ def scores(
     held besides the result is ``O(batch_size * (k + chunk))``; the same numbers as one batch."""
     queries = _queries(test_features, store)
     m = _resolve(preconditioner, store, chunk, indices, progress)
-    out: Tensor | None = None
-    for rows in _query_batches(queries[0].shape[0], batch_size):
-        column = 0
-        for _, block in iter_scores(
-            [q[rows] for q in queries],
-            store,
-            preconditioner=m,
-            weights=weights,
-            chunk=chunk,
-            indices=indices,
-            progress=progress,
-        ):
-            if out is None:
-                count = store.n if indices is None else len(indices)
-                out = block.new_empty((queries[0].shape[0], count))
-            out[rows, column : column + block.shape[1]] = block
-            column += block.shape[1]
-    assert out is not None
-    return out
+    batches = _batches(queries, store, m, weights, chunk, indices, batch_size, progress)
+    return _assemble(batches, queries[0].shape[0], store.n if indices is None else len(indices))
 
 
 def _query_batches(m: int, batch_size: int | None) -> list[slice]:
@@ -451,18 +494,10 @@ def top_k(
     queries = _queries(test_features, store)
     m = _resolve(preconditioner, store, chunk, indices, progress)
     found = []
-    for rows in _query_batches(queries[0].shape[0], batch_size):
+    for _, blocks in _batches(queries, store, m, weights, chunk, indices, batch_size, progress):
         best_values: Tensor | None = None
         best_indices: Tensor | None = None
-        for idx, block in iter_scores(
-            [q[rows] for q in queries],
-            store,
-            preconditioner=m,
-            weights=weights,
-            chunk=chunk,
-            indices=indices,
-            progress=progress,
-        ):
+        for idx, block in blocks:
             values, where = _block_top(block, idx.expand(block.shape[0], -1), k, largest)
             if best_values is not None and best_indices is not None:
                 values, where = torch.cat([best_values, values], 1), torch.cat([best_indices, where], 1)
@@ -531,32 +566,26 @@ def token_scores(
     weights: Sequence[float] | Mapping[str, float] | None = None,
     chunk: int = 256,
     indices: Tensor | Sequence[int] | None = None,
+    batch_size: int | None = None,
     progress: bool = False,
 ) -> Tensor:
     """Per-token scores ``[m, n, tokens]`` (``[m, len(indices), tokens]``) of a per-token store (``tokens=T``,
     features of ``register_projection(per_token=True)``): ``sum_c w_c phi_c(test_j)^T M_c phi_c(i, t)``, the
     share of train sample ``i``'s score that its token ``t``'s term of the gradient carries (they sum over
     ``t`` to :func:`scores`; kronfluence's per-token scores). The preconditioner is built from the per-sample
-    features (their sums over tokens) of the whole store, as for :func:`scores`."""
+    features (their sums over tokens) of the whole store, as for :func:`scores`. ``batch_size``: score the
+    queries this many at a time (each batch one pass over the store; the preconditioner built once), so that
+    what is held besides the result is ``O(batch_size * (k + chunk * tokens))``; the same numbers as one
+    batch."""
     if not getattr(store, "tokens", 0):
         raise ScoreArgumentError(
             "token_scores needs a per-token store: create it with FeatureStore.open(..., tokens=T) and write the "
             "[B, T, k] features of register_projection(..., per_token=True)."
         )
     queries = _queries(test_features, store)
-    w = _weights(weights, store)
     m = _resolve(preconditioner, store, DEFAULT_CHUNK, indices, progress)
-    dtype = _compute_dtype(queries[0].dtype, store.dtype)
-    q = [m.apply(c, queries[c].to(dtype)) * w[c] for c in range(len(queries))]
-    streams = [store.chunks(chunk, c, indices, per_token=True) for c in range(len(queries))]
-    out = []
-    for parts in _progress(zip(*streams), _count(store, chunk, indices), progress, "token scores"):
-        block = torch.einsum("mk,ntk->mnt", q[0], parts[0][1].to(dtype))
-        for c in range(1, len(parts)):
-            block += torch.einsum("mk,ntk->mnt", q[c], parts[c][1].to(dtype))
-        columns = m.columns(parts[0][0])
-        out.append(block if columns is None else block * columns.to(dtype)[:, None])
-    return torch.cat(out, dim=1)
+    batches = _batches(queries, store, m, weights, chunk, indices, batch_size, progress, per_token=True)
+    return _assemble(batches, queries[0].shape[0], store.n if indices is None else len(indices))
 
 
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
