@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import sys
 from datetime import timedelta
@@ -265,21 +264,6 @@ def test_two_processes_write_shards_of_one_store(tmp_path: Path) -> None:
     reader = FeatureStore.open(tmp_path / "store", readonly=True)
     assert reader.world_size == 2 and reader.missing().numel() == 0
     assert torch.equal(reader.read(torch.arange(13)), features(13))
-
-
-def test_the_core_never_imports_attribution() -> None:
-    package = Path(__file__).resolve().parents[1] / "pergrad"
-    for path in package.rglob("*.py"):
-        if "attribution" in path.relative_to(package).parts:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            names += (
-                [alias.name for alias in getattr(node, "names", [])]
-                if isinstance(node, ast.Import | ast.ImportFrom)
-                else []
-            )
-            assert not any("attribution" in name for name in names), f"{path} imports pergrad.attribution"
 
 
 def test_without_numpy_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
