@@ -130,7 +130,7 @@ def test_captums_default_mode_on_a_wrapped_model_is_refused_with_the_ways_out(tm
     with pytest.raises(
         DetachedWeightError,
         match=r"weight of layer '(proj|head)' \(Linear\).*captum's TracInCP.*detach_transformed=False.*"
-        r"psm\.remove\(\) \(or leave its `with` block\).*pergrad\.captum\.tracin_influence",
+        r"psm\.remove\(\) \(or leave its `with` block\).*pergrad\.integrations\.captum\.tracin_influence",
     ):
         captum.influence(test.tensors)
     psm.remove()  # the first way out: exact
