@@ -86,8 +86,9 @@ def stem_row(shape: tuple[int, ...], repeat: int) -> dict[str, Any]:
     import torch
     from torch import nn
 
+    from pergrad.attribution.forms.conv import conv_project
     from pergrad.attribution.projectors import Projector, Spec
-    from pergrad.rules.conv import _batch_as_groups, conv_project
+    from pergrad.rules.conv import batch_as_groups
 
     cin, cout, size, batch = shape
     layer = nn.Conv2d(cin, cout, 3, padding=1)
@@ -103,7 +104,7 @@ def stem_row(shape: tuple[int, ...], repeat: int) -> dict[str, Any]:
 
     def before() -> torch.Tensor:
         u = torch.matmul(row, d.reshape(batch, cout, -1)).view(batch, p, size, size)
-        return torch.bmm(_batch_as_groups(layer, a, u).view(batch, p, -1), col.T.expand(batch, -1, -1)).flatten(1)
+        return torch.bmm(batch_as_groups(layer, a, u).view(batch, p, -1), col.T.expand(batch, -1, -1)).flatten(1)
 
     def plain() -> torch.Tensor:
         flags = [False, True, False]  # the weight's gradient alone

@@ -45,10 +45,9 @@ sys.path.insert(0, str(HERE.parent))
 CORE = "pergrad*.shared:batch_of_call* pergrad*.shared:BatchInfo* pergrad*.shared:_storage*"
 FEATURES = {
     "Opacus route": "pergrad*:*opacus* pergrad*.consumers.grad_sample:GradSample.held*",
-    "K-FAC factors": "pergrad*.attribution.factors:* pergrad*.rules.*:*_factors* pergrad*:PerSampleModule.*factors*",
-    "projection": "pergrad*.attribution*:* pergrad*.projectors:* pergrad*.consumers.projection:* "
-    "pergrad*.rules.*:*project* pergrad*.rules.*:_conv_kron* pergrad*.sources:*.project* pergrad*:Engine.gradless "
-    "pergrad*:Engine._projects_now pergrad*:PerSampleModule.*project*",
+    "K-FAC factors": "pergrad*.attribution.factors:* pergrad*.attribution.forms*:*_factors* "
+    "pergrad*:PerSampleModule.*factors*",
+    "projection": "pergrad*.attribution*:* pergrad*:PerSampleModule.*project* pergrad*:PerSampleModule._attributing",
     "statistics": "pergrad*.statistics:* pergrad*.rules.*:*_dots* pergrad*.rules.*:*_moments* "
     "pergrad*.rules.*:*_sum_squares* pergrad*.sources:*dots* pergrad*.sources:*oments* pergrad*.sources:*sum_squares*",
     "kept grad_sample": "pergrad*.consumers.grad_sample:GradSample.*",

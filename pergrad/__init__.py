@@ -5,6 +5,8 @@ psm.register_transform(model, transforms.clip_norm(1.0))
 loss_fn(psm(x), y).backward()                 # p.grad_sample: [B, *p.shape]; p.grad: mean_i T(g_i)
 """
 
+import importlib
+
 from pergrad._core.convert import fix_batchnorm
 from pergrad.integrations import lightning_loop as _lightning_loop  # noqa: F401 -- registers its check
 from pergrad.integrations.captum import CaptumError
@@ -38,7 +40,10 @@ _moved.install()
 
 
 def __getattr__(name: str) -> object:
-    """``pergrad.hf``, ``pergrad.projectors``, ...: the modules that moved, by their old names (deprecated)."""
+    """``pergrad.attribution``, imported at its first use (a wrapper that projects nothing never loads it);
+    ``pergrad.hf``, ``pergrad.projectors``, ...: the modules that moved, by their old names (deprecated)."""
+    if name == "attribution":
+        return importlib.import_module("pergrad.attribution")
     if name in _moved.MOVED and "." not in name:
         module = globals()[name] = _moved.moved(name)
         return module

@@ -5,12 +5,11 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
-from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
@@ -23,14 +22,10 @@ from pergrad._core.capture.hooks import LayerHooks, owners
 from pergrad._core.consumers.grad_sample import Holder
 from pergrad._core.loss_scale import GradScalerLike, LossScaleLike, factor_reader, loss_scale_reader
 from pergrad._core.parallel.distributed import DataParallel, running_ddp, world_for
-from pergrad.attribution.factors import Factors, check_factored
-from pergrad.attribution.projection import Projected, check_per_token, check_request
-from pergrad.attribution.projectors import Budget, Projector, Spec
 
 from .errors import (
     NormNotComputedError,
     PergradError,
-    ProjectionError,
     TargetError,
     TransformError,
     WrapperAttributeError,
@@ -38,6 +33,11 @@ from .errors import (
 from .registry import RuleRegistry, default_registry
 from .statistics import Statistics, compute_statistics, requested
 from .transforms import Transform, UserTransform
+
+if TYPE_CHECKING:
+    from pergrad.attribution.factors import Factors
+    from pergrad.attribution.projectors import Spec
+    from pergrad.attribution.tracking import Attribution
 
 _REDUCTIONS = ("mean", "sum")
 _HOLDER = "pergrad"  # the key, in the metadata of a parameter's AccumulateGrad node, of the wrapper hooking it
@@ -196,7 +196,7 @@ class PerSampleModule:
         self._engine.world = world_for(model, self._engine, accumulate)
         self._canonical = self._engine.world.canonical if self._engine.world is not None else _same
         self._targets: list[tuple[nn.Module | str, Transform]] = []  # as registered, resolved again on rebinding
-        self._projections: list[tuple[nn.Module | str, Spec, bool, bool, Budget]] = []  # likewise (grads, per_token)
+        self._attribution: Attribution | None = None  # made at the first use of a projection (``_attributing``)
         self._layers: list[HookedLayer] = []
         self._accumulate_handles: list[RemovableHandle] = []
         self._hooks: LayerHooks | None = None
@@ -268,10 +268,8 @@ class PerSampleModule:
         for target, transform in self._targets:
             label, params, _, _ = self._resolve(target)
             engine.targets.add(Target(label, params, transform))
-        engine.projection.targets = [  # new projectors: their kept blocks counted afresh
-            self._projected(ref, spec, grads, per_token, Budget(budget.limit))
-            for ref, spec, grads, per_token, budget in self._projections
-        ]
+        if self._attribution is not None:
+            self._attribution.bind()
 
     def _install_hooks(self) -> None:
         """The layers' forward hooks, for the layers and transforms as they are now."""
@@ -484,10 +482,11 @@ class PerSampleModule:
 
     def statistics(self) -> Statistics:
         """Statistics of the last backward's per-sample gradients (formulas: ``pergrad.statistics``)."""
-        if self._engine.track_statistics:
-            if self._engine.statistics.last is None:
+        tracking = self._engine.statistics
+        if tracking is not None:
+            if tracking.last is None:
                 raise PergradError("statistics() is available after a backward pass")
-            return self._engine.statistics.last
+            return tracking.last
         source, names, batch_size = self._materialized()
         return compute_statistics(source, names, batch_size, {})[0]  # means from grad_sample
 
@@ -525,7 +524,7 @@ class PerSampleModule:
         transforms (``holder.take()``). ``.grad`` is computed as unarmed; with ``keep_grad_sample=False``
         an armed backward keeps every layer call's input and output gradient until its end and builds
         ``g_i`` there. ``holder.close()`` when done."""
-        return Holder(self._engine.holding.holders)
+        return Holder(self._engine.hold().holders)
 
     # -- transforms ------------------------------------------------------------------------------
 
@@ -549,10 +548,8 @@ class PerSampleModule:
         label, params, single, ref = self._resolve(target)
         if not params:
             raise TargetError(f"{label} has no trainable parameters; nothing to transform")
-        for projected in self._engine.projection.targets:
-            shared = set(params.values()) & set(projected.params) if not projected.grads else set()
-            if shared:
-                raise TargetError(self._gradless_overlap(label, projected.name, shared))
+        if self._attribution is not None:
+            self._attribution.check_transform(label, params)
         for other in self._engine.targets:
             shared = set(params.values()) & set(other.params.values())
             if shared:
@@ -636,72 +633,33 @@ class PerSampleModule:
         a tied weight, under DDP or FSDP2) keeps autograd's ``.grad``. A transform cannot cover a
         parameter of such a target (``TargetError``: its ``.grad`` would be missing).
         """
-        check_request(dim, kind, dtype, per_token)
-        spec = Spec(dim, kind, seed, dtype)
-        label, _, _, ref = self._resolve(target)
-        budget = Budget(int(cache_mb * 2**20))
-        projected = self._projected(ref, spec, grads, per_token, budget)
-        if per_token:
-            check_per_token(label, projected, self._layers, self._canonical)
-        if any(other.name == projected.name for other in self._engine.projection.targets):
-            raise TargetError(
-                f"{label} already has a projection (per_sample_projections() holds one per target name); "
-                "register it once, or project its parameters or submodules separately"
-            )
-        if not grads:
-            for other in self._engine.targets:
-                shared = set(projected.params) & set(other.params.values())
-                if shared:
-                    raise TargetError(self._gradless_overlap(other.label, projected.name, shared))
-        self._projections.append((ref, spec, grads, per_token, budget))
-        self._engine.projection.targets.append(projected)
+        self._attributing().register(
+            target, dim=dim, kind=kind, seed=seed, dtype=dtype, grads=grads, per_token=per_token, cache_mb=cache_mb
+        )
         if not grads:
             self._install_hooks()  # its weights may now run detached
 
-    def _gradless_overlap(self, label: str, projected: str, shared: set[nn.Parameter]) -> str:
-        names = sorted(self._engine.param_names[p] for p in shared)
-        where = self._resolve(projected)[0]
-        return (
-            f"{label} has a transform, and the projection of {where} with grads=False leaves the .grad of "
-            f"{names} unwritten: the transform's result would be lost. Register that projection with grads=True "
-            "(the default), or do not transform its parameters."
-        )
+    def _attributing(self) -> Attribution:
+        """The attribution feature's state of this wrapper (``pergrad.attribution.tracking``), made at its
+        first use: the one way from the wrapper into a feature, imported here so that a wrapper that
+        projects nothing loads and runs none of it."""
+        from pergrad.attribution.tracking import Attribution
 
-    def _projected(
-        self,
-        target: nn.Module | nn.Parameter | str,
-        spec: Spec,
-        grads: bool = True,
-        per_token: bool = False,
-        budget: Budget | None = None,
-    ) -> Projected:
-        label, params, _, ref = self._resolve(target)
-        if not params:
-            raise TargetError(f"{label} has no trainable parameters; nothing to project")
-        name = ref if isinstance(ref, str) else next(n for n, m in self.module.named_modules() if m is ref)
-        names = self._engine.param_names
-        if isinstance(self.module, DistributedDataParallel):  # named as in the model DDP holds: one process's P
-            names = {p: n.removeprefix("module.") for p, n in names.items()}
-        budget = Budget() if budget is None else budget
-        projectors = {p: Projector(spec, names[p], tuple(p.shape), budget) for p in params.values()}
-        return Projected(name, spec, projectors, grads, per_token)
+        if self._attribution is None:
+            self._attribution = Attribution(lambda: self.module, self._engine, self._resolve)
+        return self._attribution
 
     def per_sample_projections(self) -> dict[str, Tensor]:
         """``{target name: Tensor[B, dim]}``: the projected per-sample gradients ``P vec(g_i)`` of the last
         backward, one entry per ``register_projection`` target, keyed by its qualified name (``""``
         for the whole model). See ``register_projection``."""
-        projection = self._engine.projection
-        if not projection.targets:
-            raise ProjectionError("per_sample_projections(): no projection registered; call register_projection first")
-        if not projection.last:
-            raise ProjectionError("per_sample_projections() is available after a backward pass")
-        return dict(projection.last)
+        return self._attributing().features()
 
     def projection_specs(self) -> dict[str, Spec]:
         """``{target name: Spec}``: how each ``register_projection`` target projects (``dim``, ``kind``,
         ``seed``, ``dtype``), keyed as ``per_sample_projections()``; a feature store checks them before it
         takes the features (``FeatureStore.write_from``)."""
-        return {target.name: target.spec for target in self._engine.projection.targets}
+        return self._attributing().specs()
 
     def track_projected_factors(self, *targets: nn.Module | nn.Parameter | str) -> None:
         """Sum, in every backward from now on, the Kronecker factors of each target's projected gradient
@@ -720,48 +678,18 @@ class PerSampleModule:
         (``pergrad.attribution.factors``). With ``keep_grad_sample=True`` the tracked layers' inputs and
         output gradients are held until the end of each backward.
         """
-        if not targets:
-            raise ProjectionError(
-                "track_projected_factors() needs at least one projection target, e.g. "
-                "track_projected_factors('fc.weight') after register_projection('fc.weight', dim=64)"
-            )
-        names = []
-        for target in targets:
-            label, params, _, ref = self._resolve(target)
-            name = ref if isinstance(ref, str) else next(n for n, m in self.module.named_modules() if m is ref)
-            if isinstance(ref, nn.Module):
-                label = f"{label} ({type(ref).__name__})"
-            projected = next((t for t in self._engine.projection.targets if t.name == name), None)
-            if projected is None:
-                weights = [self._engine.param_names[p] for p in params.values() if p.dim() >= 2]
-                raise ProjectionError(
-                    f"track_projected_factors: {label} has no projection; register one per weight first, e.g. "
-                    f"register_projection({(weights or [name])[0]!r}, dim=64)"
-                )
-            check_factored(label, projected, self._layers, self._canonical, self._engine.param_names)
-            names.append(name)
-        self._engine.factors.names.update(dict.fromkeys(names))
+        self._attributing().track(*targets)
 
     def projected_factors(self) -> dict[str, Factors]:
         """``{target name: Factors(row, col, samples, positions)}``: the Kronecker factors of each target
         of ``track_projected_factors``, summed over every backward since it was tracked or since
         ``reset_projected_factors()`` (float64, on the weight's device)."""
-        factors = self._engine.factors
-        if not factors.names:
-            raise ProjectionError(
-                "projected_factors(): no factors tracked; call track_projected_factors('fc.weight') first"
-            )
-        found = factors.factors()
-        if not found:
-            raise ProjectionError(
-                "projected_factors() is available after a backward pass (since track_projected_factors or "
-                "reset_projected_factors)"
-            )
-        return found
+        return self._attributing().summed_factors()
 
     def reset_projected_factors(self) -> None:
         """Forget the factors summed so far: the next backward starts new sums (targets stay tracked)."""
-        self._engine.factors.reset()
+        if self._attribution is not None:
+            self._attribution.reset_factors()
 
     def _resolve(
         self, target: nn.Module | nn.Parameter | str
@@ -850,10 +778,7 @@ class PerSampleModule:
                 "(torch.save(psm.module.state_dict(), path)) and wrap the model again where it is loaded."
             )
         options = {**self._options, "loss_scale": self._loss_scale}
-        projections = [
-            (ref, spec, grads, per_token, budget.limit) for ref, spec, grads, per_token, budget in self._projections
-        ]
-        factors = list(self._engine.factors.names)
+        projections, factors = ([], []) if self._attribution is None else self._attribution.recipe()
         return self.module, options, list(self._targets), projections, factors, self._engine.closed
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PerSampleModule:

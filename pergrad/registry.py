@@ -28,8 +28,6 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from pergrad.attribution.projectors import Projector
-
 Rule = Callable[[nn.Module, Any, Any], dict[str, Tensor]]  # d: a Tensor, or OutputGrads with output_dims
 OutputGrads = tuple[Tensor | None, ...]  # one per tensor of a call's output (output_tensors); None: no gradient
 OutputDims = Callable[[nn.Module, Any, int], tuple[int | None, ...]]
@@ -102,20 +100,9 @@ class FusedRule:
     - ``builds(layer, a, d) -> bool``: ``sq_norms`` would build every ``g_i`` for these shapes anyway
       (an outer product, not a Gram form): the caller then builds them once with the rule and reads
       norms, and weighted sums, off them.
-    - ``project(layer, a, d, projectors, total, scale) -> bool``: adds ``scale P_p vec(g_i)`` of each
-      parameter name in ``projectors`` (``pergrad.attribution.projectors``) into ``total`` ``[B, k]`` (in place: the
-      features of every layer of a target share one buffer), Kronecker blocks without building ``g_i``;
-      False, adding nothing, where the layer has no such form for these projectors (a dense one: the
-      caller builds ``g_i``).
-    - ``factors(layer, a, d, projectors) -> {name: (u [B, S, r_row], v [B, S, r_col])} | None``: the
-      projected factors of each Kronecker block, ``P_p vec(g_i) = vec(sum_s u_is v_is^T)`` (``S``: the
-      positions the weight's gradient sums over), for Kronecker-factored curvature
-      (``pergrad.attribution.factors``); None where the layer has no such form for these projectors.
-    - ``project_tokens(layer, a, d, projectors) -> {name: [B, T, k]} | None``: the same, per token: the
-      projection of each position's term of ``g_i`` (they sum over ``t`` to ``project``'s), for inputs with
-      one token dim after the batch; None where the layer has no such form for these shapes.
-    Every function but ``project`` returns entries only for parameters that require grad, as fresh tensors (the
-    caller may scale them in place). ``bilinear``: the weight's
+    Every function returns entries only for parameters that require grad, as fresh tensors (the caller may
+    scale them in place). A feature keeps its own forms beside these, keyed by the ``FusedRule`` they extend
+    (``pergrad.attribution.forms``). ``bilinear``: the weight's
     ``g_i`` is linear in ``a_i`` as well, so for a layer without a trainable bias per-sample weights
     may scale whichever of ``a`` and ``d`` is smaller.
     """
@@ -127,11 +114,6 @@ class FusedRule:
     bilinear: bool = False  # g_i(weight) is linear in a_i too (Linear, Conv): weights may go on a
     moments: Callable[[nn.Module, Any, Tensor, dict[str, Tensor] | None], Moments | None] | None = None
     builds: Callable[[nn.Module, Any, Tensor], bool] | None = None
-    project: Callable[[nn.Module, Any, Tensor, dict[str, Projector], Tensor, float], bool] | None = None
-    factors: (
-        Callable[[nn.Module, Any, Tensor, dict[str, Projector]], dict[str, tuple[Tensor, Tensor]] | None] | None
-    ) = None
-    project_tokens: Callable[[nn.Module, Any, Tensor, dict[str, Projector]], dict[str, Tensor] | None] | None = None
 
 
 @dataclass(frozen=True)

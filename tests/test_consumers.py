@@ -1,4 +1,4 @@
-"""Adding a consumer of ``(a, d)`` is adding one class (``pergrad/_core/consumers/``): this one computes
+"""Adding a consumer of ``(a, d)`` is adding one class (a ``Consumer``, handed to ``Engine.add``): this one computes
 ``<g_i, v>`` per sample against a fixed direction ``v`` (what TracIn scores against a test gradient),
 from built ``g_i`` or from each layer's fused rule, and is checked against torch.func every step."""
 
@@ -11,10 +11,10 @@ from torch import Tensor, nn
 
 from pergrad import PerSampleModule, transforms
 from pergrad._core.capture.calls import Kept
-from pergrad._core.consumers import Batch
+from pergrad._core.consumers import Batch, Consumer
 
 
-class InnerProducts:
+class InnerProducts(Consumer):
     """``<g_i, v>`` summed over the parameters ``v`` names (a consumer, as in ``pergrad/_core/consumers/``)."""
 
     def __init__(self, direction: dict[nn.Parameter, Tensor]) -> None:
@@ -46,7 +46,7 @@ def test_a_consumer_added_beside_the_built_in_ones(keep_grad_sample: bool, posit
     names = dict(net.named_parameters())
     direction = {p: torch.randn_like(p) for p in net.parameters()}
     consumer = InnerProducts(direction)
-    psm._engine.consumers.append(consumer)  # what pergrad's own consumers are, in Engine.__init__
+    psm._engine.add(consumer)  # as a feature adds its consumer
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     for step in range(4):  # the detaching shortcut starts at the second backward
         batch = 5 + step

@@ -147,7 +147,7 @@ TRANSPOSED: dict[str, Callable[[int], tuple[nn.Module, Callable[[int], Tensor]]]
         ),
         lambda b: torch.randn(b, 2, p, 1, dtype=torch.float64),
     ),
-    "2d_one_channel": lambda p: (  # its twin runs 1 -> 8 channels: P_row g_i(W) by batch-as-groups (conv._conv_kron)
+    "2d_one_channel": lambda p: (  # its twin runs 1 -> 8 channels: P_row g_i(W) by batch-as-groups (attribution.forms.conv._conv_kron)
         nn.Sequential(nn.ConvTranspose2d(8, 1, (3, 1), stride=(2, 1), padding=(1, 0), output_padding=(1, 0))),
         lambda b: torch.randn(b, 8, p, 1, dtype=torch.float64),
     ),
@@ -217,7 +217,7 @@ def test_conv_transpose_features_build_no_per_sample_gradient(case: str) -> None
 
 @pytest.mark.parametrize(
     ("channels", "outputs", "size"),
-    # (conv._conv_kron, by flops; 3x3 kernel, no padding: size 3 gives one position, 6 gives 16, 8 gives 36)
+    # (attribution.forms.conv._conv_kron, by flops; 3x3 kernel, no padding: size 3 gives one position, 6 gives 16, 8 gives 36)
     # U V^T with U = P_row d_i: one position, V by a channels-last convolution (1 input channel) or a
     # channels-first one (8);
     # P_row g_i(W), then P_col^T: from the unfolded patches (1 input channel, 16 positions) or by

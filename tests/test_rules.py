@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from pergrad import PerSampleModule
-from pergrad.rules.conv import _batch_as_groups_is_faster
+from pergrad.rules.conv import batch_as_groups_is_faster
 from tests.reference import assert_close, reference_grad_sample, run_pergrad
 from tests.strategies import (
     conv_layers,
@@ -108,10 +108,10 @@ def test_wide_convolutions_take_the_batch_as_groups_path(data: st.DataObject) ->
     """The "conv_wide" family above exercises the batch-as-groups branch, "conv" the unfold one."""
     layer, shape = data.draw(conv_layers(wide=True))
     x = torch.zeros(shape, dtype=torch.float64)
-    assert _batch_as_groups_is_faster(layer, x, layer(x))
+    assert batch_as_groups_is_faster(layer, x, layer(x))
     small, shape = data.draw(conv_layers())
     x = torch.zeros(shape, dtype=torch.float64)
-    assert not _batch_as_groups_is_faster(small, x, small(x))
+    assert not batch_as_groups_is_faster(small, x, small(x))
 
 
 def test_embedding_padding_row_is_zero() -> None:

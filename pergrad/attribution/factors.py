@@ -4,7 +4,7 @@ backward passes until ``psm.reset_projected_factors()``.
 
 A weight projected by a Kronecker block ``P_row ⊗ P_col`` (its own projection target) has features
 ``phi_i = vec(sum_s u_is v_is^T)`` (row-major, ``[r_row * r_col]``), with ``u_is``, ``v_is`` the
-projected factors of its layer's output gradient and input at position ``s`` (``FusedRule.factors``:
+projected factors of its layer's output gradient and input at position ``s`` (``Forms.factors``:
 ``u = P_row d``, ``v = P_col a`` for Linear and convolutions; ``P_row a``, ``P_col d`` for a weight
 stored ``[in, out]`` (HF ``Conv1D``) and for an embedding, whose rows are the vocabulary). K-FAC
 approximates the features' second moment ``(1/N) sum_i phi_i phi_i^T`` by ``S_row ⊗ S_col`` with::
@@ -28,7 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from pergrad._core.capture.calls import HookedLayer, Kept
-from pergrad._core.consumers import Batch
+from pergrad._core.consumers import Batch, Consumer
+from pergrad.attribution.forms import forms_of
 from pergrad.attribution.projection import Projected, Projection
 from pergrad.attribution.projectors import Projector
 from pergrad.errors import ProjectionError
@@ -51,7 +52,7 @@ class _Sums:
     positions: int = 0
 
 
-class ProjectedFactors:
+class ProjectedFactors(Consumer):
     """Sums ``u u^T`` and ``v v^T`` of every tracked projection target (one Kronecker-projected weight)
     over the backward passes, from each call's kept ``(a, d)`` (recomputed: ``r (i + o)`` per position)."""
 
@@ -77,6 +78,10 @@ class ProjectedFactors:
         tracked = self.tracked()
         return any(self.canonical(p) in tracked for _, p in kept.layer.trainable())
 
+    def keeps_inputs(self, kept: Kept) -> bool:
+        """The tracked layers' ``(a, d)`` are read at the end, beside the built ``g_i``."""
+        return self.reads(kept)
+
     def consume(self, batch: Batch) -> None:
         if not self.names or not batch.size:
             return
@@ -86,11 +91,11 @@ class ProjectedFactors:
                 named = {n: self.canonical(p) for n, p in call.layer.trainable() if self.canonical(p) in tracked}
                 if not named:
                     continue
-                fused = call.layer.spec.fused
+                forms = forms_of(call.layer)
                 d = call.d if call.scale == 1.0 else call.d * call.scale  # each sample's own loss's
                 found = None
-                if fused is not None and fused.factors is not None and not call.layer.spec.parametrized:
-                    found = fused.factors(call.layer.module, call.a, d, {n: tracked[p][1] for n, p in named.items()})
+                if forms is not None and forms.factors is not None and not call.layer.spec.parametrized:
+                    found = forms.factors(call.layer.module, call.a, d, {n: tracked[p][1] for n, p in named.items()})
                 if found is None:  # refused at registration: a safeguard against a rule changed since
                     raise ProjectionError(
                         f"{call.layer.label} has no Kronecker factor form for {sorted(named)}: untrack it "
@@ -160,8 +165,8 @@ def check_factored(
         )
     layers = [layer for layer in layers if any(canonical(p) is param for _, p in layer.trainable())]
     for layer in layers:
-        fused = layer.spec.fused
-        if fused is None or fused.factors is None or layer.spec.parametrized:
+        forms = forms_of(layer)
+        if forms is None or forms.factors is None or layer.spec.parametrized:
             how = " (through a parametrization)" if layer.spec.parametrized else ""
             raise ProjectionError(
                 f"track_projected_factors: {label} is computed by {layer.label}{how}, which has no Kronecker "

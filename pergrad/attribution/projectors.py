@@ -13,7 +13,7 @@ gradient (its parameters concatenated), ``k`` features whatever the number of pa
   ``r_row * r_col = k`` (``k`` a square or twice a square: ``splittable``), the factor pair of ``k`` that
   compresses both sides alike, ``r_row / r_col`` nearest ``R / (C * prod(rest))`` (``kron_ranks``): a
   ``[256, 32]`` LM head at ``k = 128`` gets ``32 x 4``, a square weight ``r x r`` or ``r x 2r``. A
-  layer with a Kronecker rule (``FusedRule.project``) computes it
+  layer with a Kronecker rule (``pergrad.attribution.forms``) computes it
   from its input and output gradient without building ``g_i``. A one-dim parameter (bias, norm
   weight) gets a CountSketch (Charikar et al. 2002): coordinate ``j`` is added, with a random sign
   ``s_j``, to one feature ``h_j`` (``P[h_j, j] = s_j``): inner products are unbiased, with about the
@@ -115,7 +115,7 @@ def gaussian(rows: int, cols: int, seed: int, *key: object) -> Tensor:
 
 def add_kron_features(total: Tensor, u: Tensor, v: Tensor, alpha: float = 1.0) -> None:
     """Adds a Kronecker block's features, from its factors at every position (a rule's
-    ``FusedRule.factors``), into ``total`` ``[n, p * q]`` (contiguous): ``total += alpha vec(sum_s u_is
+    ``Forms.factors``), into ``total`` ``[n, p * q]`` (contiguous): ``total += alpha vec(sum_s u_is
     v_is^T)`` row-major, ``u [n, s, p]``, ``v [n, s, q]``, in place (no ``[n, p, q]`` temporary)."""
     n, p, q = u.shape[0], u.shape[2], v.shape[2]
     if u.dtype != total.dtype:  # (a target over parameters of several dtypes: summed in the first's)

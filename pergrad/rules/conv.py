@@ -15,12 +15,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pergrad._core.memory.layout import new_buffer, owned, recorded
-from pergrad.attribution.projectors import Projector, add_kron_features
 
 from ..registry import FusedRule, default_registry
 from .linear import gram_is_cheaper, outer_sq_norms
 
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # below this many input channels per group (an RGB stem), a convolution grouped by sample runs far below its
 # flop rate on the CPU: the weight gradient unfolds the input instead, the Kronecker features convolve it with
 # P_col channels-last (benchmarks/README.md)
@@ -32,7 +31,7 @@ def conv_padding(layer: nn.Module) -> list[int]:
 
     ``padding="same"`` may pad one more on the right than on the left (even effective kernel).
     """
-    assert isinstance(layer, _CONVS)
+    assert isinstance(layer, CONVS)
     kernel, dilation = layer.kernel_size, layer.dilation
     if isinstance(layer.padding, str):
         if layer.padding == "valid":
@@ -47,7 +46,7 @@ def conv_padding(layer: nn.Module) -> list[int]:
 
 def padded_input(layer: nn.Module, a: Tensor) -> Tensor:
     """The input exactly as the convolution sees it after padding (any ``padding_mode``)."""
-    assert isinstance(layer, _CONVS)
+    assert isinstance(layer, CONVS)
     pad = conv_padding(layer)
     if not any(pad):
         return a
@@ -71,7 +70,7 @@ def patches(x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], dilatio
     return x
 
 
-@default_registry.register(*_CONVS, batch_dim_fixed=True)
+@default_registry.register(*CONVS, batch_dim_fixed=True)
 def conv(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``g_i(W)[g, o, c, k] = sum_l d_i[g, o, l] * patch_i[g, c, l, k]``, ``g_i(b)[o] = sum_l d_i[o, l]``.
 
@@ -79,11 +78,11 @@ def conv(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     group, l output positions (flattened), k kernel positions (flattened).
     a: [n, C, *spatial] (C = g*c), d: [n, O, *out_positions] (O = g*o).
     """
-    assert isinstance(layer, _CONVS)
+    assert isinstance(layer, CONVS)
     out: dict[str, Tensor] = {}
     n, groups = a.shape[0], layer.groups
-    if layer.weight.requires_grad and _batch_as_groups_is_faster(layer, a, d):
-        out["weight"] = _batch_as_groups(layer, a, d)
+    if layer.weight.requires_grad and batch_as_groups_is_faster(layer, a, d):
+        out["weight"] = batch_as_groups(layer, a, d)
     elif layer.weight.requires_grad:
         p, dg = _as_linear(layer, a, d)  # [n*g, l, c*k], [n*g, l, o]
         if recorded():  # (second order: no out= buffer)
@@ -97,40 +96,40 @@ def conv(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     return out
 
 
-def _input_and_padding(layer: nn.Module, a: Tensor) -> tuple[Tensor, list[int]]:
+def input_and_padding(layer: nn.Module, a: Tensor) -> tuple[Tensor, list[int]]:
     """The input and padding to hand ``aten.convolution`` (and its backward): zero padding that is
     the same on both sides is left to the convolution; anything else is applied to a copy."""
-    assert isinstance(layer, _CONVS)
+    assert isinstance(layer, CONVS)
     pad = conv_padding(layer)
     if layer.padding_mode == "zeros" and pad[0::2] == pad[1::2]:
         return a, pad[-2::-2]
     return padded_input(layer, a), [0] * len(layer.kernel_size)
 
 
-def _batch_as_groups_is_faster(layer: nn.Module, a: Tensor, d: Tensor) -> bool:
+def batch_as_groups_is_faster(layer: nn.Module, a: Tensor, d: Tensor) -> bool:
     """Whether the batch-as-groups weight gradient beats unfold + bmm for these shapes.
 
     Measured on CPU (benchmarks/README.md): unfolding writes ``k`` copies of the input and is
     memory-bound, so it loses on 2-D/3-D inputs with many channels and many output positions;
     it wins for few input channels (an RGB stem), few positions, and 1-D inputs.
     """
-    assert isinstance(layer, _CONVS)
+    assert isinstance(layer, CONVS)
     channels = a.shape[1] // layer.groups
     positions = math.prod(d.shape[2:])
     return a.dim() >= 4 and channels >= FEW_CHANNELS and positions >= 4 * channels
 
 
-def _batch_as_groups(layer: nn.Module, a: Tensor, d: Tensor) -> Tensor:
+def batch_as_groups(layer: nn.Module, a: Tensor, d: Tensor) -> Tensor:
     """``g_i(W)`` for every sample at once, ``[n, O, C/g, *kernel]``: the weight gradient of ONE
     convolution over the whole batch folded into the channels, ``[1, n*C, ...] -> [1, n*O, ...]``
     with ``n*g`` groups, so that no group mixes two samples. Computed by the convolution's own
     weight backward, with no unfolded copy of the input. (One group: ``d`` may have any number of
     channels, e.g. ``P_row d_i``: then ``P_row g_i(W)``.)
     """
-    assert isinstance(layer, _CONVS)
+    assert isinstance(layer, CONVS)
     n, groups, outputs = a.shape[0], layer.groups, d.shape[1]  # (outputs: any number, for one group)
-    stride, zeros, dilation, _ = _conv_args(layer)
-    x, padding = _input_and_padding(layer, a)
+    stride, zeros, dilation, _ = conv_args(layer)
+    x, padding = input_and_padding(layer, a)
     shape = (n * outputs, *layer.weight.shape[1:])
     _, grad_w, _ = torch.ops.aten.convolution_backward(
         d.reshape(1, n * outputs, *d.shape[2:]), x.reshape(1, n * x.shape[1], *x.shape[2:]),
@@ -147,7 +146,7 @@ def im2col(layer: nn.Module, a: Tensor) -> Tensor:
     channels major and kernel positions minor (the weight's layout): one copy of a strided view of the
     padded input (``patches``), 2-12x faster than ``F.unfold`` on the CPU, the same values
     (``benchmarks/README.md``)."""
-    assert isinstance(layer, _CONVS)
+    assert isinstance(layer, CONVS)
     x = padded_input(layer, a)
     p = patches(x, layer.kernel_size, layer.stride, layer.dilation)  # [n, C, *l, *k]
     spatial = len(layer.kernel_size)
@@ -158,7 +157,7 @@ def im2col(layer: nn.Module, a: Tensor) -> Tensor:
 def _as_linear(layer: nn.Module, a: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
     """Patches ``[n*g, l, c*k]`` and output gradients ``[n*g, l, o]`` (one row per group), as
     transposed views: the Linear layout, with no copy beyond the unfold."""
-    assert isinstance(layer, _CONVS)
+    assert isinstance(layer, CONVS)
     n, groups = a.shape[0], layer.groups
     cols = im2col(layer, a)  # [n, C*k, l]
     p = cols.reshape(n * groups, cols.shape[1] // groups, cols.shape[2]).transpose(1, 2)
@@ -168,10 +167,10 @@ def _as_linear(layer: nn.Module, a: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
 
 def conv_sq_norms(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``||g_i(W)||^2``: the Linear norm on unfolded patches, summed over groups."""
-    assert isinstance(layer, _CONVS)
+    assert isinstance(layer, CONVS)
     out = {}
-    if layer.weight.requires_grad and _batch_as_groups_is_faster(layer, a, d):
-        out["weight"] = torch.linalg.vector_norm(_batch_as_groups(layer, a, d).flatten(1), dim=1).square()
+    if layer.weight.requires_grad and batch_as_groups_is_faster(layer, a, d):
+        out["weight"] = torch.linalg.vector_norm(batch_as_groups(layer, a, d).flatten(1), dim=1).square()
     elif layer.weight.requires_grad:
         p, dg = _as_linear(layer, a, d)
         out["weight"] = outer_sq_norms(p, dg).view(a.shape[0], layer.groups).sum(1)
@@ -180,17 +179,17 @@ def conv_sq_norms(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     return out
 
 
-def _conv_args(layer: nn.Module) -> tuple[list[int], list[int], list[int], int]:
-    assert isinstance(layer, _CONVS)
+def conv_args(layer: nn.Module) -> tuple[list[int], list[int], list[int], int]:
+    assert isinstance(layer, CONVS)
     zeros = [0] * len(layer.kernel_size)
     return list(layer.stride), zeros, list(layer.dilation), layer.groups
 
 
 def conv_summed(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``sum_i g_i``: the convolution's own weight/bias backward (no unfold)."""
-    assert isinstance(layer, _CONVS)
-    stride, zeros, dilation, groups = _conv_args(layer)
-    x, padding = _input_and_padding(layer, a)
+    assert isinstance(layer, CONVS)
+    stride, zeros, dilation, groups = conv_args(layer)
+    x, padding = input_and_padding(layer, a)
     out = {}
     if layer.weight.requires_grad:  # (mkldnn computes a bias gradient only together with this one)
         out["weight"] = torch.ops.aten.convolution_backward(
@@ -203,11 +202,11 @@ def conv_summed(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
 
 def conv_dots(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]) -> dict[str, Tensor]:
     """``<g_i(W), G> = sum_{o,l} d_i[o, l] * conv(a_i, G)[o, l]``: one convolution, no unfold."""
-    assert isinstance(layer, _CONVS)
+    assert isinstance(layer, CONVS)
     out = {}
     if layer.weight.requires_grad:
-        stride, zeros, dilation, groups = _conv_args(layer)
-        x, padding = _input_and_padding(layer, a)
+        stride, zeros, dilation, groups = conv_args(layer)
+        x, padding = input_and_padding(layer, a)
         y = torch.ops.aten.convolution(x, other["weight"], None, stride, padding, dilation, False, zeros, groups)
         out["weight"] = (y * d).flatten(1).sum(1)
     if layer.bias is not None and layer.bias.requires_grad:
@@ -217,140 +216,29 @@ def conv_dots(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]) 
 
 def conv_builds(layer: nn.Module, a: Tensor, d: Tensor) -> bool:
     """Whether ``conv_sq_norms`` builds every ``g_i`` (batch-as-groups or outer product, not Gram)."""
-    assert isinstance(layer, _CONVS)
-    if _batch_as_groups_is_faster(layer, a, d):
+    assert isinstance(layer, CONVS)
+    if batch_as_groups_is_faster(layer, a, d):
         return True
     channels, positions = a.shape[1] // layer.groups, math.prod(d.shape[2:])
     kernel = math.prod(layer.kernel_size)
     return not gram_is_cheaper(positions, channels * kernel, d.shape[1] // layer.groups)
 
 
-def conv_project(
-    layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector], total: Tensor, scale: float
-) -> bool:
-    """``total += scale P vec(g_i)``, ``P vec(g_i) = sum_{g,l} (P_row[:, g] d_i[g, :, l]) (P_col patch_i[g, l])^T`` for the weight
-    ``[O, C/g, *kernel]`` (``P_row [p, O]``, ``P_col [q, C/g * k]``): for one group by the cheapest of
-    ``_conv_kron``'s contractions; for several, from the factors (``conv_factors``: ``P_col`` applied to every
-    patch as a convolution of ``a`` with ``P_col`` as a ``[q, C/g, *kernel]`` weight repeated once per group,
-    ``P_row d`` a contraction over each group's output channels). The bias's block is applied to
-    ``sum_l d_i[:, l]``. False, adding nothing, if the weight's block is dense (``g_i`` must be built)."""
-    weight = projectors.get("weight")
-    if weight is not None and weight.kron and layer.groups == 1:  # channels first throughout: nothing transposed
-        _conv_kron(layer, a, d, weight, total, scale)
-    else:
-        factors = conv_factors(layer, a, d, projectors)
-        if factors is None:
-            return False
-        for u, v in factors.values():
-            add_kron_features(total, u, v, scale)
-    if "bias" in projectors:
-        projectors["bias"].apply(d.flatten(2).sum(2), total, scale)
-    return True
-
-
-def _conv_kron(layer: nn.Module, a: Tensor, d: Tensor, weight: Projector, total: Tensor, scale: float) -> None:
-    """Adds ``conv_project``'s weight features for one group into ``total`` by whichever of three
-    contractions costs the fewest flops (per sample; l positions, O outputs, w = C*k the patch width):
-
-    - ``U V^T``, ``U = P_row d_i`` ``[n, p, l]``, ``V = conv(a_i, P_col)`` ``[n, q, l]`` (a bmm reading ``V``
-      transposed in place, where ``conv_factors``' ``[n, l, q]`` layout copies both): ``l (w q + p (O + q))``;
-    - ``P_row (d_i V^T)`` (few output channels: no ``U``): ``l (w q + O q) + O p q``;
-    - ``(P_row g_i(W)) P_col^T``, ``P_row g_i(W)`` the weight gradient of ``U_i`` ``[n, p, w]`` (few input
-      channels, an RGB stem: ``V`` would cost more than the gradient): ``l (O p + p w) + p w q``, by
-      batch-as-groups or from the unfolded patches, whichever the weight rule would use (``conv``).
-    """
-    n = a.shape[0]
-    row, col = weight.factors(d)
-    (p, channels), (q, width) = row.shape, col.shape
-    flat = d.reshape(n, channels, -1)
-    out = total.view(n, p, q)
-    positions = flat.shape[2]
-    by_u = positions * (width * q + p * (channels + q))
-    by_dv = positions * (width * q + channels * q) + channels * p * q
-    by_gradient = positions * p * (channels + width) + p * width * q
-    if by_gradient < min(by_u, by_dv):
-        u = torch.matmul(row, flat)  # [n, p, l]
-        if _batch_as_groups_is_faster(layer, a, d):
-            z = _batch_as_groups(layer, a, u.view(n, p, *d.shape[2:])).view(n, p, width)
-        else:  # (an RGB stem: 1.9 ms on [64, 3, 32, 32] -> 32 channels at 2 threads, against 5.2 by batch-as-groups)
-            z = torch.bmm(u, im2col(layer, a).transpose(1, 2))  # npl,nwl->npw
-        out.baddbmm_(z, col.T.expand(n, width, q), alpha=scale)
-        return
-    v = _projected_patches(layer, a, col)  # [n, q, l]
-    if by_dv < by_u:
-        out.baddbmm_(row.expand(n, p, channels), torch.bmm(flat, v.transpose(1, 2)), alpha=scale)  # [n, O, q]
-    else:
-        out.baddbmm_(torch.matmul(row, flat), v.transpose(1, 2), alpha=scale)  # U: [p, O] @ [n, O, l]
-
-
-def _projected_patches(layer: nn.Module, a: Tensor, col: Tensor) -> Tensor:
-    """``P_col`` applied to every patch of each group, ``[n, g*q, l]`` (l output positions, flattened): the
-    convolution of ``a`` with ``P_col`` as a ``[q, C/g, *kernel]`` weight repeated once per group. For a 2-D
-    input with few channels (``FEW_CHANNELS``; one group) the convolution runs channels-last, and the result
-    is a transposed view of its ``[n, l, q]`` memory: on ``[64, 3, 32, 32]`` to 32 channels, 2 threads, 0.64
-    ms, against 6.2 ms channels-first and 1.0 ms for ``P_col`` times the unfolded patches."""
-    assert isinstance(layer, _CONVS)
-    n, groups, q = a.shape[0], layer.groups, col.shape[0]
-    stride, zeros, dilation, _ = _conv_args(layer)
-    x, padding = _input_and_padding(layer, a)
-    kernel = col.reshape(q, *layer.weight.shape[1:])
-    if groups == 1 and x.dim() == 4 and x.shape[1] < FEW_CHANNELS:
-        x = x.contiguous(memory_format=torch.channels_last)
-        y = torch.ops.aten.convolution(x, kernel, None, stride, padding, dilation, False, zeros, 1)
-        return y.permute(0, 2, 3, 1).reshape(n, -1, q).transpose(1, 2)  # (a view where y is channels-last)
-    if groups > 1:
-        kernel = kernel.repeat(groups, *([1] * (x.dim() - 1)))
-    y = torch.ops.aten.convolution(x, kernel, None, stride, padding, dilation, False, zeros, groups)
-    return y.reshape(n, groups * q, -1)
-
-
-def conv_factors(
-    layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector]
-) -> dict[str, tuple[Tensor, Tensor]] | None:
-    """The weight's Kronecker factors at every (group, output position) ``(g, l)``
-    (n sample, g group, o output channels of the group, l output positions, flattened; p and q
-    projected features; d: [n, O, *out_positions], O = g*o):
-    ``u = P_row[:, g] d_i[g, :, l]`` ``[n, g*l, p]`` and ``v = P_col patch_i[g, l]`` ``[n, g*l, q]``, as
-    ``conv_project`` computes them (``P_col`` as a convolution, nothing unfolded); its features are
-    ``vec(sum_{g,l} u v^T)``. None if the weight's block is dense."""
-    assert isinstance(layer, _CONVS)
-    weight = projectors.get("weight")
-    if weight is None:
-        return {}
-    if not weight.kron:
-        return None
-    n, groups = a.shape[0], layer.groups
-    row, col = weight.factors(d)
-    v = _projected_patches(layer, a, col).reshape(n, groups, col.shape[0], -1).transpose(2, 3)  # [n, g, l, q]
-    u = torch.einsum("pgo,ngol->nglp", row.reshape(row.shape[0], groups, -1), d.reshape(n, groups, -1, v.shape[2]))
-    return {"weight": (u.reshape(n, -1, row.shape[0]), v.reshape(n, -1, col.shape[0]))}
-
-
-default_registry.register_fused(
-    _CONVS,
-    FusedRule(
-        conv_sq_norms,
-        conv_summed,
-        conv_dots,
-        bilinear=True,
-        builds=conv_builds,
-        project=conv_project,
-        factors=conv_factors,
-    ),
-)
+CONV_FUSED = FusedRule(conv_sq_norms, conv_summed, conv_dots, bilinear=True, builds=conv_builds)
+default_registry.register_fused(CONVS, CONV_FUSED)
 
 
 # -- transposed convolutions: the weight gradient of the convolution they transpose ------------------
 
-_ConvTransposeNd = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+CONV_TRANSPOSES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
-def _twin(layer: nn.Module) -> nn.Module:
+def transpose_twin(layer: nn.Module) -> nn.Module:
     """The convolution whose input gradient ``layer`` computes: from ``C_out`` to ``C_in`` channels
     with the same kernel, stride, dilation and groups, on input padded beforehand (meta device:
     shapes only)."""
-    assert isinstance(layer, _ConvTransposeNd)
-    conv_type = _CONVS[_ConvTransposeNd.index(type(layer))]
+    assert isinstance(layer, CONV_TRANSPOSES)
+    conv_type = CONVS[CONV_TRANSPOSES.index(type(layer))]
     # from the weight, [C_in, C_out / g, *kernel]: a lazy layer materialised by load_state_dict keeps in_channels=0
     c_in, c_out = layer.weight.shape[0], layer.weight.shape[1] * layer.groups
     geometry: dict[str, Any] = {
@@ -360,7 +248,7 @@ def _twin(layer: nn.Module) -> nn.Module:
     return conv_type(c_out, c_in, bias=False, device="meta", **geometry)
 
 
-@default_registry.register(*_ConvTransposeNd, batch_dim_fixed=True)
+@default_registry.register(*CONV_TRANSPOSES, batch_dim_fixed=True)
 def conv_transpose(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``y = conv_transpose(a, W)`` is the input gradient of ``conv(., W)``, so ``g_i(W)`` is the
     weight gradient of that convolution with ``d_i`` as its input and ``a_i`` as its output
@@ -369,20 +257,20 @@ def conv_transpose(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     Index conventions as in ``conv``, with the convolution running from d (``C_out`` channels) to a
     (``C_in`` channels); W: [C_in, C_out / g, *kernel].
     """
-    assert isinstance(layer, _ConvTransposeNd)
+    assert isinstance(layer, CONV_TRANSPOSES)
     out: dict[str, Tensor] = {}
     if layer.weight.requires_grad:
-        out["weight"] = conv(_twin(layer), _window(layer, d), a)["weight"]
+        out["weight"] = conv(transpose_twin(layer), transpose_window(layer, d), a)["weight"]
     if layer.bias is not None and layer.bias.requires_grad:
         out["bias"] = d.flatten(2).sum(2)
     return out
 
 
-def _window(layer: nn.Module, d: Tensor) -> Tensor:
-    """``d`` as the input of the twin convolution (``_twin``): padded by ``padding`` on the left; on
+def transpose_window(layer: nn.Module, d: Tensor) -> Tensor:
+    """``d`` as the input of the twin convolution (``transpose_twin``): padded by ``padding`` on the left; on
     the right by ``padding`` less the whole strides that ``output_padding`` added (those windows reach
     no input position; negative pads crop)."""
-    assert isinstance(layer, _ConvTransposeNd)
+    assert isinstance(layer, CONV_TRANSPOSES)
     padding: tuple[int, ...] = tuple(int(p) for p in layer.padding)  # never a string for ConvTranspose
     pairs = [(p, p - s * (op // s)) for p, s, op in zip(padding, layer.stride, layer.output_padding, strict=True)]
     return F.pad(d, [side for pair in reversed(pairs) for side in pair])
@@ -391,29 +279,29 @@ def _window(layer: nn.Module, d: Tensor) -> Tensor:
 # -- fused: the twin convolution's fused forms, with d as its input and a as its output gradient ----
 
 
-def _bias_sums(d: Tensor) -> Tensor:
+def bias_sums(d: Tensor) -> Tensor:
     """``g_i(b) = sum_l d_i[:, l]``: ``[n, C_out]``."""
     return d.flatten(2).sum(2)
 
 
 def conv_transpose_sq_norms(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``||g_i(W)||^2`` of the twin convolution (``conv_sq_norms``), ``||sum_l d_i[:, l]||^2``."""
-    assert isinstance(layer, _ConvTransposeNd)
+    assert isinstance(layer, CONV_TRANSPOSES)
     out = {}
     if layer.weight.requires_grad:
-        out["weight"] = conv_sq_norms(_twin(layer), _window(layer, d), a)["weight"]
+        out["weight"] = conv_sq_norms(transpose_twin(layer), transpose_window(layer, d), a)["weight"]
     if layer.bias is not None and layer.bias.requires_grad:
-        out["bias"] = _bias_sums(d).square().sum(1)
+        out["bias"] = bias_sums(d).square().sum(1)
     return out
 
 
 def conv_transpose_summed(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``sum_i g_i``: the transposed convolution's own weight backward (no unfold)."""
-    assert isinstance(layer, _ConvTransposeNd)
+    assert isinstance(layer, CONV_TRANSPOSES)
     out = {}
     if layer.weight.requires_grad:
-        twin, window = _twin(layer), _window(layer, d)
-        stride, zeros, dilation, groups = _conv_args(twin)
+        twin, window = transpose_twin(layer), transpose_window(layer, d)
+        stride, zeros, dilation, groups = conv_args(twin)
         out["weight"] = torch.ops.aten.convolution_backward(
             a, window, layer.weight, None, stride, zeros, dilation, False, zeros, groups, [False, True, False]
         )[1]  # the twin's weight has the shape of layer.weight: [C_in, C_out / g, *kernel]
@@ -424,46 +312,23 @@ def conv_transpose_summed(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, T
 
 def conv_transpose_dots(layer: nn.Module, a: Tensor, d: Tensor, other: dict[str, Tensor]) -> dict[str, Tensor]:
     """``<g_i(W), G>`` of the twin convolution (``conv_dots``: one convolution of the window of ``d``)."""
-    assert isinstance(layer, _ConvTransposeNd)
+    assert isinstance(layer, CONV_TRANSPOSES)
     out = {}
     if layer.weight.requires_grad:
-        out["weight"] = conv_dots(_twin(layer), _window(layer, d), a, {"weight": other["weight"]})["weight"]
+        out["weight"] = conv_dots(transpose_twin(layer), transpose_window(layer, d), a, {"weight": other["weight"]})[
+            "weight"
+        ]
     if layer.bias is not None and layer.bias.requires_grad:
-        out["bias"] = _bias_sums(d) @ other["bias"]
+        out["bias"] = bias_sums(d) @ other["bias"]
     return out
 
 
 def conv_transpose_builds(layer: nn.Module, a: Tensor, d: Tensor) -> bool:
-    assert isinstance(layer, _ConvTransposeNd)
-    return conv_builds(_twin(layer), _window(layer, d), a)
+    assert isinstance(layer, CONV_TRANSPOSES)
+    return conv_builds(transpose_twin(layer), transpose_window(layer, d), a)
 
 
-def conv_transpose_project(
-    layer: nn.Module, a: Tensor, d: Tensor, projectors: dict[str, Projector], total: Tensor, scale: float
-) -> bool:
-    """``total += scale P vec(g_i)`` of the weight ``[C_in, C_out/g, *kernel]`` as the twin convolution's (``conv_project``
-    with the window of ``d`` as its input and ``a`` as its output gradient: ``P_row`` over ``C_in``,
-    ``P_col`` applied to every patch of the window by one convolution); the bias's block applied to
-    ``sum_l d_i[:, l]``. False, adding nothing, if the weight's block is dense (``g_i`` must be built)."""
-    assert isinstance(layer, _ConvTransposeNd)
-    weight = projectors.get("weight")
-    if weight is not None and not weight.kron:
-        return False
-    if weight is not None:
-        conv_project(_twin(layer), _window(layer, d), a, {"weight": weight}, total, scale)
-    if "bias" in projectors:
-        projectors["bias"].apply(_bias_sums(d), total, scale)
-    return True
-
-
-default_registry.register_fused(
-    _ConvTransposeNd,
-    FusedRule(
-        conv_transpose_sq_norms,
-        conv_transpose_summed,
-        conv_transpose_dots,
-        bilinear=True,
-        builds=conv_transpose_builds,
-        project=conv_transpose_project,
-    ),
+CONV_TRANSPOSE_FUSED = FusedRule(
+    conv_transpose_sq_norms, conv_transpose_summed, conv_transpose_dots, bilinear=True, builds=conv_transpose_builds
 )
+default_registry.register_fused(CONV_TRANSPOSES, CONV_TRANSPOSE_FUSED)

@@ -6,7 +6,6 @@ import torch
 from torch import Tensor, nn
 
 from pergrad._core.memory.layout import new_buffer
-from pergrad.attribution.projectors import Projector, add_kron_features, kron_token_features
 
 from ..errors import UnsupportedLayerError
 from ..registry import FusedRule, LayerCall, default_registry
@@ -35,7 +34,7 @@ def embedding(layer: nn.Module, idx: Tensor, d: Tensor) -> dict[str, Tensor]:
 # -- fused: g_i has one nonzero row per distinct token of sample i ------------------------------------
 
 
-def _tokens(layer: nn.Embedding, idx: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+def token_rows(layer: nn.Embedding, idx: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
     """idx ``[n, t]`` and d ``[n, t, e]`` with padding tokens' gradients zeroed (their row gets none)."""
     n, dim = idx.shape[0], layer.weight.shape[1]
     idx, d = idx.reshape(n, -1), d.reshape(n, -1, dim)
@@ -52,7 +51,7 @@ def embedding_sq_norms(layer: nn.Module, idx: Tensor, d: Tensor) -> dict[str, Te
     assert isinstance(layer, nn.Embedding)
     if not layer.weight.requires_grad:
         return {}
-    idx, d = _tokens(layer, idx, d)
+    idx, d = token_rows(layer, idx, d)
     same_row = idx.unsqueeze(2) == idx.unsqueeze(1)  # [n, t, s]
     return {"weight": (torch.bmm(d, d.transpose(1, 2)) * same_row).sum((1, 2))}
 
@@ -62,7 +61,7 @@ def embedding_summed(layer: nn.Module, idx: Tensor, d: Tensor) -> dict[str, Tens
     assert isinstance(layer, nn.Embedding)
     if not layer.weight.requires_grad:
         return {}
-    idx, d = _tokens(layer, idx, d)
+    idx, d = token_rows(layer, idx, d)
     out = d.new_zeros(layer.weight.shape)
     out.index_add_(0, idx.reshape(-1), d.reshape(-1, d.shape[2]))
     return {"weight": out}
@@ -73,7 +72,7 @@ def embedding_dots(layer: nn.Module, idx: Tensor, d: Tensor, other: dict[str, Te
     assert isinstance(layer, nn.Embedding)
     if not layer.weight.requires_grad:
         return {}
-    idx, d = _tokens(layer, idx, d)
+    idx, d = token_rows(layer, idx, d)
     return {"weight": (other["weight"][idx] * d).sum((1, 2))}
 
 
@@ -89,7 +88,7 @@ def embedding_sum_squares(layer: nn.Module, idx: Tensor, d: Tensor) -> dict[str,
     assert isinstance(layer, nn.Embedding)
     if not layer.weight.requires_grad:
         return {}
-    idx, d = _tokens(layer, idx, d)
+    idx, d = token_rows(layer, idx, d)
     vocab, dim = layer.num_embeddings, d.shape[2]
     keys = (idx + torch.arange(idx.shape[0], device=idx.device).unsqueeze(1) * vocab).reshape(-1)
     keys, order = torch.sort(keys)
@@ -102,67 +101,8 @@ def embedding_sum_squares(layer: nn.Module, idx: Tensor, d: Tensor) -> dict[str,
     return {"weight": out}
 
 
-def embedding_project(
-    layer: nn.Module, idx: Tensor, d: Tensor, projectors: dict[str, Projector], total: Tensor, scale: float
-) -> bool:
-    """``total += scale P vec(g_i)``, ``P vec(g_i) = sum_t P_row[:, idx_it] (P_col d_it)^T`` from the factors
-    (``embedding_factors``): ``P_row`` of a one-hot row is a column lookup (``P_row [p, vocab]``, ``P_col
-    [q, e]``); padding tokens contribute nothing. False, adding nothing, if the block is dense (``g_i``
-    must be built)."""
-    factors = embedding_factors(layer, idx, d, projectors)
-    if factors is None:
-        return False
-    for u, v in factors.values():
-        add_kron_features(total, u, v, scale)
-    return True
-
-
-def embedding_factors(
-    layer: nn.Module, idx: Tensor, d: Tensor, projectors: dict[str, Projector]
-) -> dict[str, tuple[Tensor, Tensor]] | None:
-    """The weight's Kronecker factors at every token: ``u_it = P_row[:, idx_it]`` ``[n, t, p]`` and
-    ``v_it = P_col d_it`` ``[n, t, q]``, both 0 at padding tokens (they contribute nothing);
-    ``embedding_project``'s features are ``vec(sum_t u_it v_it^T)``. None if the block is dense."""
-    assert isinstance(layer, nn.Embedding)
-    weight = projectors.get("weight")
-    if weight is None:
-        return {}
-    if not weight.kron:
-        return None
-    idx, d = _tokens(layer, idx, d)
-    row, col = weight.factors(d)
-    u = row.T[idx]
-    if layer.padding_idx is not None:
-        u = u.masked_fill((idx == layer.padding_idx % layer.num_embeddings).unsqueeze(2), 0)
-    return {"weight": (u, d @ col.T)}
-
-
-def embedding_project_tokens(
-    layer: nn.Module, idx: Tensor, d: Tensor, projectors: dict[str, Projector]
-) -> dict[str, Tensor] | None:
-    """``P_row[:, idx_it] (P_col d_it)^T`` per token ``t`` (zero for a padding token). None unless the
-    input is ``[n, t]`` and the block Kronecker.
-
-    Index conventions: n sample, t tokens, e embedding features, p and q projected features.
-    """
-    if idx.dim() != 2 and "weight" in projectors:
-        return None
-    factors = embedding_factors(layer, idx, d, projectors)
-    return None if factors is None else {name: kron_token_features(u, v) for name, (u, v) in factors.items()}
-
-
-default_registry.register_fused(
-    (nn.Embedding,),
-    FusedRule(
-        embedding_sq_norms,
-        embedding_summed,
-        embedding_dots,
-        embedding_sum_squares,
-        project=embedding_project,
-        factors=embedding_factors,
-        project_tokens=embedding_project_tokens,
-    ),
-)
+EMBEDDING_FUSED = FusedRule(embedding_sq_norms, embedding_summed, embedding_dots, embedding_sum_squares)
+default_registry.register_fused((nn.Embedding,), EMBEDDING_FUSED)
 
 
 def _bags(layer: nn.EmbeddingBag, call: LayerCall) -> tuple[Tensor, Tensor, Tensor | None, int]:

@@ -31,10 +31,7 @@ from torch import Tensor, nn
 from ..registry import FusedRule, default_registry
 from .linear import (
     linear_dots,
-    linear_factors,
     linear_moments,
-    linear_project,
-    linear_project_tokens,
     linear_sq_norms,
     linear_summed,
     outer_sums,
@@ -153,19 +150,14 @@ def conv1d(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     return out
 
 
-default_registry.register_fused(
-    (CONV1D,),
-    FusedRule(
-        linear_sq_norms,  # ||g_i||_F is the same for a weight and its transpose
-        partial(linear_summed, transposed=True),
-        partial(linear_dots, transposed=True),
-        bilinear=True,
-        moments=partial(linear_moments, transposed=True),
-        project=partial(linear_project, transposed=True),
-        factors=partial(linear_factors, transposed=True),
-        project_tokens=partial(linear_project_tokens, transposed=True),
-    ),
+CONV1D_FUSED = FusedRule(
+    linear_sq_norms,  # ||g_i||_F is the same for a weight and its transpose
+    partial(linear_summed, transposed=True),
+    partial(linear_dots, transposed=True),
+    bilinear=True,
+    moments=partial(linear_moments, transposed=True),
 )
+default_registry.register_fused((CONV1D,), CONV1D_FUSED)
 
 
 # -- RMSNorm-like layers: y = w * x_hat, in the dtypes of each family's forward -------------------

@@ -6,8 +6,8 @@ state (``pergrad._core.backward.state``):
 1. each hooked layer call's output gradient ``d`` (``on_output_grad``): with ``keep_grad_sample`` its
    rule turns ``(kept input, d)`` into per-sample gradients at once, summed per sample over every
    call of the layer and every layer sharing a parameter; otherwise ``(a, d)`` are kept for the end,
-   where a consumer reads them, but projected at once where the projection alone reads them
-   (``Projection.project_now``: let go while the backward goes on), and let go where none does;
+   where a consumer reads them, but consumed at once where one consumer alone reads them and takes them
+   (``Consumer.take``: let go while the backward goes on), and let go where none does;
 2. each parameter's ``AccumulateGrad`` node (it runs only in ``.backward()``, not in
    ``torch.autograd.grad``) is pre-hooked (``on_accumulate``): a parameter a transform covers gets a
    zero there (its ``.grad`` is written at the end); any other keeps autograd's own sum, rescaled
@@ -15,8 +15,9 @@ state (``pergrad._core.backward.state``):
 
 At the end of the backward (an autograd engine callback) ``_end`` runs, top to bottom: collect the
 backward's per-sample gradients into one source, check them, and hand them to each consumer in turn
-(``pergrad._core.consumers``: ``grad_sample``, statistics, norms, projections, the reduction of each target's transform
-into ``.grad``: ``p.grad += (1/B) sum_i T(g_i)`` for ``"mean"``, ``sum_i T(g_i)`` for ``"sum"``).
+(``pergrad._core.consumers``: ``grad_sample``, statistics, norms, those a feature added (``add``), the
+reduction of each target's transform into ``.grad``: ``p.grad += (1/B) sum_i T(g_i)`` for ``"mean"``,
+``sum_i T(g_i)`` for ``"sum"``).
 A parallel back-end (``pergrad._core.parallel.world``) then communicates pergrad's part.
 
 Per-sample gradients are those of each sample's OWN loss ``f_i``, where the loss is
@@ -35,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -68,8 +69,6 @@ from pergrad._core.memory.pool import BufferPool
 from pergrad._core.parallel.world import World
 from pergrad._core.shortcuts.detach import Detacher
 from pergrad._core.shortcuts.reach import Taps, Unhooked
-from pergrad.attribution.factors import ProjectedFactors
-from pergrad.attribution.projection import Projection
 from pergrad.errors import BatchSizeError, HookStateError, SecondOrderError, module_label
 from pergrad.statistics import needs
 
@@ -158,16 +157,16 @@ class Engine:
         self.last_activation_grads: dict[str, Tensor] = {}
         # the consumers of (a, d), in the order they run: each may read what the earlier ones left
         self.grad_sample = GradSample()
-        self.statistics = TrackStatistics(track_statistics, loss_reduction)
+        # the statistics' consumer, where some are tracked
+        self.statistics = TrackStatistics(track_statistics, loss_reduction) if track_statistics else None
         self.norms = Norms(self.track_norms, self.targets)
-        self.projection = Projection(self.canonical)
-        self.factors = ProjectedFactors(self.projection, self.canonical)
-        self.reducer = Reduction(self.targets, reduction, self.canonical, lambda: self.projection.gradless)
-        self.consumers: list[Consumer] = [self.statistics, self.norms, self.projection, self.factors, self.reducer]
+        self.reducer = Reduction(self.targets, reduction, self.canonical, lambda: self.gradless)
+        self.consumers: list[Consumer] = [self.norms, self.reducer]
+        if self.statistics is not None:
+            self.consumers.insert(0, self.statistics)
         if keep_grad_sample:
             self.consumers.insert(0, self.grad_sample)
-        self.holding = Holding(self.targets)  # per-sample gradients held for an audit: last, so .grad is as unarmed
-        self.consumers.append(self.holding)
+        self.holding: Holding | None = None  # per-sample gradients held for an audit (``hold``)
         self.accumulators: dict[nn.Parameter, Any] = {}  # each parameter's hooked AccumulateGrad node (the wrapper's)
         # called at a backward's start where a parameter's AccumulateGrad node is no longer the hooked one
         self.on_stale: Callable[[], None] | None = None
@@ -187,11 +186,29 @@ class Engine:
     def transformed(self) -> set[nn.Parameter]:
         return self.targets.transformed
 
+    def add(self, consumer: Consumer) -> None:
+        """Run ``consumer`` at the end of every backward from now on (a feature's, added when a user asks
+        for what it computes), after those added before it and before the reduction into ``.grad``."""
+        self.consumers.insert(self.consumers.index(self.reducer), consumer)
+
+    def hold(self) -> Holding:
+        """The consumer that hands per-sample gradients to an audit's ``Holder``: made at the first call,
+        and run last, so that ``.grad`` is computed as without it."""
+        if self.holding is None:
+            self.holding = Holding(self.targets)
+            self.consumers.append(self.holding)
+        return self.holding
+
     @property
     def gradless(self) -> frozenset[nn.Parameter]:
-        """The parameters of projections registered with ``grads=False``: where their weight runs
-        detached, their ``.grad`` is left as it is."""
-        return self.projection.gradless
+        """The parameters whose ``.grad`` no consumer needs (``Consumer.gradless``: a projection registered
+        with ``grads=False``): where their weight runs detached, their ``.grad`` is left as it is."""
+        found: frozenset[nn.Parameter] = frozenset()
+        for consumer in self.consumers:
+            gradless = consumer.gradless
+            if gradless:
+                found = gradless if not found else found | gradless
+        return found
 
     def canonical(self, p: nn.Parameter) -> nn.Parameter:
         """The parameter ``p`` is keyed by (FSDP2: the shard of an unsharded parameter)."""
@@ -438,9 +455,9 @@ class Engine:
         """Turn one call's output gradient into per-sample gradients (or keep it for the end)."""
         layer, arrived = kept.layer, state.arrived
         if not self.keep_grad_sample:
-            projected = self.projection.reads(kept)
-            others = any(consumer.reads(kept) for consumer in self.consumers if consumer is not self.projection)
-            if not (projected or others or self.verify_backwards > 0 or layer.spec.parametrized):  # no one reads
+            readers = (consumer for consumer in self.consumers if consumer.reads(kept))
+            reader = next(readers, None)
+            if reader is None and not (self.verify_backwards > 0 or layer.spec.parametrized):  # no one reads
                 arrived.passed.update((self.canonical(p), None) for _, p in layer.trainable())
                 return
             built = None
@@ -448,7 +465,7 @@ class Engine:
                 with self._buffers(state):
                     built = run_rule(layer, kept.a, d, scale)
             call = Call(layer, kept.a, d, scale, built)
-            if projected and not others and self._projects_now(state, kept, call):  # (a, d) let go now
+            if reader is not None and reader.takes_now and self._takes_now(state, kept, call, reader, readers):
                 arrived.passed.update((self.canonical(p), None) for _, p in layer.trainable())
                 return
             arrived.calls.append(call)
@@ -468,14 +485,16 @@ class Engine:
                 )
             previous = arrived.grads.get(param)
             arrived.grads[param] = g if previous is None else previous + g
-        # the projected factors and per-token features read (a, d) at the end, beside the built g_i
-        if self.factors.reads(kept) or (kept.batch_size > 0 and self.projection.reads_tokens(kept)):
+        if any(consumer.keeps_inputs(kept) for consumer in self.consumers):  # read at the end, beside the built g_i
             arrived.calls.append(Call(layer, kept.a, d, scale, per_sample))
 
-    def _projects_now(self, state: Backward, kept: Kept, call: Call) -> bool:
-        """Project a call that only the projection reads as its ``d`` arrives (``Projection.project_now``),
-        unless the end of the backward needs its ``(a, d)``: the first backward's check, a backward
-        with ``create_graph=True``, an empty batch."""
+    def _takes_now(self, state: Backward, kept: Kept, call: Call, reader: Consumer, others: Iterator[Consumer]) -> bool:
+        """Have ``reader``, the first consumer that reads a call (one that ``takes_now``), take it as its ``d``
+        arrives (``Consumer.take``; its ``(a, d)`` are then let go) where no other consumer (``others``) reads
+        it, unless the end of the backward needs its ``(a, d)``: the first backward's check, a backward with
+        ``create_graph=True``, an empty batch."""
+        if next(others, None) is not None:
+            return False
         d = call.d
         if self.verify_backwards > 0 or state.create_graph or kept.batch_size == 0 or not isinstance(d, Tensor):
             return False
@@ -484,7 +503,7 @@ class Engine:
         if not self._accumulates(kept.layer):  # only the parameters it reaches count: told at the end
             return False
         with no_autocast(d.device.type), self._buffers(state):
-            return self.projection.project_now(call, kept.batch_size, state.arrived.projected)
+            return reader.take(call, kept.batch_size, state)
 
     def _accumulates(self, layer: HookedLayer) -> bool:
         """Whether the running backward runs the hooked ``AccumulateGrad`` node (``on_accumulate``) of every
@@ -630,10 +649,10 @@ class Engine:
 
     def _per_sample(self, param: nn.Parameter) -> bool:
         """Whether pergrad computes anything per sample from ``param``'s gradient (``grad_sample``, norms,
-        statistics, a transform, a projection)."""
+        statistics, a transform, or what a consumer ``covers``)."""
         if self.keep_grad_sample or self.track_norms or self.track_statistics:
             return True
-        return param in self.transformed or any(param in target.params for target in self.projection.targets)
+        return param in self.transformed or any(consumer.covers(param) for consumer in self.consumers)
 
     def _graph_done(self, state: Backward) -> None:
         """The graph of the backward has run. Under DDP pergrad's part of ``.grad`` is computed now and

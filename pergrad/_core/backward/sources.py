@@ -15,7 +15,7 @@ Both answer the same questions, so the engine computes transforms and statistics
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,8 +24,7 @@ from torch import Tensor, nn
 
 from pergrad._core.capture.calls import Call, HookedLayer, Kept
 from pergrad._core.memory.layout import new_buffer, recorded, recording_buffers
-from pergrad.attribution.projectors import Projector
-from pergrad.errors import ProjectionError, SecondOrderError, UnsupportedLayerError
+from pergrad.errors import SecondOrderError, UnsupportedLayerError
 from pergrad.registry import FusedRule, OutputGrads
 
 Params = Iterable[nn.Parameter]
@@ -108,12 +107,6 @@ class Materialized:
 
     def sum_squares(self, params: Params) -> dict[nn.Parameter, Tensor]:
         return {p: _sum_of_squares(self.grads[p]) for p in params}
-
-    def project(self, projectors: dict[nn.Parameter, Projector], total: Tensor) -> None:
-        """Adds ``sum_p P_p vec(g_i(p))`` of the parameters with built ``g_i`` into ``total`` ``[B, k]``."""
-        for p, proj in projectors.items():
-            if p in self.grads:
-                proj.apply(self.grads[p], total)
 
     def moments(
         self, params: Params, means: dict[nn.Parameter, Tensor], squares: bool = True, dots: bool = True
@@ -348,59 +341,19 @@ class Fused:
             out.update({p: result[name] * call.scale for p, name in pairs})
         return out
 
-    def project(self, projectors: dict[nn.Parameter, Projector], total: Tensor) -> None:
-        """Adds ``sum_p P_p vec(g_i(p))`` into ``total`` ``[B, k]``, call by call in the order they arrived (as
-        ``Projection.project_now`` adds them, one call at a time: the same numbers either way): a call's fused
-        projection (``FusedRule.project``: Kronecker blocks from ``(a, d)``, no ``g_i``) where its rule has one
-        for these projectors, else its built ``g_i`` projected (shared with the other quantities as ``_run``
-        keeps them). Projections are linear, so a parameter fed by several calls (a layer called twice, tied
-        weights) adds each call's projection."""
+    def feeding(self, params: Container[nn.Parameter]) -> Iterator[tuple[Call, dict[str, nn.Parameter]]]:
+        """Each call that feeds any of ``params``, in the order the calls arrived, with those of its
+        parameters in ``params`` by the names its rule uses (for a feature's own forms of ``(a, d)``:
+        ``pergrad.attribution.projection``)."""
         for call in self.calls:
-            named = {name: p for name, p in self._params[call].items() if p in projectors}
-            if not named:
-                continue
-            fused = call.layer.spec.fused
-            if call.built is None and fused is not None and fused.project is not None:
-                by_name = {n: projectors[p] for n, p in named.items()}
-                if fused.project(call.layer.module, call.a, call.d, by_name, total, call.scale):
-                    continue
-            for name, g in self._run(call).items():
-                p = self._param(call, name)
-                if p in projectors:
-                    projectors[p].apply(g, total)
+            named = {name: p for name, p in self._params[call].items() if p in params}
+            if named:
+                yield call, named
 
-    def project_tokens(self, projectors: dict[nn.Parameter, Projector]) -> dict[nn.Parameter, Tensor]:
-        """``P_p vec(g_it)`` ``[B, T, k]`` of each parameter, ``g_it`` the term of ``g_i`` at token ``t``
-        (summed over its calls: tied and reused layers), from each call's ``FusedRule.project_tokens``;
-        ``ProjectionError`` for a call without one (a layer or input shape with no per-token form) or
-        calls of different token counts."""
-        out: dict[nn.Parameter, Tensor] = {}
-        fed: dict[nn.Parameter, HookedLayer] = {}
-        for call in self._calls_of(p for p in projectors if p in self.uses):
-            named = {name: p for name, p in self._params[call].items() if p in projectors}
-            layer, fused = call.layer, call.layer.spec.fused
-            found = None
-            if fused is not None and fused.project_tokens is not None and isinstance(call.a, Tensor):
-                found = fused.project_tokens(layer.module, call.a, call.d, {n: projectors[p] for n, p in named.items()})
-            if found is None:
-                shape = tuple(call.a.shape) if isinstance(call.a, Tensor) else "several inputs"
-                raise ProjectionError(
-                    f"register_projection(per_token=True): {layer.label} was called on an input of shape {shape}; "
-                    "per-token features exist for nn.Linear and HF Conv1D on [B, T, features] and nn.Embedding on "
-                    "[B, T] (one token dim after the batch). Register its projection with per_token=False for "
-                    "per-sample features, or reshape its input to [B, T, features]."
-                )
-            for name, f in found.items():
-                p = named[name]
-                if p in out and out[p].shape != f.shape:
-                    raise ProjectionError(
-                        f"register_projection(per_token=True): {fed[p].label} and {layer.label} share parameter "
-                        f"{name!r} but see {out[p].shape[1]} and {f.shape[1]} tokens per sample; per-token features "
-                        "need the same tokens in every call. Register its projection with per_token=False."
-                    )
-                out[p] = f * call.scale if p not in out else out[p] + f * call.scale
-                fed.setdefault(p, layer)
-        return out
+    def built(self, call: Call) -> list[tuple[nn.Parameter, Tensor]]:
+        """The per-sample gradients ``g_i`` of one call by parameter: its rule's, shared with the other
+        quantities of this backward where they are kept."""
+        return [(self._param(call, name), g) for name, g in self._run(call).items()]
 
     def moments(
         self, params: Params, means: dict[nn.Parameter, Tensor], squares: bool = True, dots: bool = True

@@ -37,9 +37,8 @@ class Arrivals:
     # the calls that arrived at an autograd node holding saved tensors, with that node (``let_go``)
     reached: list[tuple[Kept, Any]] = field(default_factory=list)
     passed: dict[nn.Parameter, None] = field(default_factory=dict)  # of calls whose (a, d) no one reads
-    # by target name: the features [B, k] of the calls projected as their d arrived (``Projection.project_now``),
-    # and the parameters they cover
-    projected: dict[str, tuple[Tensor, set[nn.Parameter]]] = field(default_factory=dict)
+    # by consumer: what it computed of the calls it took as their d arrived (``Consumer.take``)
+    taken: dict[Any, Any] = field(default_factory=dict)
     outputs: dict[int, tuple[Kept, list[Tensor | None]]] = field(default_factory=dict)  # id(kept): each output's d
     activation_grads: dict[str, Tensor] = field(default_factory=dict)
     detached: list[Detached] = field(default_factory=list)  # of the calls whose output gradient arrived

@@ -11,11 +11,11 @@ from torch import Tensor, nn
 from pergrad._core.backward.sources import Materialized
 from pergrad._core.backward.targets import Target, Targets
 from pergrad._core.capture.calls import Kept
-from pergrad._core.consumers import Batch
+from pergrad._core.consumers import Batch, Consumer
 from pergrad._core.memory.layout import allocating_from, fresh_buffer
 
 
-class GradSample:
+class GradSample(Consumer):
     """Stores ``grad_sample`` on the parameters (``keep_grad_sample=True``). A backward of a new forward
     replaces every one; a second backward of the same forward (``retain_graph=True``) adds, like
     autograd does."""
@@ -100,7 +100,7 @@ class Holder:
         self._holders.discard(self)
 
 
-class Holding:
+class Holding(Consumer):
     """Hands each backward's built per-sample gradients to the armed ``Holder``\\ s. It runs after every
     other consumer, so a backward computes ``.grad`` as it would unarmed; while one is armed, the calls'
     ``(a, d)`` are kept until the end of the backward."""

@@ -7,10 +7,10 @@ from torch import Tensor, nn
 
 from pergrad._core.backward.targets import Targets
 from pergrad._core.capture.calls import Kept
-from pergrad._core.consumers import Batch
+from pergrad._core.consumers import Batch, Consumer
 
 
-class Norms:
+class Norms(Consumer):
     """Computes every reached parameter's norms (``track_norms=True``), else those a transform needs."""
 
     def __init__(self, track: bool, targets: Targets) -> None:

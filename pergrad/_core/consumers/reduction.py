@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from pergrad._core.backward.targets import Target, Targets
 from pergrad._core.capture.calls import Kept
-from pergrad._core.consumers import Batch
+from pergrad._core.consumers import Batch, Consumer
 from pergrad._core.memory.layout import may_hold_true
 from pergrad.errors import SecondOrderError, TransformError
 from pergrad.transforms import Scaling, check_output, check_unmodified
@@ -43,7 +43,7 @@ def _check_differentiable(label: str, per_sample: dict[str, Tensor], result: dic
         )
 
 
-class Reduction:
+class Reduction(Consumer):
     """Writes the ``.grad`` of every parameter a target covers, and of the detached weights."""
 
     def __init__(
@@ -54,7 +54,7 @@ class Reduction:
         gradless: Callable[[], frozenset[nn.Parameter]],
     ) -> None:
         self.targets, self.reduction, self.canonical = targets, reduction, canonical
-        self.gradless = gradless  # the parameters of projections registered with grads=False: .grad left as it is
+        self.unneeded = gradless  # the parameters whose .grad no one needs (``Engine.gradless``): left as it is
         self.last_dropped: dict[str, Tensor] = {}  # target label -> [B] mask of the samples left out
 
     def reads(self, kept: Kept) -> bool:
@@ -65,7 +65,7 @@ class Reduction:
         detached = kept.detached
         if detached is None:
             return False
-        gradless = self.gradless()
+        gradless = self.unneeded()
         return any(self.canonical(p) not in gradless for p in detached.params)
 
     def consume(self, batch: Batch) -> None:

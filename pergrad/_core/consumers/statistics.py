@@ -4,11 +4,11 @@ costs are in ``pergrad.statistics``; this consumer computes the tracked ones in 
 from __future__ import annotations
 
 from pergrad._core.capture.calls import Kept
-from pergrad._core.consumers import Batch
+from pergrad._core.consumers import Batch, Consumer
 from pergrad.statistics import Statistics, compute_statistics
 
 
-class TrackStatistics:
+class TrackStatistics(Consumer):
     """Computes the ``tracked`` statistics over every parameter the backward reached."""
 
     def __init__(self, tracked: frozenset[str], loss_reduction: str) -> None:
