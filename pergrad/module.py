@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +22,7 @@ from pergrad._core.capture.discover import discover, is_lazy_module, layout_of
 from pergrad._core.capture.hooks import LayerHooks, owners
 from pergrad._core.consumers.grad_sample import Holder
 from pergrad._core.loss_scale import GradScalerLike, LossScaleLike, factor_reader, loss_scale_reader
+from pergrad._core.options import Options
 from pergrad._core.parallel.distributed import DataParallel, running_ddp, world_for
 
 from .errors import (
@@ -39,7 +41,6 @@ if TYPE_CHECKING:
     from pergrad.attribution.projectors import Spec
     from pergrad.attribution.tracking import Attribution
 
-_REDUCTIONS = ("mean", "sum")
 _HOLDER = "pergrad"  # the key, in the metadata of a parameter's AccumulateGrad node, of the wrapper hooking it
 
 
@@ -143,22 +144,9 @@ class PerSampleModule:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleModule wraps an nn.Module, got {type(model).__name__}")
-        reduction = loss_reduction if reduction is None else reduction
-        for arg, value in (("loss_reduction", loss_reduction), ("reduction", reduction)):
-            if value not in _REDUCTIONS:
-                raise ValueError(f"{arg} must be 'mean' or 'sum', got {value!r}")
-        if accumulate not in ("backward", "samples"):
-            raise ValueError(f"accumulate must be 'backward' or 'samples', got {accumulate!r}")
-        if owners(model):
-            raise PergradError(
-                f"this {type(model).__name__} (or a submodule of it) is already wrapped by a PerSampleModule; two "
-                "wrappers would each write .grad. Call .remove() on the first one (or leave its `with` block) first."
-            )
-        self.module = model
-        # what a copy is built with (``__deepcopy__``, ``__reduce__``); the loss scale as it is then
-        self._options: dict[str, Any] = dict(
+        options = Options(
             loss_reduction=loss_reduction,
-            reduction=reduction,
+            reduction=loss_reduction if reduction is None else reduction,
             batch_first=batch_first,
             keep_grad_sample=keep_grad_sample,
             track_norms=track_norms,
@@ -167,30 +155,21 @@ class PerSampleModule:
             keep_activation_grads=keep_activation_grads,
             verify=verify,
             fallback=fallback,
-            rules=rules,
             detach_transformed=detach_transformed,
-            grad_scaler=grad_scaler,
         )
+        if owners(model):
+            raise PergradError(
+                f"this {type(model).__name__} (or a submodule of it) is already wrapped by a PerSampleModule; two "
+                "wrappers would each write .grad. Call .remove() on the first one (or leave its `with` block) first."
+            )
+        self.module = model
+        self.options = options
         self._loss_scale = loss_scale
-        self._grad_scaler, self._accumulate = grad_scaler, accumulate
-        self.loss_reduction = loss_reduction
-        self.reduction = reduction
-        self.batch_first = batch_first
-        self._registry = default_registry if rules is None else rules
-        self._fallback, self._verify, self._detach_transformed = fallback, verify, detach_transformed
+        self._grad_scaler = grad_scaler
+        self.loss_reduction, self.reduction, self.batch_first = options.loss_reduction, options.reduction, batch_first
+        self._rules, self._registry = rules, default_registry if rules is None else rules
         self._engine = Engine(
-            param_names={},
-            loss_reduction=loss_reduction,
-            reduction=reduction,
-            keep_grad_sample=keep_grad_sample,
-            track_norms=track_norms,
-            track_statistics=self._options["track_statistics"],
-            accumulate=accumulate,
-            keep_activation_grads=keep_activation_grads,
-            verify_backwards=1 if verify else 0,
-            detach_transformed=detach_transformed,
-            loss_scale=loss_scale_reader(grad_scaler),
-            loss_factor=factor_reader(loss_scale),
+            options, param_names={}, loss_scale=loss_scale_reader(grad_scaler), loss_factor=factor_reader(loss_scale)
         )
         # DDP or FSDP2: how pergrad's part of .grad reaches every rank (pergrad._core.parallel.distributed)
         self._engine.world = world_for(model, self._engine, accumulate)
@@ -246,14 +225,14 @@ class PerSampleModule:
     @property
     def accumulate(self) -> str:
         """How ``.grad`` combines several backward passes: ``"backward"`` or ``"samples"`` (see the argument)."""
-        return self._accumulate
+        return self.options.accumulate
 
     # -- following the model: its parameters, as they are at each forward ------------------------
 
     def _bind(self) -> None:
         """Find the layers and parameters of the model as it is now, and what the transforms cover."""
         model = self.module
-        self._layers = discover(model, self._registry, self._fallback)
+        self._layers = discover(model, self._registry, self.options.fallback)
         self._submodules = list(model.modules())
         self._layout = layout_of(self._submodules, self._canonical)
         engine = self._engine
@@ -261,7 +240,7 @@ class PerSampleModule:
         self._lazy = any(map(is_lazy_module, self._submodules))
         # a call that materialises a lazy module is bound at its end (``_after_call``) and its backward
         # checked (``verify``), which needs every weight attached: none runs detached until then
-        engine.detach_transformed = self._detach_transformed and not self._lazy
+        engine.detach_transformed = self.options.detach_transformed and not self._lazy
         engine.layers = self._layers
         engine.detacher.candidates(self._layers, model)
         engine.targets.clear()
@@ -358,7 +337,7 @@ class PerSampleModule:
         self._install_accumulate_hooks()
         for param in before - set(self._engine.param_names):
             self._engine.grad_sample.drop(param)  # no grad_sample left on parameters the model no longer holds
-        self._engine.verify_backwards = 1 if self._verify else 0
+        self._engine.verify_backwards = 1 if self.options.verify else 0
 
     def _after_call(self) -> None:
         """At the end of every call of the model while it holds lazy modules before their first
@@ -426,7 +405,7 @@ class PerSampleModule:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``model.zero_grad`` and drop every ``grad_sample``."""
         self.module.zero_grad(set_to_none)
-        if self._engine.keep_grad_sample:  # otherwise pergrad sets none
+        if self._engine.options.keep_grad_sample:  # otherwise pergrad sets none
             self._clear_grad_sample()
 
     # -- what the last backward measured ---------------------------------------------------------
@@ -436,7 +415,7 @@ class PerSampleModule:
         adds to), as a source."""
         last = self._engine.grad_sample.last
         names = {p: n for p, n in self._engine.param_names.items() if p in last}
-        if not self._engine.keep_grad_sample or not names:
+        if not self._engine.options.keep_grad_sample or not names:
             raise PergradError(
                 "nothing to measure: run a backward first; with keep_grad_sample=False pass "
                 "track_norms=True (for per_sample_norms) or track_statistics=True (for statistics) to the wrapper"
@@ -460,9 +439,9 @@ class PerSampleModule:
         """
         engine = self._engine
         trainable = sorted(engine.param_names.values())
-        if engine.track_norms or (not engine.keep_grad_sample and engine.norms.last):
+        if engine.track_norms or (not engine.options.keep_grad_sample and engine.norms.last):
             found = {engine.param_names[p]: sq.sqrt() for p, sq in engine.norms.last.items()}
-        elif engine.keep_grad_sample:
+        elif engine.options.keep_grad_sample:
             source, names, _ = self._materialized()
             found = {names[p]: sq.sqrt() for p, sq in source.sq_norms(names).items()}
         else:
@@ -473,7 +452,7 @@ class PerSampleModule:
             )
         why = (
             "the parameter received no gradient in the last backward"
-            if engine.track_norms or engine.keep_grad_sample
+            if engine.track_norms or engine.options.keep_grad_sample
             else "with keep_grad_sample=False and track_norms=False the backward computes only the norms that its "
             "norm-based transforms (clip_norm, normalize) use, those of the parameters they cover; pass "
             "track_norms=True to PerSampleModule for every parameter's"
@@ -504,7 +483,7 @@ class PerSampleModule:
         Needs ``keep_activation_grads=True``. Saliency maps are ``activation_grads()["input"].abs()``;
         the fast-gradient-sign direction is its ``.sign()``.
         """
-        if not self._engine.keep_activation_grads:
+        if not self._engine.options.keep_activation_grads:
             raise PergradError("activation_grads() needs PerSampleModule(..., keep_activation_grads=True)")
         return dict(self._engine.last_activation_grads)
 
@@ -753,7 +732,7 @@ class PerSampleModule:
     @property
     def keep_grad_sample(self) -> bool:
         """Whether each backward stores ``p.grad_sample`` (see the ``keep_grad_sample`` argument)."""
-        return self._engine.keep_grad_sample
+        return self._engine.options.keep_grad_sample
 
     @property
     def removed(self) -> bool:
@@ -777,7 +756,8 @@ class PerSampleModule:
                 "part of the parallel back-end of this process). Save the model's state_dict "
                 "(torch.save(psm.module.state_dict(), path)) and wrap the model again where it is loaded."
             )
-        options = {**self._options, "loss_scale": self._loss_scale}
+        options = {f.name: getattr(self.options, f.name) for f in fields(self.options)}
+        options.update(rules=self._rules, grad_scaler=self._grad_scaler, loss_scale=self._loss_scale)
         projections, factors = ([], []) if self._attribution is None else self._attribution.recipe()
         return self.module, options, list(self._targets), projections, factors, self._engine.closed
 

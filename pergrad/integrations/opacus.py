@@ -80,5 +80,7 @@ def check_opacus_stale(held: Iterable[nn.Parameter], names: dict[nn.Parameter, s
 INTEGRATION_CHECKS["opacus"] = IntegrationCheck(
     libraries=("opacus",),
     begin=lambda engine, generation: check_opacus_stale(engine.grad_sample.held(generation), engine.param_names),
-    end=lambda engine, batch: check_opacus(batch.params, engine.keep_grad_sample, engine.targets, engine.param_names),
+    end=lambda engine, batch: check_opacus(
+        batch.params, engine.options.keep_grad_sample, engine.targets, engine.param_names
+    ),
 )

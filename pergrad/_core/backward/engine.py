@@ -66,6 +66,7 @@ from pergrad._core.consumers.statistics import TrackStatistics
 from pergrad._core.loss_scale import LossScale, on_device
 from pergrad._core.memory.layout import allocating_from
 from pergrad._core.memory.pool import BufferPool
+from pergrad._core.options import Options
 from pergrad._core.parallel.world import World
 from pergrad._core.shortcuts.detach import Detacher
 from pergrad._core.shortcuts.reach import Taps, Unhooked
@@ -103,31 +104,19 @@ class Engine:
 
     def __init__(
         self,
+        options: Options,
         *,
         param_names: dict[nn.Parameter, str],
-        loss_reduction: str,
-        reduction: str,
-        keep_grad_sample: bool,
-        track_norms: bool = False,
-        track_statistics: frozenset[str] = frozenset(),
-        accumulate: str = "backward",
-        keep_activation_grads: bool = False,
-        verify_backwards: int = 1,
-        detach_transformed: bool = False,
         loss_scale: LossScale | None = None,
         loss_factor: LossScale | None = None,
     ) -> None:
+        self.options = options
         self.param_names = param_names
-        self.loss_reduction, self.reduction = loss_reduction, reduction
-        self.keep_grad_sample = keep_grad_sample
-        self.track_norms = track_norms or bool(track_statistics)
-        self.track_statistics = track_statistics  # the names of the statistics computed (none: empty)
+        self.track_norms = options.norms
         # elementwise second moments: g_i are built where a layer sees many positions (see detach.py)
-        self.second_moments = needs(track_statistics)[0]
-        self.running_mean = accumulate == "samples" and reduction == "mean"
-        self.keep_activation_grads = keep_activation_grads
-        self.verify_backwards = verify_backwards  # how many backward passes still run the first one's check
-        self.detach_transformed = detach_transformed
+        self.second_moments = needs(options.track_statistics)[0]
+        self.verify_backwards = 1 if options.verify else 0  # backward passes that still run the first one's check
+        self.detach_transformed = options.detach_transformed  # off while lazy modules are unmaterialised
         self.loss_scale = loss_scale  # the GradScaler's (grad_scaler=)
         self.loss_factor = loss_factor  # the user's own (loss_scale=: gradient accumulation dividing the loss)
         self.closed = False
@@ -145,12 +134,12 @@ class Engine:
         self._in_recompute = False  # a recomputed layer call announces itself (``on_recompute``)
         self.targets = Targets()
         self.backwards = Backwards(self._start)
-        self.writer = GradWriter(loss_reduction=loss_reduction, reduction=reduction, running_mean=self.running_mean)
+        self.writer = GradWriter(options)
         self.pool = BufferPool()  # memory of per-sample tensors, reused across backward passes
         self.detacher = Detacher(self)
         # what reaches a parameter pergrad writes besides its layers' outputs (pergrad._core.shortcuts.reach): checked
         # on every backward unless verify=False
-        self.checks_reach = verify_backwards > 0
+        self.checks_reach = options.verify
         self.taps = Taps(self._taps_param, self._on_tap)
         self.unhooked = Unhooked(self._on_unhooked)  # what reaches a parameter before the user's tensor hooks
         self.after_removal = AfterRemoval()
@@ -158,13 +147,15 @@ class Engine:
         # the consumers of (a, d), in the order they run: each may read what the earlier ones left
         self.grad_sample = GradSample()
         # the statistics' consumer, where some are tracked
-        self.statistics = TrackStatistics(track_statistics, loss_reduction) if track_statistics else None
+        self.statistics = (
+            TrackStatistics(options.track_statistics, options.loss_reduction) if options.track_statistics else None
+        )
         self.norms = Norms(self.track_norms, self.targets)
-        self.reducer = Reduction(self.targets, reduction, self.canonical, lambda: self.gradless)
+        self.reducer = Reduction(self.targets, options.reduction, self.canonical, lambda: self.gradless)
         self.consumers: list[Consumer] = [self.norms, self.reducer]
         if self.statistics is not None:
             self.consumers.insert(0, self.statistics)
-        if keep_grad_sample:
+        if options.keep_grad_sample:
             self.consumers.insert(0, self.grad_sample)
         self.holding: Holding | None = None  # per-sample gradients held for an audit (``hold``)
         self.accumulators: dict[nn.Parameter, Any] = {}  # each parameter's hooked AccumulateGrad node (the wrapper's)
@@ -220,7 +211,7 @@ class Engine:
         or it may run detached. The same answer on every rank, whatever the batch."""
         if param in self.transformed:
             return True
-        builds = self.keep_grad_sample or self.track_norms or bool(self.track_statistics)
+        builds = self.options.keep_grad_sample or self.track_norms or bool(self.options.track_statistics)
         return self.detach_transformed and builds and param in self.detacher.single
 
     def samples_in_grad(self, param: nn.Parameter) -> float:
@@ -279,7 +270,7 @@ class Engine:
             if kept.detached is not None and part is None:
                 self.after_removal.on_output_grad(kept, d)
             return
-        computes = self.keep_grad_sample or self.keep_activation_grads or kept.layer.spec.parametrized
+        computes = self.options.keep_grad_sample or self.options.keep_activation_grads or kept.layer.spec.parametrized
         try:
             if not (computes or torch.is_grad_enabled()):  # records (a, d) only: nothing to compute
                 self._arrived(kept, d, part)
@@ -317,7 +308,7 @@ class Engine:
                 self._catch_input_gradients(kept, accumulates)
         layer = kept.layer
         # each sample's own output gradient is scale * d: the loss averaged over the batch
-        scale = float(kept.batch_size) if self.loss_reduction == "mean" else 1.0
+        scale = float(kept.batch_size) if self.options.loss_reduction == "mean" else 1.0
         if layer.dtype is not None and d.dtype != layer.dtype:  # autocast: compute in the parameters' dtype
             kept, d = in_parameter_dtype(kept, d)
             if state.loss_scale is not None:  # unscale after the cast: no underflow in float16
@@ -325,7 +316,7 @@ class Engine:
         else:
             d = state.to_sample_units(d)
         arrived = state.arrived
-        if self.keep_activation_grads and not layer.spec.raw:
+        if self.options.keep_activation_grads and not layer.spec.raw:
             arrived.activation_grads[kept.key if not part else f"{kept.key}[{part}]"] = d * scale
         if kept.detached is not None:
             arrived.detached.append(kept.detached)
@@ -454,7 +445,7 @@ class Engine:
     def _use(self, state: Backward, kept: Kept, d: Any, scale: float) -> None:
         """Turn one call's output gradient into per-sample gradients (or keep it for the end)."""
         layer, arrived = kept.layer, state.arrived
-        if not self.keep_grad_sample:
+        if not self.options.keep_grad_sample:
             readers = (consumer for consumer in self.consumers if consumer.reads(kept))
             reader = next(readers, None)
             if reader is None and not (self.verify_backwards > 0 or layer.spec.parametrized):  # no one reads
@@ -518,7 +509,7 @@ class Engine:
         state = self.backwards.state()
         if state.generation not in (None, generation):
             return  # the mixed-forward error is raised by the layers' hook
-        scale = d.shape[0] if self.loss_reduction == "mean" else 1
+        scale = d.shape[0] if self.options.loss_reduction == "mean" else 1
         state.arrived.activation_grads["input"] = state.to_sample_units(d) * scale
 
     def on_accumulate(self, param: nn.Parameter, grad: Tensor | None) -> Tensor | None:
@@ -539,7 +530,7 @@ class Engine:
             return None
         # autograd's sum, before the user's tensor hooks (``grad``: what they returned, which autograd adds)
         summed = seen.unhooked.pop(param, grad)
-        if self.track_statistics or self.verify_backwards > 0:
+        if self.options.track_statistics or self.verify_backwards > 0:
             unscaled = state.to_sample_units(summed)  # the units of the per-sample gradients
             before = seen.batch_grads.get(param)  # (reentrant checkpointing: a nested backward's part too)
             seen.batch_grads[param] = unscaled if before is None else before + unscaled
@@ -650,7 +641,7 @@ class Engine:
     def _per_sample(self, param: nn.Parameter) -> bool:
         """Whether pergrad computes anything per sample from ``param``'s gradient (``grad_sample``, norms,
         statistics, a transform, or what a consumer ``covers``)."""
-        if self.keep_grad_sample or self.track_norms or self.track_statistics:
+        if self.options.keep_grad_sample or self.track_norms or self.options.track_statistics:
             return True
         return param in self.transformed or any(consumer.covers(param) for consumer in self.consumers)
 
@@ -703,7 +694,7 @@ class Engine:
         """One backward's end: collect its per-sample gradients, check them, hand them to the consumers."""
         if self.closed or state.through_second_order:
             return
-        if self.keep_activation_grads:
+        if self.options.keep_activation_grads:
             self.last_activation_grads = state.arrived.activation_grads
         if state.batch_size is None and not state.autograd.reached:
             return
@@ -718,7 +709,7 @@ class Engine:
         owned = self._reach_detached(state)
         source: Materialized | Fused = (
             Materialized(state.arrived.grads)
-            if self.keep_grad_sample
+            if self.options.keep_grad_sample
             else Fused(state.arrived.calls, None if self.world is None else self.world.canonical)
         )
         write = functools.partial(self.writer.add, state=state)
@@ -728,7 +719,7 @@ class Engine:
     def _flush_outputs(self, state: Backward) -> None:
         """Run the rules that take every output's gradient, once per call (see ``RuleSpec.output_dims``)."""
         for kept, grads in state.arrived.outputs.values():
-            scale = float(kept.batch_size) if self.loss_reduction == "mean" else 1.0
+            scale = float(kept.batch_size) if self.options.loss_reduction == "mean" else 1.0
             self._use(state, kept, tuple(grads), scale)
         state.arrived.outputs.clear()
 
@@ -769,4 +760,4 @@ class Engine:
             self.verify_backwards -= 1
             state.verified = True
             grads = state.autograd.batch_grads
-            check_sums(source, list(batch.params), grads, batch.size, self.loss_reduction, self.param_names)
+            check_sums(source, list(batch.params), grads, batch.size, self.options.loss_reduction, self.param_names)

@@ -24,14 +24,15 @@ import torch
 from torch import Tensor, nn
 
 from pergrad._core.backward.state import Backward
+from pergrad._core.options import Options
 from pergrad._core.parallel.world import World
 
 
 class GradWriter:
     """Writes ``.grad`` for one wrapper (see the module docstring)."""
 
-    def __init__(self, *, loss_reduction: str, reduction: str, running_mean: bool) -> None:
-        self.loss_reduction, self.reduction, self.running_mean = loss_reduction, reduction, running_mean
+    def __init__(self, options: Options) -> None:
+        self.options = options
         self.world: World | None = None
         # samples in .grad, id and version of .grad, the forward whose backward wrote it last
         self._seen: dict[nn.Parameter, tuple[float, int, int, int | None]] = {}
@@ -41,7 +42,7 @@ class GradWriter:
 
     def accumulating(self, param: nn.Parameter, state: Backward) -> None:
         """``param``'s ``AccumulateGrad`` runs: note how many samples ``.grad`` holds before it."""
-        if self.running_mean:
+        if self.options.running_mean:
             self._note(param, state)
 
     def _note(self, param: nn.Parameter, state: Backward) -> None:
@@ -76,15 +77,15 @@ class GradWriter:
     def autograd_part(self, param: nn.Parameter, grad: Tensor, state: Backward) -> Tensor | None:
         """What autograd adds to ``param.grad`` for its own sum ``grad`` (None: ``grad`` unchanged)."""
         b = state.batch_size
-        if self.world is not None and self.reduction == "sum" and b is not None:
+        if self.world is not None and self.options.reduction == "sum" and b is not None:
             # DDP averages over ranks; scale so its average is the sum over every rank's samples
-            return grad * self.world.size * (b if self.loss_reduction == "mean" else 1)
-        if b is None or (self.reduction == self.loss_reduction and not self.running_mean):
+            return grad * self.world.size * (b if self.options.loss_reduction == "mean" else 1)
+        if b is None or (self.options.reduction == self.options.loss_reduction and not self.options.running_mean):
             return None
-        if self.reduction == "sum":
+        if self.options.reduction == "sum":
             return grad * b
-        batch_mean = grad if self.loss_reduction == "mean" else grad / b
-        if not self.running_mean or param.grad is None:
+        batch_mean = grad if self.options.loss_reduction == "mean" else grad / b
+        if not self.options.running_mean or param.grad is None:
             return batch_mean
         # .grad := (n * .grad + b * batch_mean) / (n + b); autograd adds what is returned
         n = state.written.prior[param]
@@ -105,7 +106,7 @@ class GradWriter:
         grad = param.grad
         overwrite = param in state.autograd.overwrite
         prior = state.written.prior
-        if self.running_mean and param not in prior:  # no AccumulateGrad ran (a detached weight)
+        if self.options.running_mean and param not in prior:  # no AccumulateGrad ran (a detached weight)
             self._note(param, state)
         if self.world is not None:
             reduced = self.world.contribution(reduced)
@@ -119,7 +120,7 @@ class GradWriter:
                 grad = slot
         if grad is None or overwrite:
             param.grad = reduced.to(param.dtype)
-        elif self.running_mean:
+        elif self.options.running_mean:
             n, b = prior[param], state.batch_size or 0
             if param in state.written.again:
                 grad.add_(reduced, alpha=b / n)
@@ -158,7 +159,7 @@ class GradWriter:
             if p.grad is None:
                 continue
             count = 0.0
-            if self.running_mean and p in written.prior:
+            if self.options.running_mean and p in written.prior:
                 count = written.prior[p] + (0.0 if p in written.again else state.batch_size)
                 if self.world is not None:
                     count = self.world.samples(p, count, state)

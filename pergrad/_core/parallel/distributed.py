@@ -270,7 +270,7 @@ class DataParallel(World):
 
     def contribution(self, reduced: Tensor) -> Tensor:
         # DDP averages over ranks; a sum over every rank's samples is the average of size x each sum
-        return reduced * self.size if self.engine.reduction == "sum" else reduced
+        return reduced * self.size if self.engine.options.reduction == "sum" else reduced
 
     def slot(self, param: nn.Parameter, state: Backward) -> Tensor | None:
         return self._slots.get(param) if state is self._state else None
@@ -286,7 +286,7 @@ class DataParallel(World):
         state = engine.backward_state()
         if state is not self._state:  # the first bucket of this backward
             self._state, self._held, self._slots = state, [], {}
-            if engine.running_mean:
+            if engine.options.running_mean:
                 self._count(state)
         if any(engine.may_write(p) for p in _bucket_params(bucket)):
             held = _Held(bucket)
@@ -313,7 +313,7 @@ class DataParallel(World):
         ``sum_r n_r R_r / sum_r n_r`` (``n_r`` the samples rank r's mean ``R_r`` holds) is the mean over
         ranks of ``R_r`` times ``size n_r / sum_r n_r``; a parameter outside the wrapped model keeps DDP's mean."""
         assert self.hook is not None
-        if self.engine.running_mean:
+        if self.engine.options.running_mean:
             for p, view in zip(params, views):
                 total = self._total.get(p)
                 if total is not None:
@@ -504,7 +504,7 @@ class Sharded(World):
         flat = torch.cat(parts, dim=1)
         out = flat.new_empty(flat.shape[1])
         dist.reduce_scatter_single(out, flat.view(-1), op=dist.ReduceOp.SUM, group=self.group)
-        if self.engine.reduction == "mean":
+        if self.engine.options.reduction == "mean":
             out.div_(world)
         offset = 0
         for p, part in zip(params, parts):

@@ -16,14 +16,14 @@ from typing import Protocol
 from torch import Tensor, nn
 
 from pergrad._core.backward.state import Backward
+from pergrad._core.options import Options
 
 
 class Host(Protocol):
     """What a world reads of the wrapper that runs it (``pergrad._core.backward.engine.Engine`` is one)."""
 
     closed: bool  # the wrapper was removed
-    reduction: str  # "mean" or "sum" over the samples
-    running_mean: bool  # accumulate="samples": .grad is the mean over every sample since it was cleared
+    options: Options  # ``reduction``: "mean" or "sum" over the samples; ``running_mean``: .grad is a running mean
     param_names: dict[nn.Parameter, str]  # every trainable parameter of the wrapped model, in order
 
     @property

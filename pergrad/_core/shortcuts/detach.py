@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from pergrad._core.capture.calls import Detached, HookedLayer
+from pergrad._core.options import Options
 from pergrad._core.parallel.world import World
 from pergrad._core.shortcuts.reach import Taps, user_hooks
 from pergrad.errors import DetachedWeightError
@@ -159,7 +160,7 @@ class Wrapper(Protocol):
     world: World | None
     closed: bool
     verify_backwards: int  # > 0: the first backward's check still needs autograd's weight gradients
-    keep_grad_sample: bool
+    options: Options
     track_norms: bool
     second_moments: bool  # elementwise second moments are tracked
     second_order: bool  # a backward with create_graph=True ran: its derivatives need every weight attached
@@ -227,7 +228,9 @@ class Detacher:
             # its batch (an empty one has "few" positions), so only the weights a transform covers
             return key in engine.transformed
         # with second moments, the mean of a detached weight comes from its built g_i (many positions)
-        owned = many if engine.second_moments else key in engine.transformed or (engine.keep_grad_sample and many)
+        owned = (
+            many if engine.second_moments else key in engine.transformed or (engine.options.keep_grad_sample and many)
+        )
         return owned or (engine.track_norms and many and isinstance(module, nn.modules.conv._ConvNd))
 
     def reset(self) -> None:
@@ -309,7 +312,7 @@ class Detacher:
             if engine.world is None:
                 writes_bias = writes_bias or bias in engine.gradless
             if engine.world is None or engine.world.touches:
-                writes_bias = writes_bias or engine.keep_grad_sample or engine.track_norms
+                writes_bias = writes_bias or engine.options.keep_grad_sample or engine.track_norms
             if writes_bias and self._ok(bias):
                 swaps.append(("bias", bias, bias.detach()))
                 return Detached(self.probe(weight), (weight, bias), tuple(swaps), probe=True, on_output=True)
