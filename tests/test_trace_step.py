@@ -9,6 +9,7 @@ restructuring of issue 40 lands: ``strict`` makes them fail the day they pass, t
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,11 +27,11 @@ assert _spec is not None and _spec.loader is not None
 trace_step = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(trace_step)
 
-# the features a clipped step of each model runs today although it does not use them (issue 40)
-TODAY = {
-    "Opacus route", "projection", "K-FAC factors", "statistics", "kept grad_sample", "audit", "LM-loss warning",
-    "Lightning", "DDP / FSDP2", "second order", "provenance", "shared inputs",
-}  # fmt: skip
+# the features a clipped step of each model still runs although it does not use them (issue 40): the
+# following of every op of the forward (provenance), the shared inputs' classification, and a few lines of
+# kept grad_sample, DDP and second order. Attribution, statistics, the audit, Opacus's route, Lightning's
+# check and the LM-loss warning plug into the core and run only when asked (or their library is imported).
+TODAY = {"kept grad_sample", "DDP / FSDP2", "second order", "provenance", "shared inputs"}
 
 
 @pytest.fixture(scope="module", params=["mlp", "gpt"])
@@ -52,6 +53,26 @@ def test_the_trace_sees_the_core_of_the_step(report: dict[str, Any]) -> None:
 
 def test_no_feature_beyond_todays_runs_in_a_clipped_step(report: dict[str, Any]) -> None:
     assert set(report["features"]) <= TODAY
+
+
+def test_a_clipped_step_loads_no_feature_module() -> None:
+    """Pay for what you use: a process that wraps a model and trains it with clipping imports no module of
+    the attribution, privacy or integrations' libraries (a fresh process: this one imported them all)."""
+    script = (
+        "import sys, torch, pergrad\n"
+        "from torch import nn\n"
+        "net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))\n"
+        "psm = pergrad.PerSampleModule(net, keep_grad_sample=False)\n"
+        "psm.register_transform(net, pergrad.transforms.clip_norm(1.0))\n"
+        "for _ in range(3):\n"
+        "    net.zero_grad()\n"
+        "    torch.nn.functional.cross_entropy(psm(torch.randn(5, 4)), torch.randint(0, 2, (5,))).backward()\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith(('pergrad.attribution', 'pergrad.privacy', "
+        "'opacus', 'lightning', 'transformers', 'captum')))))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == []
 
 
 def test_the_tracer_sees_pergrad_alone_and_restores_the_callers_tracer() -> None:
