@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parameter import is_lazy
 
 from pergrad._core.backward.engine import Engine
 from pergrad.attribution.factors import Factors, ProjectedFactors, check_factored
@@ -108,6 +109,13 @@ class Attribution:
         model = self.model()
         name = ref if isinstance(ref, str) else next(n for n, m in model.named_modules() if m is ref)
         names = self.engine.param_names
+        lazy = sorted(names[p] for p in params.values() if is_lazy(p))
+        if lazy:  # P_p is drawn from the parameter's shape, which it does not have yet
+            raise ProjectionError(
+                f"the projection of {label}: {lazy} belong to a lazy module that has not run its first forward, "
+                "and each parameter's block of P is drawn from its shape. Run one forward of the model "
+                "(model(example_batch)) before register_projection."
+            )
         if isinstance(model, DistributedDataParallel):  # named as in the model DDP holds: one process's P
             names = {p: n.removeprefix("module.") for p, n in names.items()}
         projectors = {p: Projector(spec, names[p], tuple(p.shape), budget) for p in params.values()}
