@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pergrad import PerSampleModule, transforms
+from pergrad import PergradError, PerSampleModule, transforms
 from pergrad.attribution.projectors import Projector, Spec, gaussian, kron_ranks
 from pergrad.errors import ProjectionError, TargetError
 
@@ -1273,3 +1273,33 @@ def test_factors_of_a_tied_lm_weight_and_of_a_layer_called_twice() -> None:
     assert f.samples == 12
     close(f.row, sums[2] / 12, "twice row factor")
     close(f.col, sums[3] / 12, "twice col factor")
+
+
+@pytest.mark.parametrize("call", ["transform", "projection", "gradless projection", "factors"])
+def test_registering_on_a_removed_wrapper_is_refused_and_hooks_nothing(call: str) -> None:
+    """After ``remove()`` (a notebook cell run again), registering must not hook the model again, nor be
+    accepted and silently never applied (a clipping transform would give unclipped .grad)."""
+    model = mlp()
+    plain = copy.deepcopy(model)
+    psm = PerSampleModule(model, loss_reduction="sum")
+    psm.register_projection("2.weight", dim=4)
+    psm.remove()
+    with pytest.raises(
+        PergradError,
+        match=rf"{'track_projected_factors' if call == 'factors' else 'register_' + call.split()[-1]} on a PerSampleModule that was removed .* Wrap the model again",
+    ):
+        if call == "transform":
+            psm.register_transform(model, transforms.clip_norm(0.1))
+        elif call == "factors":
+            psm.track_projected_factors("2.weight")
+        else:
+            psm.register_projection(model, dim=16, grads=call == "projection")
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks, type(m)
+    for step, (x, y) in enumerate(batches(2)):
+        model.zero_grad()
+        plain.zero_grad()
+        ce(model(x), y).backward()
+        ce(plain(x), y).backward()
+        for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+            close(p.grad, q.grad, f"step {step} {n}.grad")
