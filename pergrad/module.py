@@ -713,8 +713,8 @@ class PerSampleModule:
                 raise TargetError(
                     f"the module {type(target).__name__} is not part of the wrapped model: it was replaced after a "
                     "transform or projection was registered on it (by object or by name: either holds the module), "
-                    "or it never was. Wrap the model again (psm.remove(); psm = PerSampleModule(model)) and register "
-                    "on the module it holds now."
+                    "or it never was. Wrap the model again (psm.remove(); psm = PerSampleModule(model)) and register the "
+                    "transform or projection on the module it holds now."
                 )
             params = {n: self._canonical(p) for n, p in target.named_parameters() if p.requires_grad}
             label = "the whole model" if name == "" else f"module {name!r}"
