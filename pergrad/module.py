@@ -524,6 +524,7 @@ class PerSampleModule:
         It must return the same structure and shapes. With ``batched=True`` it receives and returns
         the whole batch ``[B, ...]``. The built-ins of ``pergrad.transforms`` are batched already.
         """
+        self._refuse_removed("register_transform")
         label, params, single, ref = self._resolve(target)
         if not params:
             raise TargetError(f"{label} has no trainable parameters; nothing to transform")
@@ -612,11 +613,22 @@ class PerSampleModule:
         a tied weight, under DDP or FSDP2) keeps autograd's ``.grad``. A transform cannot cover a
         parameter of such a target (``TargetError``: its ``.grad`` would be missing).
         """
+        self._refuse_removed("register_projection")
         self._attributing().register(
             target, dim=dim, kind=kind, seed=seed, dtype=dtype, grads=grads, per_token=per_token, cache_mb=cache_mb
         )
         if not grads:
             self._install_hooks()  # its weights may now run detached
+
+    def _refuse_removed(self, call: str) -> None:
+        """Refuse ``call`` on a removed wrapper: the model is no longer hooked, so nothing would apply what it
+        registers (and installing hooks for it would hook the model again)."""
+        if self._engine.closed:
+            raise PergradError(
+                f"{call} on a PerSampleModule that was removed (psm.remove(), or the end of its `with` block): the "
+                "model is no longer hooked, so nothing would apply it. Wrap the model again "
+                "(psm = PerSampleModule(model)) and register it on the new wrapper."
+            )
 
     def _attributing(self) -> Attribution:
         """The attribution feature's state of this wrapper (``pergrad.attribution.tracking``), made at its
@@ -657,6 +669,7 @@ class PerSampleModule:
         (``pergrad.attribution.factors``). With ``keep_grad_sample=True`` the tracked layers' inputs and
         output gradients are held until the end of each backward.
         """
+        self._refuse_removed("track_projected_factors")
         self._attributing().track(*targets)
 
     def projected_factors(self) -> dict[str, Factors]:
@@ -698,8 +711,10 @@ class PerSampleModule:
             name = next((n for n, m in modules.items() if m is target), None)
             if name is None:
                 raise TargetError(
-                    f"the module {type(target).__name__} is not part of the wrapped model (a module replaced after "
-                    "its transform was registered? register the transform on the new module, or by name)"
+                    f"the module {type(target).__name__} is not part of the wrapped model: it was replaced after a "
+                    "transform or projection was registered on it (by object or by name: either holds the module), "
+                    "or it never was. Wrap the model again (psm.remove(); psm = PerSampleModule(model)) and register the "
+                    "transform or projection on the module it holds now."
                 )
             params = {n: self._canonical(p) for n, p in target.named_parameters() if p.requires_grad}
             label = "the whole model" if name == "" else f"module {name!r}"

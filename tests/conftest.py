@@ -49,6 +49,7 @@ SLOW_FILES: dict[str, str] = {
     "test_attribution_scores.py": "numpy (the attribution extra)",
     "test_attribution_kfac.py": "numpy (the attribution extra)",
     "test_attribution_trak.py": "numpy (the attribution extra)",
+    "test_attack_42.py": "numpy (the attribution extra); a minute of one-sample references",
     "test_demo.py": "runs the demo (the demo extra)",
     "test_examples_attribution.py": "runs the examples (scikit-learn)",
     "test_examples_dp.py": "runs the examples (dp-accounting, transformers)",

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parameter import is_lazy
 
 from pergrad._core.backward.engine import Engine
 from pergrad.attribution.factors import Factors, ProjectedFactors, check_factored
@@ -40,10 +41,11 @@ class Attribution:
 
     def bind(self) -> None:
         """Resolve every registered target again in the model as it is now (new projectors: their kept
-        blocks counted afresh)."""
+        blocks counted afresh). A parameter of a lazy module added since is left out until the call that
+        materialises it binds again, before its backward."""
         if self.projection is not None:
             self.projection.targets = [
-                self.projected(ref, spec, grads, per_token, Budget(budget.limit))
+                self.projected(ref, spec, grads, per_token, Budget(budget.limit), lazy=True)
                 for ref, spec, grads, per_token, budget in self.registered
             ]
 
@@ -100,17 +102,27 @@ class Attribution:
             "(the default), or do not transform its parameters."
         )
 
-    def projected(self, target: Ref, spec: Spec, grads: bool, per_token: bool, budget: Budget) -> Projected:
-        """The projection target ``target`` with a block per trainable parameter."""
+    def projected(
+        self, target: Ref, spec: Spec, grads: bool, per_token: bool, budget: Budget, lazy: bool = False
+    ) -> Projected:
+        """The projection target ``target`` with a block per trainable parameter; ``lazy``: without those of
+        lazy modules before their first forward (else refused: a block is drawn from its parameter's shape)."""
         label, params, _, ref = self.resolve(target)
         if not params:
             raise TargetError(f"{label} has no trainable parameters; nothing to project")
         model = self.model()
         name = ref if isinstance(ref, str) else next(n for n, m in model.named_modules() if m is ref)
         names = self.engine.param_names
+        unshaped = sorted(names[p] for p in params.values() if is_lazy(p))
+        if unshaped and not lazy:  # P_p is drawn from the parameter's shape, which it does not have yet
+            raise ProjectionError(
+                f"the projection of {label}: {unshaped} belong to a lazy module that has not run its first forward, "
+                "and each parameter's block of P is drawn from its shape. Run one forward of the model "
+                "(model(example_batch)) before register_projection."
+            )
         if isinstance(model, DistributedDataParallel):  # named as in the model DDP holds: one process's P
             names = {p: n.removeprefix("module.") for p, n in names.items()}
-        projectors = {p: Projector(spec, names[p], tuple(p.shape), budget) for p in params.values()}
+        projectors = {p: Projector(spec, names[p], tuple(p.shape), budget) for p in params.values() if not is_lazy(p)}
         return Projected(name, spec, projectors, grads, per_token)
 
     def features(self) -> dict[str, Tensor]:
