@@ -67,10 +67,14 @@ class _Loader(importlib.abc.Loader):
         self.old = old
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        return moved(self.old)
+        module = moved(self.old)
+        self.spec = module.__spec__  # the import system sets the old name's spec on it next
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """The module ran under its new name already."""
+        """The module ran under its new name already: its own spec goes back (``importlib.resources``,
+        ``importlib.reload`` and submodule lookups read it)."""
+        module.__spec__ = self.spec
 
 
 class _Finder(importlib.abc.MetaPathFinder):
