@@ -59,7 +59,10 @@ def moved(old: str) -> ModuleType:
         DeprecationWarning,
         stacklevel=3,
     )
-    return importlib.import_module(new)
+    module = importlib.import_module(new)
+    # under the old name too: ``pergrad.hf`` read as an attribute, then ``import pergrad.hf``, warns once
+    sys.modules.setdefault(f"pergrad.{old}", module)
+    return module
 
 
 class _Loader(importlib.abc.Loader):
