@@ -805,3 +805,49 @@ def test_a_loss_scale_set_after_wrapping_travels_with_copies_and_a_lightning_sty
             sgd(copied.module)
             ref.load_state_dict(copied.module.state_dict())
         copied.remove()
+
+
+# a wrapper pickled by pergrad 0.1 (3a0a015): PerSampleModule(nn.Sequential(nn.Linear(3, 2)).double(),
+# reduction="sum") with clip_norm(0.7) on "0"; zlib-compressed, base64 (its hooks reference pergrad.hooks)
+OLD_PICKLE = (
+    "eNrVVctvG0UY9yuuY8duCNCKBlUREsLh4ebRKI0QSlUqENpiHr34Eg2zu2PPkN0d785MgpEihUNSB41UoQ6c+AMQZ+4gceUCHBE9"
+    "IvEnIHHg251184Q7e9hv53vOfPub37df+fLbS4Xs0a0hSQYJ9jsh91VAjK6hhLiKBdI8Mm19TfLEo50oyu2i4/FIYhaRxOj6fRIr"
+    "EkmGA3Be/MzsQURNJmBm0cCMdQMNcYJDIkkiwAi5XdXv54t5FPEIQXnBhIQsExsSRJqHRj+NXOxt7+LER8OEIMr5tjC64fEgIJ5k"
+    "PEpX7yU+SYh/l3npfhc/NPrycZgNoXOp+gpiAvVVEJw2m65uoT5Pzvq3naJuTlqTl66id+DYeR2nROdBKH3tdDjaZZKitMAgT+UU"
+    "x0I/f8YLB7t4JJCH4TB+7lcCv7knfsdnttZCVk/o6+c9LqhZgFxPISGxJMiH5pzqxbMnDWfqwHkCjv3/8pg/78HF6Qo1lMMl/dHF"
+    "JaOvnsNRABjCAKLqPfsxARCtjel0CqTqLmEDKo2esbFISRbAb5jLAeofgwuC6cYJA8BJ8ATtrGQYbtp4AQIPAOGzdv/9hIfIHUnY"
+    "5CNz59ViobBf+rwe/P31W38tfPzN+8919kvv/lmG915caPdm4bIMEy454A/tpKDlUVwEh14TLAGTMiCIRD7DUVwa9+qglKMhQYJ9"
+    "SkRc3osr7d4UKAXliYynnFKvDCsWybjqVHqVNAePBvElp6IU1Gz30guabzkueNkR6ne5cgNy32rrcbHXAqeNm+ur66tLy2tLK0s3"
+    "b8U2sTdUcdmpdmVc+QDSbcWFi3yLuFMtHD9738Xfg/jI/eXXTZA/cPY4XS+Mln/L5Fc7P2X2l3/+cdMcmBRmTskpHxqn7BQPzVH2"
+    "7yXox9nXA/jSFZdhQMXr9I02vX1n5v/e5dXl9VtrGyunulz6ly5PfKHLpRNdpuGDtIu3b9z7/biLB0ATBxd2UNHGnqHNh4ZeznT0"
+    "GSuudOnVnKoaGTU4TStalpjodcsErbGgCxPHsdMcK/pCvpy2AXUrZvK4F23cNMS9ZEstWvGKFa9ZcQNudoNFqE+wVAlcIqesZ7iS"
+    "JxQl5Qrlpne5FXAh4Hr6KmNugEVIMIjpE6qyUCGkdLH0KOqzREiYILPbhAxRysJI4HAIAwqmCkwYbxumRxIKc6Rn7TKlIxgkzBOm"
+    "/QXMJux5KlQBcBTQ0YTzgfuyhBhq7uC0bpY7TVMFuLH+CPLX+sDKaQRop5KMxbp6zicSw8agWCSAgUOgbdiK3RnQOJBQV9ezY2ZL"
+    "01Vbhq7puckQeRIIFFZ7M2DDLnxPWE/XQvxJdiLz9uYf/ewR7qHBW2bLHKWA6PwDFq+4DQ=="
+)
+
+
+def test_a_wrapper_pickled_by_the_old_layout_loads_and_trains_exactly() -> None:
+    import base64
+    import zlib
+
+    with pytest.warns(DeprecationWarning, match=r"pergrad\.hooks moved to pergrad\._core\.capture\.hooks"):
+        psm = pickle.loads(zlib.decompress(base64.b64decode(OLD_PICKLE)))
+    assert psm.options == Options(reduction="sum")
+    assert list(psm.registered_transforms()) == ["module '0'"]
+    model = psm.module
+    ref = copy.deepcopy(model)
+    for step, (x, y) in enumerate(batches(17, [4, 1, 3])):
+        model.zero_grad()
+        (psm(x) - y).pow(2).sum(1).mean().backward()
+        g = loop_grads(ref, x, y)
+        for n, p in model.named_parameters():
+            assert_close(p.grad_sample, g[n], f"step {step} {n}")
+            assert_close(p.grad, clip(g)[n].sum(0), f"step {step} {n}")
+        sgd(model)
+        ref.load_state_dict(model.state_dict())
+    psm.remove()
+    assert all(
+        not m._forward_pre_hooks or all(type(h).__name__ == "_Inert" for h in m._forward_pre_hooks.values())
+        for m in model.modules()
+    )
