@@ -59,7 +59,10 @@ def moved(old: str) -> ModuleType:
         DeprecationWarning,
         stacklevel=3,
     )
-    return importlib.import_module(new)
+    module = importlib.import_module(new)
+    # under the old name too: ``pergrad.hf`` read as an attribute, then ``import pergrad.hf``, warns once
+    sys.modules.setdefault(f"pergrad.{old}", module)
+    return module
 
 
 class _Loader(importlib.abc.Loader):
@@ -67,10 +70,14 @@ class _Loader(importlib.abc.Loader):
         self.old = old
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        return moved(self.old)
+        module = moved(self.old)
+        self.spec = module.__spec__  # the import system sets the old name's spec on it next
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """The module ran under its new name already."""
+        """The module ran under its new name already: its own spec goes back (``importlib.resources``,
+        ``importlib.reload`` and submodule lookups read it)."""
+        module.__spec__ = self.spec
 
 
 class _Finder(importlib.abc.MetaPathFinder):

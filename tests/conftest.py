@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 
 # whole files left out of `python -m pytest`, and why
 SLOW_FILES: dict[str, str] = {
+    "test_attack_40.py": "subprocesses importing opacus, lightning, transformers; two gloo processes",
     "test_benchmarks.py": "runs the benchmark scripts",
     "test_captum.py": "captum",
     "test_lightning.py": "lightning",
