@@ -219,8 +219,14 @@ class PerSampleModule:
 
     @property
     def grad_scaler(self) -> GradScalerLike:
-        """The ``grad_scaler`` the wrapper was built with (None: the loss is not scaled for mixed precision)."""
+        """The ``grad_scaler`` whose scale the backward passes run on (None: the loss is not scaled for mixed
+        precision); settable, e.g. to the scaler you drive after loading a pickled wrapper."""
         return self._grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, value: GradScalerLike) -> None:
+        self._engine.loss_scale = loss_scale_reader(value)
+        self._grad_scaler = value
 
     @property
     def accumulate(self) -> str:
@@ -779,7 +785,10 @@ class PerSampleModule:
     def __deepcopy__(self, memo: dict[int, Any]) -> PerSampleModule:
         """A new wrapper, with the same options, transforms and projections, on ``copy.deepcopy`` of the
         model (the copy shares nothing with this one: no ``grad_sample``, norms or kept state; its
-        first backward is checked again). ``copy.deepcopy(psm.module)`` is the model alone, unwrapped."""
+        first backward is checked again) but the ``grad_scaler`` and ``loss_scale`` the user drives. ``copy.deepcopy(psm.module)`` is the model alone, unwrapped."""
+        for shared in (self._grad_scaler, self._loss_scale):  # driven by the user: the copy reads the same one
+            if shared is not None:
+                memo[id(shared)] = shared
         return _rebuilt(*copy.deepcopy(self._recipe(), memo))
 
     def __copy__(self) -> PerSampleModule:
@@ -792,8 +801,9 @@ class PerSampleModule:
     def __reduce__(self) -> tuple[Callable[..., PerSampleModule], tuple[Any, ...]]:
         """Pickling (``torch.save(psm, ...)``) saves the model, the options and the registered transforms
         and projections; loading builds a new wrapper on the loaded model, as ``__deepcopy__`` does. The
-        transforms must be picklable (a lambda is not). To keep the weights alone, save
-        ``psm.module.state_dict()``."""
+        transforms must be picklable (a lambda is not). A ``grad_scaler`` is pickled with the wrapper: save
+        both in one file (``torch.save({"psm": psm, "scaler": scaler}, path)``) and drive the loaded scaler, or
+        set ``psm.grad_scaler`` to the one you drive. To keep the weights alone, save ``psm.module.state_dict()``."""
         return _rebuilt, self._recipe()
 
     def __enter__(self) -> PerSampleModule:

@@ -737,12 +737,6 @@ def test_hold_per_sample_asked_before_any_backward_holds_exact_gradients_without
     holder.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pre-existing (3a0a015 too): copy.deepcopy / pickle of a wrapper made with grad_scaler= deep-copies the "
-    "GradScaler, whose copy has no scale until its own scale() runs; the copy driven by the user's scaler reads "
-    "None and treats the loss as unscaled: grad_sample (and every clip) is off by the scale, silently",
-)
 def test_a_copy_of_a_wrapper_with_a_grad_scaler_is_exact_or_refuses() -> None:
     model = net()
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
@@ -757,6 +751,27 @@ def test_a_copy_of_a_wrapper_with_a_grad_scaler_is_exact_or_refuses() -> None:
         g = loop_grads(ref, x, y)
         for n, p in copied.module.named_parameters():
             assert_close(p.grad_sample, g[n], f"step {step} {n}")
+
+
+def test_a_wrapper_pickled_with_its_grad_scaler_or_given_one_after_loading_is_exact() -> None:
+    """Pickled in one file with the scaler it reads, the loaded wrapper reads the loaded scaler; a wrapper loaded
+    alone is given the scaler the user drives with ``psm.grad_scaler = ...``."""
+    for together in (True, False):
+        model = net()
+        scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        saved = pickle.loads(pickle.dumps({"psm": PerSampleModule(model, grad_scaler=scaler), "scaler": scaler}))
+        psm, scaler = saved["psm"], saved["scaler"]
+        if not together:
+            scaler = torch.amp.GradScaler("cpu", init_scale=32.0)
+            psm.grad_scaler = scaler
+        assert psm.grad_scaler is scaler
+        ref = copy.deepcopy(psm.module)
+        for step, (x, y) in enumerate(batches(12, [4, 3])):
+            psm.module.zero_grad()
+            scaler.scale((psm(x) - y).pow(2).sum(1).mean()).backward()
+            g = loop_grads(ref, x, y)
+            for n, p in psm.module.named_parameters():
+                assert_close(p.grad_sample, g[n], f"{together} step {step} {n}")
 
 
 def test_a_token_loss_warning_raised_as_an_error_leaves_nothing_written_and_training_goes_on() -> None:
