@@ -570,3 +570,53 @@ def test_inputs_created_inside_the_forward_that_cannot_be_decided_are_clear_erro
         psm(x)
     torch.manual_seed(14)
     run(Undecided("matmul").double(), floats(3, 3), squared, True, 0.5, False, steps=SQUARE)  # the fix it names
+
+
+class Offsets(nn.Module):
+    """Two raw ``[1, D]`` parameters, each added with rows of a buffer to the activations ``[B, T, D]``:
+    at B = T = 1 the explicit expansion to the batch is the identity, so both parameters' gradients come
+    from the one gradient of the sum that autograd hands both branches."""
+
+    def __init__(self, dim: int = 3) -> None:
+        super().__init__()
+        self.w0, self.w1 = nn.Parameter(torch.randn(1, dim)), nn.Parameter(torch.randn(1, dim))
+        self.register_buffer("table", torch.randn(8, dim))
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        h = x + (self.w0 + self.table[:t])
+        h = h + (self.w1 + self.table[:t])
+        return self.head(h)
+
+
+@pytest.mark.parametrize("grad_scaler", [None, 256.0])
+@pytest.mark.parametrize("clear", ["zero", "accumulate"])
+def test_parameters_met_at_a_batch_of_one_get_a_grad_of_their_own(grad_scaler: float | None, clear: str) -> None:
+    """Each parameter's ``.grad`` is its own tensor, also where pergrad's expansion of a raw parameter to a
+    batch of one passes the gradient on unchanged: ``.grad`` zeroed in place or accumulated over steps
+    holds every step's sum for each parameter alone (autograd, which makes ``.grad`` of the gradient it
+    receives, would otherwise add one parameter's gradient into the other's)."""
+    torch.manual_seed(0)
+    model = Offsets().double()
+    plain = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(0)
+    scale = 1.0 if grad_scaler is None else grad_scaler
+    want = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    with PerSampleModule(model, keep_grad_sample=False, track_norms=True, grad_scaler=grad_scaler) as psm:
+        for step, (b, t) in enumerate([(1, 1), (1, 1), (1, 1), (3, 2), (1, 1)]):
+            x, y = torch.randn(b, t, 3, generator=gen, dtype=torch.float64), torch.randn(b, t, 2, generator=gen)
+            ref = one_at_a_time(plain, x, y.double(), squared)
+            if clear == "zero":
+                psm.zero_grad(set_to_none=False)
+                want = {n: torch.zeros_like(g) for n, g in want.items()}
+            want = {n: want[n] + ref[n].mean(0) * scale for n in want}
+            (squared(psm(x), y.double()) / b * scale).backward()
+            norms = psm.per_sample_norms()
+            for name, p in model.named_parameters():
+                what = f"step {step} (B={b}, T={t}): {name}"
+                assert_close(p.grad, want[name], f".grad of {what}")
+                assert_close(norms[name], ref[name].flatten(1).norm(dim=1), f"norms of {what}")
+        w0, w1 = model.w0.grad, model.w1.grad
+        assert w0 is not None and w1 is not None
+        assert w0.untyped_storage().data_ptr() != w1.untyped_storage().data_ptr()

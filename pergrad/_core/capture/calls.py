@@ -80,9 +80,9 @@ class Kept:
     # the backward pass (autograd graph task) that ran this call again (activation checkpointing
     # recomputes a segment inside a backward; see ``Engine.on_recompute``); None in a forward
     task: int | None = None
-    shared: bool = (
-        False  # the input is shared by the batch (``pergrad._core.shortcuts.shared``): a detached copy is kept
-    )
+    # the input is shared by the batch (``pergrad._core.shortcuts.shared``): a detached copy is kept; or the
+    # layer is a raw parameter. Either way d arrives at each meeting with the batch, not at a node of the call.
+    shared: bool = False
     given: Tensor | None = None  # the input as the layer got it, where ``a`` is a view of it (batch moved to dim 0)
 
     def inputs(self) -> tuple[Tensor, ...]:

@@ -1004,7 +1004,7 @@ class LayerHooks:
                 if not (isinstance(p, nn.Parameter) and p.requires_grad):
                     continue
                 key = self._key(layer.name)
-                kept = Kept(layer, layer.param, self.generation, batch.size, key, task=self._recomputed())
+                kept = Kept(layer, layer.param, self.generation, batch.size, key, task=self._recomputed(), shared=True)
                 origin = Origin(p, self._deliver(kept), Group("shared", batch.size, batch.dim), layer.label)
                 tap = None if self._to_tap is None else self._to_tap(p, self.generation)
                 alias = track(p if tap is None else tap, [origin])

@@ -591,10 +591,14 @@ def _expanded(
     (only where every group of ``when`` turned out batched: see ``_defer``)."""
     group = origins[0].group
     dim = group.dim if dim is None else dim
+    new = rank - x.dim()
+    # leading dims added by expand itself, as broadcasting adds them: its backward sums them into a new
+    # tensor. (A reshape to the rank first would, at a batch of one, pass x the op's output gradient
+    # itself, which autograd hands other operands too: two parameters' AccumulateGrad would make their
+    # .grad of the same memory, and the next backward would add each one's gradient into both.)
+    sizes = [group.batch if i == dim else 1 if i < new else -1 for i in range(rank)]
     with DisableTorchFunctionSubclass():
-        view = x.reshape((1,) * (rank - x.dim()) + tuple(x.shape))
-        sizes = [group.batch if i == dim else -1 for i in range(rank)]
-        expanded = view.expand(*sizes)
+        expanded = x.expand(*sizes)
     shape, size = tuple(x.shape), group.batch
     # x as it is at this meeting (an in-place op on x later moves its own edge past the op)
     source, direct = get_gradient_edge(x), len(origins) == 1 and origins[0].untouched(x)
