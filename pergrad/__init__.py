@@ -9,8 +9,7 @@ import importlib
 
 from pergrad._core.convert import fix_batchnorm
 from pergrad.integrations import lightning_loop as _lightning_loop  # noqa: F401 -- registers its check
-from pergrad.integrations.captum import CaptumError
-from pergrad.integrations.errors import TrainerConfigError
+from pergrad.integrations.errors import CaptumError, TrainerConfigError
 from pergrad.integrations.lm import PerSampleLMLoss, per_sample_lm_loss
 from pergrad.integrations.opacus import OpacusRouteError
 

@@ -104,7 +104,7 @@ class WrapperAttributeError(PergradError, AttributeError):
 
 
 MOVED = {
-    "CaptumError": "pergrad.integrations.captum",
+    "CaptumError": "pergrad.integrations.errors",
     "OpacusRouteError": "pergrad.integrations.opacus",
     "PrivacyError": "pergrad.privacy.errors",
     "TrainerConfigError": "pergrad.integrations.errors",

@@ -9,6 +9,7 @@ restructuring of issue 40 lands: ``strict`` makes them fail the day they pass, t
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,8 +36,20 @@ TODAY = {"kept grad_sample", "DDP / FSDP2", "second order", "provenance", "share
 
 
 @pytest.fixture(scope="module", params=["mlp", "gpt"])
-def report(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
-    yield trace_step.trace_step(request.param)
+def report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The trace of one model's clipped step, in a fresh process: in this one, other tests imported Opacus and
+    Lightning, whose checks then run in every step (``INTEGRATION_CHECKS``), as they should."""
+    saved = tmp_path_factory.mktemp("trace") / "trace.json"
+    script = ROOT / "benchmarks" / "trace_step.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--model", request.param, "--json", str(saved)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    yield json.loads(saved.read_text())["results"][0]
 
 
 def test_the_trace_sees_the_core_of_the_step(report: dict[str, Any]) -> None:

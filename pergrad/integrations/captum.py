@@ -22,14 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pergrad.errors import PergradError
+from pergrad.integrations.errors import CaptumError
 from pergrad.module import PerSampleModule
-
-
-class CaptumError(PergradError, ValueError):
-    """``pergrad.integrations.captum`` was asked for scores it cannot compute from per-sample gradients (a loss that
-    is not one per sample, a wrapper that keeps no ``grad_sample``)."""
-
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 LoadFn = Callable[[nn.Module, str], float]
