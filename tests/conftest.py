@@ -90,7 +90,9 @@ EXTRA_MODULES = (
     "tqdm", "transformers",
 )  # fmt: skip
 NEEDS_EXTRA = re.compile(
-    r"importorskip\(|^\s*(?:import|from)\s+(?:" + "|".join(EXTRA_MODULES) + r")\b|pergrad\.(?:hf|lightning|captum)\b",
+    r"importorskip\(|^\s*(?:import|from)\s+(?:"
+    + "|".join(EXTRA_MODULES)
+    + r")\b|pergrad\.(?:integrations\.)?(?:hf|lightning|captum)\b",
     re.M,
 )
 
