@@ -1188,13 +1188,6 @@ def test_a_transformed_lazy_layer_appended_under_a_gradless_projection() -> None
             close(model[3].bias.grad, expected["3.bias"], f"step {step} 3.bias.grad")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch.autograd.grad(loss, params) runs no AccumulateGrad, so the projection consumer sees a backward "
-    "that reached no parameter and gives all-zero features (grad_sample, norms and statistics give none); "
-    "pinned for autograd.grad of the input by test_projection_core.py::"
-    "test_a_backward_that_reaches_part_of_the_model_gets_the_features_of_that_part",
-)
 def test_query_features_by_autograd_grad_of_the_parameters() -> None:
     """A notebook computes a query's features without touching .grad: torch.autograd.grad of the parameters.
     The features must be the query's, or an error must say to call backward()."""
@@ -1204,13 +1197,17 @@ def test_query_features_by_autograd_grad_of_the_parameters() -> None:
     names = [n for n, _ in model.named_parameters()]
     for step, (x, y) in enumerate(batches(3)):
         ce(psm(x), y).backward()
+        close(
+            psm.per_sample_projections()[""],
+            features(per_sample(model, x, y, ce), names, Spec(16, seed=1)),
+            f"step {step}",
+        )
         torch.autograd.grad(ce(psm(x[:3]), y[:3]), list(model.parameters()))
-        try:
-            found = psm.per_sample_projections()[""]
-        except ProjectionError as err:
-            assert "backward" in str(err)
-            continue
-        close(found, features(per_sample(model, x[:3], y[:3], ce), names, Spec(16)), f"step {step}")
+        with pytest.raises(
+            ProjectionError,
+            match=r"accumulated into no parameter of the projection target\(s\) \[''\].*Call loss.backward\(\)",
+        ):
+            psm.per_sample_projections()
 
 
 def kron_factors(name: str, shape: tuple[int, int], spec: Spec) -> tuple[Tensor, Tensor]:

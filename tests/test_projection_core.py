@@ -530,7 +530,7 @@ def test_a_projected_call_lets_its_output_gradient_go_before_the_backward_ends(g
 def test_a_backward_that_reaches_part_of_the_model_gets_the_features_of_that_part() -> None:
     """Only the parameters a backward accumulates into count: ``backward(inputs=[bias])`` gives the
     bias's features (not its weight's, though the layer's output gradient arrived), and
-    ``torch.autograd.grad`` of the input (a saliency map) none; the ordinary backward after each gets
+    ``torch.autograd.grad`` of the input (a saliency map) none, so reading them is refused; the ordinary backward after each gets
     every parameter's."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
@@ -544,7 +544,8 @@ def test_a_backward_that_reaches_part_of_the_model_gets_the_features_of_that_par
         ((psm(x) - y).pow(2).sum() / 5).backward(inputs=[net[2].bias])
         assert_close(psm.per_sample_projections()[""], _features(ref, net, spec, "2.bias"), f"step {step}: inputs=")
         torch.autograd.grad((psm(x) - y).pow(2).sum() / 5, x)
-        assert not psm.per_sample_projections()[""].any(), f"step {step}: torch.autograd.grad reached a parameter"
+        with pytest.raises(ProjectionError, match=r"accumulated into no parameter .* torch.autograd.grad call"):
+            psm.per_sample_projections()
         ((psm(x) - y).pow(2).sum() / 5).backward()
         assert_close(psm.per_sample_projections()[""], _features(ref, net, spec), f"step {step}: every parameter")
     psm.remove()

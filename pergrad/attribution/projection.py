@@ -45,6 +45,7 @@ class Projection(Consumer):
         self.canonical = canonical
         self.targets: list[Projected] = []
         self.last: dict[str, Tensor] = {}  # the last backward's, by target name
+        self.unreached: list[str] = []  # the targets none of whose parameters the last backward accumulated into
         self._gradless: tuple[tuple[Projected, ...], frozenset[nn.Parameter]] = ((), frozenset())
 
     @property
@@ -97,10 +98,13 @@ class Projection(Consumer):
         if not self.targets:
             return
         self.last = {}
+        self.unreached = []
         tokens: Fused | None = None
         eager: dict[str, tuple[Tensor, set[nn.Parameter]]] = batch.state.arrived.taken.get(self, {})
         for target in self.targets:
             reached = {p: proj for p, proj in target.params.items() if p in batch.params}
+            if not reached and batch.size:
+                self.unreached.append(target.name)
             first = next(iter(target.params))
             if target.per_token:
                 if tokens is None:  # the calls are kept for per-token targets where g_i are built too

@@ -132,6 +132,13 @@ class Attribution:
             raise ProjectionError("per_sample_projections(): no projection registered; call register_projection first")
         if not projection.last:
             raise ProjectionError("per_sample_projections() is available after a backward pass")
+        if projection.unreached:
+            raise ProjectionError(
+                f"per_sample_projections(): the last backward accumulated into no parameter of the projection "
+                f"target(s) {projection.unreached}, so it has no per-sample gradients of theirs to project (a "
+                "torch.autograd.grad call, or backward(inputs=...) without them, computes no .grad for them). Call "
+                "loss.backward() (or backward(inputs=[...]) naming their parameters) before reading the features"
+            )
         return dict(projection.last)
 
     def specs(self) -> dict[str, Spec]:
