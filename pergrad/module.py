@@ -9,6 +9,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.parameter import is_lazy
@@ -320,8 +321,8 @@ class PerSampleModule:
         next backward against autograd again (``verify``). And if DDP was applied after wrapping (to the
         model or a parent of it) and this is its forward, carry pergrad's gradients in its buckets from
         now on (``pergrad._core.parallel.distributed``)."""
-        if self._engine.world is None and not self._engine.closed:
-            ddp = running_ddp(self.module)
+        if self._engine.world is None and not self._engine.closed and dist.is_available() and dist.is_initialized():
+            ddp = running_ddp(self.module)  # (DDP needs a process group)
             if ddp is not None:
                 world = DataParallel(ddp, self._engine, late=True)
                 world.install()

@@ -236,7 +236,8 @@ class Engine:
         self.backwards.forward()
         self._second_order_nodes.clear()
         self._input_gradient_nodes.clear()
-        self._drop_input_hooks()  # (left by a backward that failed midway)
+        if self._input_hooks:  # (left by a backward that failed midway)
+            self._drop_input_hooks()
 
     def on_recompute(self) -> None:
         """A hooked layer is called inside a backward pass (activation checkpointing computes a segment
@@ -338,7 +339,8 @@ class Engine:
             for check in integration_checks():
                 if check.begin is not None:
                     check.begin(self, kept.generation)
-            self.grad_sample.drop_stale(kept.generation)
+            if self.grad_sample.generations:
+                self.grad_sample.drop_stale(kept.generation)
             self.pool.begin()
         elif kept.generation != state.generation:
             raise HookStateError(

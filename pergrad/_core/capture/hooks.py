@@ -447,35 +447,23 @@ class LayerHooks:
                 continue
             batch_dim = 0 if self._batch_first or layer.spec.batch_dim_fixed else 1
             mine = len(self._handles)
-            enter = ModuleHook(self, self._direct_call([layer.name], batch_dim))  # (no op of its own in a model call)
-            self._handles.append(layer.module.register_forward_pre_hook(enter, with_kwargs=True))
             spec = layer.spec
             drawers = random_modules(layer.module) if spec.fn in RERUNNING else []
-            if drawers:  # before anything is swapped in for the call
-                refuse = ModuleHook(self, _refuse_random_draws(layer, drawers))
-                self._handles.append(layer.module.register_forward_pre_hook(refuse))
             detachable = not (spec.all_inputs or spec.subtree or spec.parametrized)
-            if self._to_detach is not None and detachable and (self._may_detach is None or self._may_detach(layer)):
-                # before the keeper: the output it keeps is the one with the probe added
-                pre, post = (
-                    ModuleHook(self, self._detacher(layer), True),
-                    ModuleHook(self, self._reattacher(layer), True),
-                )
-                self._handles.append(layer.module.register_forward_pre_hook(pre))
-                self._handles.append(layer.module.register_forward_hook(post, always_call=True))
-            if (
+            detach = (
+                self._to_detach is not None and detachable and (self._may_detach is None or self._may_detach(layer))
+            )
+            tap = (
                 self._to_tap is not None
                 and not (spec.subtree or spec.parametrized)
                 and (self._may_tap is None or self._may_tap(layer))
-            ):
-                # after the detacher: a weight detached for the call is not tapped
-                pre, post = ModuleHook(self, self._tapper, True), ModuleHook(self, self._untapper, True)
-                self._handles.append(layer.module.register_forward_pre_hook(pre))
-                self._handles.append(layer.module.register_forward_hook(post, always_call=True))
+            )
+            pre = ModuleHook(self, self._before_call(layer, batch_dim, drawers, detach, tap))
+            self._handles.append(layer.module.register_forward_pre_hook(pre, with_kwargs=True))
             if layer.spec.parametrized:
                 self._capture(layer)
-            hook = ModuleHook(self, self._keeper(layer), aside=True)
-            self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
+            post = ModuleHook(self, self._after_call(layer, detach, tap), aside=True)
+            self._handles.append(layer.module.register_forward_hook(post, with_kwargs=True, always_call=True))
             _run_first(layer.module, self._handles[mine:])
         for module, own in raw.items():
             enter = ModuleHook(self, self._direct_call([layer.name for layer in own], 0 if self._batch_first else 1))
@@ -486,6 +474,66 @@ class LayerHooks:
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 hook = ModuleHook(self, _refuse_batch_statistics(name))
                 self._handles.append(module.register_forward_pre_hook(hook))
+
+    def _before_call(
+        self, layer: HookedLayer, dim: int, drawers: list[tuple[str, nn.Module]], detach: bool, tap: bool
+    ) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        """The one forward pre-hook of a hooked layer: a call outside the model's starts a forward
+        (``_direct_call``); a layer whose rule runs its forward again refuses random draws; then, aside from
+        the forward's ``Provenance``, the weights pergrad owns are detached for the call (``_detacher``)
+        and the parameters it checks through their taps swapped in (``_tapper``: a weight detached for the
+        call is not tapped)."""
+        enter = self._direct_call([layer.name], dim)
+        refuse = _refuse_random_draws(layer, drawers) if drawers else None
+        detacher = self._detacher(layer) if detach else None
+        tapper = self._tapper if tap else None
+
+        def swap(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if detacher is not None:
+                detacher(module, args)
+            if tapper is not None:
+                tapper(module, args)
+
+        def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            enter(module, args, kwargs)
+            if refuse is not None:
+                refuse(module, args)
+            if detacher is None and tapper is None:
+                return
+            following = self.following()
+            if following is None:
+                swap(module, args)
+            else:
+                following.aside(swap, module, args)
+
+        return before
+
+    def _after_call(self, layer: HookedLayer, detach: bool, tap: bool) -> Callable[..., Tensor | None]:
+        """The one forward hook of a hooked layer (run first among its forward hooks, also when the forward
+        raised): the real parameters back in place (``_reattacher``, ``_untapper``), then, for a call that
+        returned, its input kept and its output gradient caught (``_keeper``), on the output with the
+        probe added where the weights ran detached."""
+        reattach = self._reattacher(layer) if detach else None
+        untap = self._untapper if tap else None
+        keep = self._keeper(layer)
+
+        def after(module: nn.Module, args: tuple[Any, ...], *rest: Any) -> Tensor | None:
+            # (module, args, kwargs, output); torch passes (module, args, None) when the forward raised
+            output = returned = rest[-1]
+            if reattach is not None:
+                anchored = reattach(module, args, output)
+                if anchored is not None:
+                    output = anchored
+            if untap is not None:
+                untap(module, args, output)
+            if len(rest) == 1:
+                return None
+            kept = keep(module, args, rest[0], output)
+            if kept is not None:
+                return kept
+            return None if output is returned else output
+
+        return after
 
     def _capture(self, layer: HookedLayer) -> None:
         """Keep what each parametrization of ``layer`` computes during a call (``pergrad._core.capture.parametrized``)."""

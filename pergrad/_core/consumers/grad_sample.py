@@ -21,7 +21,7 @@ class GradSample(Consumer):
     autograd does."""
 
     def __init__(self) -> None:
-        self._generation: dict[nn.Parameter, int] = {}  # the forward each grad_sample belongs to
+        self.generations: dict[nn.Parameter, int] = {}  # the forward each grad_sample kept belongs to
         # the last backward's own g_i (per_sample_norms() and statistics() read them): grad_sample itself
         # unless that backward added to an earlier one's
         self.last: dict[nn.Parameter, Tensor] = {}
@@ -36,31 +36,31 @@ class GradSample(Consumer):
         for param in batch.params:
             g = self.last[param] = grads[param]
             previous: Tensor | None = getattr(param, "grad_sample", None)
-            same_forward = self._generation.get(param) == generation
+            same_forward = self.generations.get(param) == generation
             if previous is not None and same_forward and previous.shape == g.shape:
                 g = previous + g
             param.grad_sample = g  # type: ignore[attr-defined]
             if generation is not None:
-                self._generation[param] = generation
+                self.generations[param] = generation
 
     def held(self, generation: int) -> list[nn.Parameter]:
         """The parameters whose ``grad_sample`` (not cleared) belongs to another forward than ``generation``."""
         return [
             p
-            for p, gen in self._generation.items()
+            for p, gen in self.generations.items()
             if gen != generation and getattr(p, "grad_sample", None) is not None
         ]
 
     def drop_stale(self, generation: int) -> None:
         """A backward of forward ``generation`` starts: drop the ``grad_sample`` of other forwards now,
         so the rules can write into their memory instead of allocating as much again."""
-        for param, gen in list(self._generation.items()):
+        for param, gen in list(self.generations.items()):
             if gen != generation:
                 self.drop(param)
 
     def drop(self, param: nn.Parameter) -> None:
         """Drop ``param.grad_sample`` (the pool takes its memory back once no one else refers to it)."""
-        self._generation.pop(param, None)
+        self.generations.pop(param, None)
         self.last.pop(param, None)
         param.__dict__.pop("grad_sample", None)
 
