@@ -15,6 +15,7 @@ and ReLU on 8x8 images; ``hf``: HuggingFace's ``GPT2LMHeadModel`` from a 2-layer
 its logits averaged over positions.
 
     python benchmarks/hostcost.py --quick          # under 2 minutes
+    python benchmarks/hostcost.py --quick --device cuda   # host (CPU) and wall time of the same steps on a GPU
     python benchmarks/hostcost.py --rounds 20 --steps 5 --workloads mlp gpt --methods pergrad_hooks pergrad_clip
 """
 
@@ -99,9 +100,10 @@ def build(workload: str) -> tuple[Any, Any, Any]:
     raise ValueError(f"unknown workload {workload!r}")
 
 
-def prepare(method: str, workload: str, warmup: int) -> Callable[[], None] | str:
-    """A step of ``method`` on a fresh model of ``workload``, warmed up; or why it cannot run."""
+def prepare(method: str, workload: str, warmup: int, device: str = "cpu") -> Callable[[], None] | str:
+    """A step of ``method`` on a fresh model of ``workload`` on ``device``, warmed up; or why it cannot run."""
     model, x, y = build(workload)
+    model, x, y = model.to(device), x.to(device), y.to(device)
     try:
         if method.startswith("pergrad_project_"):
             step = bench.setup_projection(method, model, x, y, PROJECT_DIM)[0]
@@ -122,27 +124,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     warnings.filterwarnings("ignore", message=".*batching rule")  # torch.func on HF's attention: a known fallback
     torch.set_num_threads(1)
+    cuda = args.device.startswith("cuda")
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else lambda: None
     labels = [m for m in METHODS if METHODS[m] in args.methods or m == "plain"]
     rows: list[dict[str, Any]] = []
     skipped: dict[str, dict[str, str]] = {}
     for w in args.workloads:
         steps: dict[str, Callable[[], None]] = {}
         for label in labels:
-            found = prepare(METHODS[label], w, args.warmup)
+            found = prepare(METHODS[label], w, args.warmup, args.device)
             if isinstance(found, str):
                 skipped.setdefault(w, {})[label] = found
                 print(f"{w}: {label} skipped: {found}", file=sys.stderr, flush=True)
             else:
                 steps[label] = found
         cpu: dict[str, list[float]] = {m: [] for m in steps}
+        wall: dict[str, list[float]] = {m: [] for m in steps}
         for r in range(args.rounds):
             order = list(steps.items()) if r % 2 == 0 else list(reversed(steps.items()))
             for label, step in order:
-                start = time.process_time()
+                sync()
+                start, started = time.process_time(), time.perf_counter()
                 for _ in range(args.steps):
                     step()
+                sync()  # (on a GPU: the wall time includes the kernels the steps queued)
                 cpu[label].append((time.process_time() - start) / args.steps)
-        plain = statistics.median(cpu["plain"])
+                wall[label].append((time.perf_counter() - started) / args.steps)
+        plain, plain_wall = statistics.median(cpu["plain"]), statistics.median(wall["plain"])
         for label in steps:
             med = statistics.median(cpu[label])
             rows.append(
@@ -154,6 +162,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "min_cpu_ms": round(min(cpu[label]) * 1e3, 3),
                     "max_cpu_ms": round(max(cpu[label]) * 1e3, 3),
                     "ratio": round(med / plain, 3),
+                    "median_wall_ms": round(statistics.median(wall[label]) * 1e3, 3),
+                    "wall_ratio": round(statistics.median(wall[label]) / plain_wall, 3),
                 }
             )
         print(f"{w} done", file=sys.stderr, flush=True)
@@ -165,6 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "python": platform.python_version(),
         "machine": platform.processor() or platform.machine(),
         "threads": 1,
+        "device": args.device if not args.device.startswith("cuda") else torch.cuda.get_device_name(args.device),
         "batch": BATCH,
         "rounds": args.rounds,
         "steps_per_round": args.steps,
@@ -174,15 +185,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def table(report: dict[str, Any]) -> str:
-    """Markdown: one row per workload, one column per method, the median CPU time per step / plain's."""
+def table(report: dict[str, Any], time: str = "cpu") -> str:
+    """Markdown: one row per workload, one column per method, the median CPU (or wall) time per step / plain's."""
     rows = report["rows"]
+    ratio = "ratio" if time == "cpu" else "wall_ratio"
     labels = [m for m in METHODS if any(r["method"] == m for r in rows) and m != "plain"]
-    lines = ["| | plain (ms) | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+    lines = [f"| | plain ({time}, ms) | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
     for w in dict.fromkeys(r["workload"] for r in rows):
         by = {r["method"]: r for r in rows if r["workload"] == w}
-        cells = [f"{by[m]['ratio']:.2f}x" if m in by else "-" for m in labels]
-        lines.append(f"| {w} | {by['plain']['median_cpu_ms']:.2f} | " + " | ".join(cells) + " |")
+        cells = [f"{by[m][ratio]:.2f}x" if m in by else "-" for m in labels]
+        lines.append(f"| {w} | {by['plain'][f'median_{time}_ms']:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -193,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=5, help="steps per method per round")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the tensors live (cuda: CPU time is the host's work, wall time the step's)",
+    )
     parser.add_argument("--quick", action="store_true", help="6 rounds of 3 steps (under 2 minutes)")
     parser.add_argument("--json", type=Path, default=HERE / "results" / "hostcost-run.json")
     args = parser.parse_args(argv)
@@ -202,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     print(f"median CPU time per step / plain's (one thread, B={BATCH}, {args.rounds} rounds of {args.steps} steps)")
     print(table(report))
+    if args.device != "cpu":
+        print(f"median wall time per step / plain's on {report['device']} (kernels included)")
+        print(table(report, "wall"))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0

@@ -335,18 +335,20 @@ def test_tiny_lds_benchmark_runs_every_route(tmp_path: Path) -> None:
 
 
 def test_hostcost_saves_a_row_per_workload_and_method(tmp_path: Path) -> None:
-    """benchmarks/hostcost.py end to end, one round: a row per workload and method run, plain's ratio 1."""
+    """benchmarks/hostcost.py end to end, one round: a row per workload and method run, plain's ratio 1, CPU
+    and wall time (``--device``: on a GPU the wall time includes the kernels)."""
     out = tmp_path / "hostcost.json"
     proc = run_script(
         "hostcost.py", "--workloads", "mlp", "--rounds", "1", "--steps", "1", "--warmup", "1",
-        "--methods", "pergrad_hooks", "pergrad_clip", "--json", str(out),
+        "--methods", "pergrad_hooks", "pergrad_clip", "--device", "cpu", "--json", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert [(r["workload"], r["method"]) for r in report["rows"]] == [
         ("mlp", "plain"), ("mlp", "hooks only"), ("mlp", "fused clip"),
     ]  # fmt: skip
-    assert report["rows"][0]["ratio"] == 1.0
+    assert report["rows"][0]["ratio"] == report["rows"][0]["wall_ratio"] == 1.0
+    assert report["device"] == "cpu" and all(r["median_wall_ms"] > 0 for r in report["rows"])
     assert "| mlp |" in proc.stdout
 
 

@@ -29,10 +29,10 @@ trace_step = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(trace_step)
 
 # the features a clipped step of each model still runs although it does not use them (issue 40): the
-# following of every op of the forward (provenance), the shared inputs' classification, and a few lines of
-# kept grad_sample, DDP and second order. Attribution, statistics, the audit, Opacus's route, Lightning's
-# check and the LM-loss warning plug into the core and run only when asked (or their library is imported).
-TODAY = {"kept grad_sample", "DDP / FSDP2", "second order", "provenance", "shared inputs"}
+# following of every op of the forward (provenance) and the shared inputs' classification. Attribution,
+# statistics, the audit, kept grad_sample, DDP, second order, Opacus's route, Lightning's check and the LM-loss
+# warning plug into the core and run only when asked (or their library is imported).
+TODAY = {"provenance", "shared inputs"}
 
 
 @pytest.fixture(scope="module", params=["mlp", "gpt"])
