@@ -17,7 +17,7 @@ import io
 import math
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,12 +33,7 @@ Loss = Callable[[Tensor, Tensor], Tensor]  # (output of one or more samples, tar
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def float64() -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # conftest.py: float64 the default dtype in every test
 
 
 def close(actual: Tensor | None, expected: Tensor, what: str) -> None:
