@@ -17,6 +17,7 @@ import fnmatch
 import inspect
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,16 @@ NEEDS_EXTRA = re.compile(
 
 # peers that only the benchmark's own virtual environment installs: their tests skip in CI too
 NEVER_INSTALLED = {"trak", "dattri", "logix"}
+
+
+@pytest.fixture
+def float64() -> Iterator[None]:
+    """float64 as torch's default dtype during the test, the previous default restored after it (a file uses it
+    with ``pytestmark = pytest.mark.usefixtures("float64")``)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,7 +91,8 @@ def _upward(graph: dict[str, set[str]], row: dict[str, int]) -> list[str]:
 
 
 # The one way up, documented in docs/how-it-works.md: the wrapper's projection methods delegate to the attribution
-# feature, importing it inside those methods (test_attribution_store checks that it is never imported with the wrapper)
+# feature, importing it inside those methods (test_a_clipped_step_loads_no_feature_module_unless_asked checks that it
+# is never loaded with the wrapper)
 DELEGATIONS = {"pergrad.module": "pergrad.attribution"}
 
 
@@ -108,6 +112,60 @@ def test_an_upward_import_is_found() -> None:
     assert _upward(graph, row) == ["pergrad._core.backward.engine -> pergrad.attribution.projection"]
     assert [name for name, _ in LAYERS][-2:] == ["features", "package"]
     assert _rows_of("pergrad.attribution.projection") == [len(LAYERS) - 2]
+
+
+FEATURES = {name for name in MODULES if LAYERS[_rows_of(name)[0]][0] == "features"}
+
+# the feature modules `import pergrad` loads for its public names: the integrations' errors, the LM loss and the
+# checks Opacus and Lightning plug into the core (each imports its library only once the user has); every other
+# feature module, and every optional library, loads only when asked for
+WITH_THE_PACKAGE = {
+    "pergrad.integrations",
+    "pergrad.integrations.errors",
+    "pergrad.integrations.lightning_loop",
+    "pergrad.integrations.lm",
+    "pergrad.integrations.opacus",
+}
+OPTIONAL = ("captum", "dp_accounting", "lightning", "opacus", "pytorch_lightning", "transformers")
+
+A_CLIPPED_STEP = f"""
+import json, sys, torch, pergrad
+from torch import nn
+
+def loaded():
+    return sorted(m for m in sys.modules if m.startswith("pergrad") or m.split(".")[0] in {OPTIONAL!r})
+
+net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+psm = pergrad.PerSampleModule(net, keep_grad_sample=False)
+psm.register_transform(net, pergrad.transforms.clip_norm(1.0))
+def step():
+    net.zero_grad()
+    nn.functional.cross_entropy(psm(torch.randn(5, 4)), torch.randint(0, 2, (5,))).backward()
+for _ in range(3):
+    step()
+clipped = loaded()
+psm.register_projection(net, dim=4)
+step()
+print(json.dumps([clipped, loaded()]))
+"""
+
+
+def test_a_clipped_step_loads_no_feature_module_unless_asked() -> None:
+    """Pay for what you use, and ``DELEGATIONS`` stays inside the wrapper's methods: a fresh process (other
+    tests import features into this one) that imports pergrad, wraps a model and trains it with clipping has loaded
+    no module of the features row but ``WITH_THE_PACKAGE``, nor any optional library; registering a projection then
+    loads ``pergrad.attribution``."""
+    assert {"pergrad.attribution", "pergrad.privacy", "pergrad.integrations.captum", "pergrad.cli"} <= FEATURES
+    assert WITH_THE_PACKAGE <= FEATURES
+    done = subprocess.run(
+        [sys.executable, "-c", A_CLIPPED_STEP], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    clipped, projected = json.loads(done.stdout)
+    assert sorted(FEATURES.intersection(clipped) - WITH_THE_PACKAGE) == []
+    assert [name for name in clipped if name.split(".")[0] in OPTIONAL] == []
+    assert FEATURES.intersection(clipped) == WITH_THE_PACKAGE, "WITH_THE_PACKAGE lists a module no longer loaded"
+    assert "pergrad.attribution.projection" in projected
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:

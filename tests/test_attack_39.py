@@ -36,12 +36,7 @@ Batch = Callable[[int], tuple[Tensor, Tensor]]  # step -> (x, y)
 MIXED = [(4, 4), (3, 5), (16, 16), (2, 15), (17, 17), (3, 17), (1, 1)]  # (batch, length): T == B on half
 
 
-@pytest.fixture(autouse=True)
-def float64() -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # conftest.py: float64 the default dtype in every test
 
 
 @pytest.fixture

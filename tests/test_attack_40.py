@@ -405,6 +405,17 @@ def lm_batch(seed: int, lengths: list[int], width: int = 6) -> tuple[Tensor, Ten
     return ids, labels
 
 
+def lm_loop_grads(model: nn.Module, ids: Tensor, labels: Tensor) -> dict[str, Tensor]:
+    """``{name: [B, *shape]}``: the gradient of each sample's own HF loss, one backward per sample on ``model``."""
+    rows: dict[str, list[Tensor]] = {}
+    for i in range(len(ids)):
+        model.zero_grad()
+        model(ids[i : i + 1], labels=labels[i : i + 1]).loss.backward()
+        for n, p in model.named_parameters():
+            rows.setdefault(n, []).append(p.grad.clone())
+    return {n: torch.stack(g) for n, g in rows.items()}
+
+
 def test_unequal_token_labels_warn_once_per_wrapper_and_equal_ones_are_exact() -> None:
     model = tiny_lm(0)
     ref = copy.deepcopy(model)
@@ -415,14 +426,9 @@ def test_unequal_token_labels_warn_once_per_wrapper_and_equal_ones_are_exact() -
             model.zero_grad()
             ids, labels = lm_batch(step, [6, 6, 6])  # equal lengths: per-sample exact, no warning
             psm(ids, labels=labels).loss.backward()
-            want: dict[str, list[Tensor]] = {}
-            for i in range(3):
-                ref.zero_grad()
-                ref(ids[i : i + 1], labels=labels[i : i + 1]).loss.backward()
-                for n, p in ref.named_parameters():
-                    want.setdefault(n, []).append(p.grad.clone())
+            want = lm_loop_grads(ref, ids, labels)
             for n, p in model.named_parameters():  # HF's loss casts the logits to float32 (.float())
-                torch.testing.assert_close(p.grad_sample, torch.stack(want[n]), rtol=1e-4, atol=1e-6, msg=n)
+                torch.testing.assert_close(p.grad_sample, want[n], rtol=1e-4, atol=1e-6, msg=n)
         assert not [x for x in w if issubclass(x.category, TokenLossWarning)]
         for step in range(3):
             model.zero_grad()
@@ -790,15 +796,10 @@ def test_a_token_loss_warning_raised_as_an_error_leaves_nothing_written_and_trai
             model.zero_grad()
             ids, labels = lm_batch(51 + step, [6, 6, 6])
             psm(ids, labels=labels).loss.backward()
-            want: dict[str, list[Tensor]] = {}
-            for i in range(3):
-                ref.zero_grad()
-                ref(ids[i : i + 1], labels=labels[i : i + 1]).loss.backward()
-                for n, p in ref.named_parameters():
-                    want.setdefault(n, []).append(p.grad.clone())
+            want = lm_loop_grads(ref, ids, labels)
             for n, p in model.named_parameters():  # HF's loss casts the logits to float32 (.float())
-                torch.testing.assert_close(p.grad_sample, torch.stack(want[n]), rtol=1e-4, atol=1e-6, msg=n)
-                torch.testing.assert_close(p.grad, torch.stack(want[n]).mean(0), rtol=1e-4, atol=1e-6, msg=n)
+                torch.testing.assert_close(p.grad_sample, want[n], rtol=1e-4, atol=1e-6, msg=n)
+                torch.testing.assert_close(p.grad, want[n].mean(0), rtol=1e-4, atol=1e-6, msg=n)
 
 
 def test_a_loss_scale_set_after_wrapping_travels_with_copies_and_a_lightning_style_lambda_deep_copies() -> None:

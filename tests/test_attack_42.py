@@ -17,7 +17,7 @@ import io
 import math
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,17 +33,23 @@ Loss = Callable[[Tensor, Tensor], Tensor]  # (output of one or more samples, tar
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def float64() -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # conftest.py: float64 the default dtype in every test
 
 
 def close(actual: Tensor | None, expected: Tensor, what: str) -> None:
     assert actual is not None, f"{what}: None"
     torch.testing.assert_close(actual.double(), expected.double(), rtol=1e-8, atol=1e-10, msg=lambda m: f"{what}: {m}")
+
+
+def close_grads(model: nn.Module, expected: dict[str, Tensor], what: str) -> None:
+    """Every parameter's ``.grad`` against ``expected[name]`` (a parameter missing from ``expected`` fails)."""
+    for n, p in model.named_parameters():
+        close(p.grad, expected[n], f"{what} {n}.grad")
+
+
+def summed(g: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``{name: sum_i g_i}``: the ``.grad`` of ``loss_reduction="sum"`` without a transform."""
+    return {n: v.sum(0) for n, v in g.items()}
 
 
 def ce(out: Tensor, y: Tensor) -> Tensor:
@@ -155,8 +161,7 @@ def test_projection_registered_after_training_steps_with_clipping(bias: bool) ->
         train_step(psm, opt, x, y)
         g = per_sample(ref, x, y, ce)
         expected = clipped_sum(g, 0.5)
-        for n, p in model.named_parameters():
-            close(p.grad, expected[n], f"step {step} {n}.grad")
+        close_grads(model, expected, f"step {step}")
         if step >= 3:
             close(psm.per_sample_projections()[""], features(g, names, spec), f"step {step} features")
         opt.step()
@@ -176,8 +181,7 @@ def test_projection_then_clipping_transform_both_exact_every_step(kind: str) -> 
         train_step(psm, opt, x, y)
         g = per_sample(ref, x, y, ce)
         expected = clipped_sum(g, 0.3)
-        for n, p in model.named_parameters():
-            close(p.grad, expected[n], f"step {step} {n}.grad")
+        close_grads(model, expected, f"step {step}")
         found = psm.per_sample_projections()
         close(found["0"], features(g, ["0.weight", "0.bias"], Spec(8, kind, 1)), f"step {step} layer 0")
         close(found["2.weight"], features(g, ["2.weight"], Spec(4, kind, 2)), f"step {step} 2.weight")
@@ -284,8 +288,7 @@ def test_per_token_features_of_each_tokens_own_loss(b: int, t: int, bias: bool) 
         close(
             psm.per_sample_projections()["head"], features(g, ["head.weight", "head.bias"], Spec(8, "kron", 6)), "head"
         )
-        for n, p in model.named_parameters():
-            close(p.grad, g[n].sum(0), f"step {step} {n}.grad")
+        close_grads(model, summed(g), f"step {step}")
         opt.step()
 
 
@@ -317,8 +320,7 @@ def test_layer_called_twice(shape: tuple[int, ...], grads: bool) -> None:
         g = per_sample(model, x, y, sq)
         close(psm.per_sample_projections()[""], features(g, names, Spec(18, "kron", 9)), f"step {step}")
         if grads:
-            for n, p in model.named_parameters():
-                close(p.grad, g[n].sum(0), f"step {step} {n}.grad")
+            close_grads(model, summed(g), f"step {step}")
             opt.step()
 
 
@@ -355,8 +357,7 @@ def test_tied_lm_with_clipping(b: int, t: int, kind: str) -> None:
         ce(psm(x), y).backward()
         g = per_sample(ref, x, y, ce)
         expected = clipped_sum(g, 1.0)
-        for n, p in model.named_parameters():
-            close(p.grad, expected[n], f"step {step} {n}.grad")
+        close_grads(model, expected, f"step {step}")
         found = psm.per_sample_projections()
         close(found[""], features(g, names, Spec(32, kind, 11)), f"step {step} whole model")
         mix = found["mix"].sum(1) if kind == "kron" else found["mix"]
@@ -421,8 +422,7 @@ def test_layers_projected_while_training(layer: str, bias: bool, t: int, kind: s
         close(found["0"], features(g, first, Spec(8, kind, t)), f"step {step} layer 0")
         close(found[""], features(g, names, Spec(18, kind, 1)), f"step {step} model")
         head = clipped_sum({n: g[n] for n in ("3.weight", "3.bias")}, 0.1)
-        for n, p in model.named_parameters():
-            close(p.grad, head[n] if n.startswith("3.") else g[n].sum(0), f"step {step} {n}.grad")
+        close_grads(model, {**summed(g), **head}, f"step {step}")
         opt.step()
 
 
@@ -476,8 +476,7 @@ def test_copy_of_a_wrapper_with_projections_and_factors_keeps_training(how: str)
             train_step(wrapper, optimizer, x, y)
             g = per_sample(ref, x, y, ce)
             expected = clipped_sum({n: g[n] for n in ("0.weight", "0.bias")}, 0.4)
-            for n, p in net.named_parameters():
-                close(p.grad, expected[n] if n.startswith("0.") else g[n].sum(0), f"{how} step {step} {n}.grad")
+            close_grads(net, {**summed(g), **expected}, f"{how} step {step}")
             found = wrapper.per_sample_projections()
             close(found["2.weight"], features(g, ["2.weight"], Spec(8, "kron", 3)), f"{how} step {step}")
             close(found["0"], features(g, ["0.weight", "0.bias"], Spec(8, "sjlt", 4)), f"{how} step {step} 0")
@@ -577,8 +576,7 @@ def test_audit_armed_mid_run_and_statistics_beside_projections() -> None:
         train_step(psm, opt, x, y)
         g = per_sample(ref, x, y, ce)
         expected = clipped_sum(g, 0.5)
-        for n, p in model.named_parameters():
-            close(p.grad, expected[n], f"step {step} {n}.grad")
+        close_grads(model, expected, f"step {step}")
         close(psm.per_sample_projections()[""], features(g, names, Spec(16)), f"step {step} features")
         norms = torch.stack([g[n].flatten(1).square().sum(1) for n in names]).sum(0)
         close(psm.statistics().sq_norms, norms, f"step {step} statistics")
@@ -1051,9 +1049,9 @@ def test_micro_batches_with_loss_scale_features_unscaled(accumulate: str) -> Non
             for n in names:
                 total[n] += c[n] if accumulate == "samples" else c[n] / sizes[micro] / k
             count += sizes[micro]
-        for n, p in model.named_parameters():
-            expected = total[n] / count / k if accumulate == "samples" else total[n]  # s times the reduction
-            close(p.grad, expected, f"step {step} {n}.grad ({accumulate})")
+        # s times the reduction
+        expected = {n: total[n] / count / k if accumulate == "samples" else total[n] for n in total}
+        close_grads(model, expected, f"step {step} ({accumulate})")
         opt.step()
 
 
@@ -1082,8 +1080,7 @@ def test_registration_refusals_leave_the_wrapper_working() -> None:
         g = per_sample(model, x, y, ce)
         assert list(psm.per_sample_projections()) == ["0"]
         close(psm.per_sample_projections()["0"], features(g, ["0.weight", "0.bias"], Spec(8)), f"step {step}")
-        for n, p in model.named_parameters():
-            close(p.grad, g[n].sum(0), f"step {step} {n}.grad")
+        close_grads(model, summed(g), f"step {step}")
 
 
 def test_same_model_rewrapped_at_each_checkpoint_between_plain_training() -> None:
@@ -1161,8 +1158,7 @@ def test_a_lazy_layer_appended_mid_run_under_a_projected_model() -> None:
         names = [n for n, _ in model.named_parameters()]
         close(psm.per_sample_projections()[""], features(g, names, Spec(16, "kron", 2)), f"step {step}")
         expected = clipped_sum({n: g[n] for n in ("0.weight", "0.bias")}, 0.3)
-        for n, p in model.named_parameters():
-            close(p.grad, expected[n] if n.startswith("0.") else g[n].sum(0), f"step {step} {n}.grad")
+        close_grads(model, {**summed(g), **expected}, f"step {step}")
         if step < 2:
             opt.step()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import sys
 from datetime import timedelta
@@ -265,39 +264,6 @@ def test_two_processes_write_shards_of_one_store(tmp_path: Path) -> None:
     reader = FeatureStore.open(tmp_path / "store", readonly=True)
     assert reader.world_size == 2 and reader.missing().numel() == 0
     assert torch.equal(reader.read(torch.arange(13)), features(13))
-
-
-def _imported(nodes: list[ast.AST]) -> list[str]:
-    """The modules the import statements among ``nodes`` name."""
-    names = []
-    for node in nodes:
-        if isinstance(node, ast.ImportFrom):
-            names.append(node.module or "")
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            names += [alias.name for alias in node.names]
-    return names
-
-
-def test_the_core_never_imports_attribution() -> None:
-    """No module outside ``pergrad.attribution`` imports it, but the wrapper (``module.py``), whose projection
-    methods delegate to it: inside those methods, and for types, never as the wrapper is imported."""
-    package = Path(__file__).resolve().parents[1] / "pergrad"
-    for path in package.rglob("*.py"):
-        if "attribution" in path.relative_to(package).parts:
-            continue
-        tree = ast.parse(path.read_text())
-        if path.name == "module.py" and path.parent == package:
-            runtime = [
-                node
-                for node in tree.body
-                if not (isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test))
-            ]
-            nodes = [
-                node for top in runtime if not isinstance(top, ast.ClassDef | ast.FunctionDef) for node in ast.walk(top)
-            ]
-        else:
-            nodes = list(ast.walk(tree))
-        assert not any("attribution" in name for name in _imported(nodes)), f"{path} imports pergrad.attribution"
 
 
 def test_without_numpy_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

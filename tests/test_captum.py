@@ -5,7 +5,6 @@ refused with pergrad's error naming the ways out."""
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Callable
 from pathlib import Path
 
@@ -184,20 +183,3 @@ def test_a_wrapper_without_grad_sample_is_refused() -> None:
         F.cross_entropy(psm(data(3 + step, seed=step).tensors[0]), data(3 + step, seed=step).tensors[1]).backward()
     with pytest.raises(CaptumError, match=r"no grad_sample on any of the parameters.*keep_grad_sample=True"):
         sample_grads(psm, data(5, seed=3).tensors, nn.CrossEntropyLoss(reduction="none"))
-
-
-def test_the_core_never_imports_pergrad_captum() -> None:
-    package = Path(__file__).resolve().parents[1] / "pergrad"
-    for path in package.rglob("*.py"):
-        if path.name == "captum.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                names = [node.module or "", *(alias.name for alias in node.names)]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            else:
-                continue
-            assert not any("captum" in name for name in names), (
-                f"{path} imports pergrad.integrations.captum (or captum)"
-            )
