@@ -458,12 +458,13 @@ class LayerHooks:
                 and not (spec.subtree or spec.parametrized)
                 and (self._may_tap is None or self._may_tap(layer))
             )
-            pre = ModuleHook(self, self._before_call(layer, batch_dim, drawers, detach, tap))
+            post = ModuleHook(self, self._after_call(layer, detach, tap), aside=True)
+            after = layer.module.register_forward_hook(post, with_kwargs=True, always_call=True)
+            pre = ModuleHook(self, self._before_call(layer, batch_dim, drawers, detach, tap, after.id))
             self._handles.append(layer.module.register_forward_pre_hook(pre, with_kwargs=True))
             if layer.spec.parametrized:
                 self._capture(layer)
-            post = ModuleHook(self, self._after_call(layer, detach, tap), aside=True)
-            self._handles.append(layer.module.register_forward_hook(post, with_kwargs=True, always_call=True))
+            self._handles.append(after)
             _run_first(layer.module, self._handles[mine:])
         for module, own in raw.items():
             enter = ModuleHook(self, self._direct_call([layer.name for layer in own], 0 if self._batch_first else 1))
@@ -476,13 +477,14 @@ class LayerHooks:
                 self._handles.append(module.register_forward_pre_hook(hook))
 
     def _before_call(
-        self, layer: HookedLayer, dim: int, drawers: list[tuple[str, nn.Module]], detach: bool, tap: bool
+        self, layer: HookedLayer, dim: int, drawers: list[tuple[str, nn.Module]], detach: bool, tap: bool, after: int
     ) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
-        """The one forward pre-hook of a hooked layer: a call outside the model's starts a forward
-        (``_direct_call``); a layer whose rule runs its forward again refuses random draws; then, aside from
-        the forward's ``Provenance``, the weights pergrad owns are detached for the call (``_detacher``)
-        and the parameters it checks through their taps swapped in (``_tapper``: a weight detached for the
-        call is not tapped)."""
+        """The one forward pre-hook of a hooked layer: the layer's forward hook ``after`` (``_after_call``)
+        first among its forward hooks again, ahead of one the user registered since with ``prepend=True``
+        (``_run_first``); a call outside the model's starts a forward (``_direct_call``); a layer whose
+        rule runs its forward again refuses random draws; then, aside from the forward's ``Provenance``,
+        the weights pergrad owns are detached for the call (``_detacher``) and the parameters it checks
+        through their taps swapped in (``_tapper``: a weight detached for the call is not tapped)."""
         enter = self._direct_call([layer.name], dim)
         refuse = _refuse_random_draws(layer, drawers) if drawers else None
         detacher = self._detacher(layer) if detach else None
@@ -495,6 +497,9 @@ class LayerHooks:
                 tapper(module, args)
 
         def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            hooks = cast(OrderedDict[int, Callable[..., Any]], module._forward_hooks)
+            if next(iter(hooks), after) != after and after in hooks:  # (torch reads the hooks after the forward)
+                hooks.move_to_end(after, last=False)
             enter(module, args, kwargs)
             if refuse is not None:
                 refuse(module, args)
