@@ -458,14 +458,15 @@ class LayerHooks:
                 and not (spec.subtree or spec.parametrized)
                 and (self._may_tap is None or self._may_tap(layer))
             )
-            post = ModuleHook(self, self._after_call(layer, detach, tap), aside=True)
-            after = layer.module.register_forward_hook(post, with_kwargs=True, always_call=True)
-            pre = ModuleHook(self, self._before_call(layer, batch_dim, drawers, detach, tap, after.id))
+            own: list[int] = []  # pergrad's forward hooks of the layer, in order (``_run_first``)
+            pre = ModuleHook(self, self._before_call(layer, batch_dim, drawers, detach, tap, own))
             self._handles.append(layer.module.register_forward_pre_hook(pre, with_kwargs=True))
             if layer.spec.parametrized:
                 self._capture(layer)
-            self._handles.append(after)
+            post = ModuleHook(self, self._after_call(layer, detach, tap), aside=True)
+            self._handles.append(layer.module.register_forward_hook(post, with_kwargs=True, always_call=True))
             _run_first(layer.module, self._handles[mine:])
+            own.extend(h.id for h in self._handles[mine:] if h.id in layer.module._forward_hooks)
         for module, own in raw.items():
             enter = ModuleHook(self, self._direct_call([layer.name for layer in own], 0 if self._batch_first else 1))
             self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
@@ -477,11 +478,17 @@ class LayerHooks:
                 self._handles.append(module.register_forward_pre_hook(hook))
 
     def _before_call(
-        self, layer: HookedLayer, dim: int, drawers: list[tuple[str, nn.Module]], detach: bool, tap: bool, after: int
+        self,
+        layer: HookedLayer,
+        dim: int,
+        drawers: list[tuple[str, nn.Module]],
+        detach: bool,
+        tap: bool,
+        own: list[int],
     ) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
-        """The one forward pre-hook of a hooked layer: the layer's forward hook ``after`` (``_after_call``)
-        first among its forward hooks again, ahead of one the user registered since with ``prepend=True``
-        (``_run_first``); a call outside the model's starts a forward (``_direct_call``); a layer whose
+        """The one forward pre-hook of a hooked layer: pergrad's forward hooks of the layer (``own``, ids in
+        order) first among its forward hooks again, ahead of one the user registered since with
+        ``prepend=True`` (``_run_first``); a call outside the model's starts a forward (``_direct_call``); a layer whose
         rule runs its forward again refuses random draws; then, aside from the forward's ``Provenance``,
         the weights pergrad owns are detached for the call (``_detacher``) and the parameters it checks
         through their taps swapped in (``_tapper``: a weight detached for the call is not tapped)."""
@@ -498,8 +505,10 @@ class LayerHooks:
 
         def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             hooks = cast(OrderedDict[int, Callable[..., Any]], module._forward_hooks)
-            if next(iter(hooks), after) != after and after in hooks:  # (torch reads the hooks after the forward)
-                hooks.move_to_end(after, last=False)
+            if own and next(iter(hooks), own[0]) != own[0]:  # (torch reads the hooks after the forward)
+                for found in reversed(own):
+                    if found in hooks:
+                        hooks.move_to_end(found, last=False)
             enter(module, args, kwargs)
             if refuse is not None:
                 refuse(module, args)
@@ -523,7 +532,7 @@ class LayerHooks:
         keep = self._keeper(layer)
 
         def after(module: nn.Module, args: tuple[Any, ...], *rest: Any) -> Tensor | None:
-            # (module, args, kwargs, output); torch passes (module, args, None) when the forward raised
+            # (module, args, kwargs, output); the output is None where the forward raised
             output = returned = rest[-1]
             if reattach is not None:
                 anchored = reattach(module, args, output)
@@ -531,7 +540,7 @@ class LayerHooks:
                     output = anchored
             if untap is not None:
                 untap(module, args, output)
-            if len(rest) == 1:
+            if returned is None:
                 return None
             kept = keep(module, args, rest[0], output)
             if kept is not None:
