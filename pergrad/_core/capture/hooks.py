@@ -458,15 +458,15 @@ class LayerHooks:
                 and not (spec.subtree or spec.parametrized)
                 and (self._may_tap is None or self._may_tap(layer))
             )
-            own: list[int] = []  # pergrad's forward hooks of the layer, in order (``_run_first``)
-            pre = ModuleHook(self, self._before_call(layer, batch_dim, drawers, detach, tap, own))
+            firsts: list[int] = []  # pergrad's forward hooks of the layer, in order (``_run_first``)
+            pre = ModuleHook(self, self._before_call(layer, batch_dim, drawers, detach, tap, firsts))
             self._handles.append(layer.module.register_forward_pre_hook(pre, with_kwargs=True))
             if layer.spec.parametrized:
                 self._capture(layer)
             post = ModuleHook(self, self._after_call(layer, detach, tap), aside=True)
             self._handles.append(layer.module.register_forward_hook(post, with_kwargs=True, always_call=True))
             _run_first(layer.module, self._handles[mine:])
-            own.extend(h.id for h in self._handles[mine:] if h.id in layer.module._forward_hooks)
+            firsts.extend(h.id for h in self._handles[mine:] if h.id in layer.module._forward_hooks)
         for module, own in raw.items():
             enter = ModuleHook(self, self._direct_call([layer.name for layer in own], 0 if self._batch_first else 1))
             self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
