@@ -36,6 +36,7 @@ from pergrad._core.capture.dims import LOST, carries
 from pergrad._core.capture.parametrized import Capture, Computed, parametrizations_of, sites
 from pergrad._core.memory.layout import batch_to_front
 from pergrad._core.shortcuts.detach import anchor_output
+from pergrad._core.shortcuts.followed import Followed, Lean, elementwise_from_outputs, kind_of, reaches, signature
 from pergrad._core.shortcuts.shared import (
     SEEN,
     BatchInfo,
@@ -426,7 +427,11 @@ class LayerHooks:
         )
         self._warned: set[str] = set()  # what ``CALL_WATCHERS`` warned of, once per wrapper
         self._root_out = model.register_forward_hook(ModuleHook(self, self._model_returned), with_kwargs=True)
-        self._provenance: list[Provenance] = []  # of the running forwards of the model (nested calls: several)
+        # of the running forwards of the model (nested calls: several); a lean forward's mode is a ``Lean``
+        self._provenance: list[Provenance | Lean] = []
+        self.followed = Followed()  # which forwards are followed (``pergrad._core.shortcuts.followed``)
+        # the autograd nodes of the running forward's calls' outputs: their keys and dims
+        self._outputs: dict[Any, tuple[str, int]] = {}
         self._root_done = model.register_forward_hook(ModuleHook(self, self._forward_done), always_call=True)
         self._handles: list[RemovableHandle] = []
         # per layer, the dims its calls in the running forward had the batch on (LOST: not followed), for the
@@ -440,6 +445,7 @@ class LayerHooks:
         """Hook ``layers`` (and refuse batch statistics in every BatchNorm of the model)."""
         self.uninstall()
         self._installs += 1
+        self.followed.forget()
         raw: dict[nn.Module, list[HookedLayer]] = {}
         for layer in layers:
             if layer.spec.raw:
@@ -628,9 +634,9 @@ class LayerHooks:
                 else:
                     hook(module, args)
 
-    def following(self) -> Provenance | None:
-        """The running forward's ``Provenance`` where it is the innermost torch function mode (a layer's
-        hooks then run aside from it), else None."""
+    def following(self) -> Provenance | Lean | None:
+        """The running forward's ``Provenance`` (or ``Lean`` mode) where it is the innermost torch function
+        mode (a layer's hooks then run aside from it), else None."""
         if not self._provenance:
             return None
         found = self._provenance[-1]
@@ -647,8 +653,17 @@ class LayerHooks:
         else:
             tensors = tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, PackedSequence))[0]
         dim, size = batch.dim, batch.size
+        if self._in_model > 1:
+            self.followed.off = True  # a call of the model inside its own forward: followed from now on
+        packed = [t for t in tensors if isinstance(t, PackedSequence)]
+        kind = None if packed or self.followed.off else kind_of(args, kwargs, size, dim, self._model.training)
+        if self.followed.start(kind):
+            lean = Lean()
+            lean.__enter__()
+            self._provenance.append(lean)
+            return
         seeds = [(t, dim) for t in tensors if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == size]
-        seeds += [(t.data, LOST) for t in tensors if isinstance(t, PackedSequence) and int(t.batch_sizes[0]) == size]
+        seeds += [(t.data, LOST) for t in packed if int(t.batch_sizes[0]) == size]
         seen = [t for t in tensors if isinstance(t, Tensor)]
         found = Provenance(seeds, seen, size)
         found.__enter__()
@@ -668,6 +683,8 @@ class LayerHooks:
         """A forward starts (a call of the model, or a direct call of its layers): its generation, and
         its batch read from the call's arguments."""
         self.generation += 1
+        self.followed.start(None)
+        self._outputs.clear()
         self._calls.clear()
         self._placed.clear()
         self._buffer_storages = None
@@ -764,7 +781,7 @@ class LayerHooks:
                 return None
             anchored = anchor_output(output, found.anchor)  # (aside from the forward's Provenance: marked here)
             following = self._provenance[-1] if self._provenance else None
-            if anchored is not output and following is not None:
+            if anchored is not output and isinstance(following, Provenance):
                 at = following.where(output)
                 if carries(at):
                     following.mark(anchored, at)
@@ -816,7 +833,13 @@ class LayerHooks:
                     output = _first_tensor(output, every)
             if not (grad_enabled() and isinstance(output, Tensor)):
                 if self.batch is not None and self._provenance and not grad_enabled():
-                    self._place(name, _first_input(args, kwargs))  # (a reentrant checkpoint's segment, say)
+                    first = _first_input(args, kwargs)  # (a reentrant checkpoint's segment, say)
+                    if self.followed.lean:
+                        self._unmatched(layer.label, first, first, batch_dim)
+                        self._placed.setdefault(name, set()).add(batch_dim)
+                    else:
+                        self.followed.not_plain()
+                        self._place(name, first)
                 return None
             if every:
                 if not any(t.grad_fn is not None for t in output_tensors(returned)):
@@ -834,6 +857,10 @@ class LayerHooks:
                     dim = self._placed_before(name, first, batch_dim, layer.label)
                     if all_inputs and dim != batch_dim:
                         _check_layout(module, first, dim, layer.label, known=True)
+                elif self.followed.lean:
+                    if not self.followed.matches(self._next_key(name), self._signature(first, output)):
+                        self._unmatched(layer.label, first, output, batch_dim)
+                    self._placed.setdefault(name, set()).add(dim)
                 else:
                     dim = located(first, batch_dim, self.batch.size, layer.label, spec.batch_dim_fixed)
                     if all_inputs:
@@ -848,8 +875,11 @@ class LayerHooks:
                 batched = _first_input(args, kwargs)
             if not isinstance(batched, Tensor):
                 raise TypeError(f"pergrad: {layer.label} was called without a tensor input")
-            if self.batch is not None and not all_inputs:
-                group = classify(a, output, dim, self.batch, layer.label)
+            if self.batch is not None and not self.followed.lean:
+                group = None if all_inputs else classify(a, output, dim, self.batch, layer.label)
+                if self.followed.recording:
+                    plain = group is None and dim == batch_dim and packed_batch is None
+                    self.followed.note(self._next_key(name), self._signature(first, output), plain)
                 if group is not None:
                     assert isinstance(a, Tensor)
                     self._refuse_direct(layer.label, f"on an input shared by the batch (shape {tuple(a.shape)})")
@@ -881,6 +911,10 @@ class LayerHooks:
             )
             if self.batch is not None and packed_batch is None:
                 _place_outputs(returned if every else output, dims if every else (dim,), batch_size)
+            if self.followed.recording or self.followed.lean:
+                for t in output_tensors(returned) if every else (output,):
+                    if t.grad_fn is not None:
+                        self._outputs[t.grad_fn] = (kept.key, t.dim())
             if isinstance(a, LayerCall) and a.output_dims:  # the rule takes every output's gradient
                 _catch_outputs(kept, returned, (args, kwargs), on_output_grad)
                 return None
@@ -959,6 +993,43 @@ class LayerHooks:
         call = self._calls.get(name, 0)
         self._calls[name] = call + 1
         return name if call == 0 else f"{name}:{call}"
+
+    def _next_key(self, name: str) -> str:
+        """The key ``_key`` gives the call of layer ``name`` it is asked for next."""
+        call = self._calls.get(name, 0)
+        return name if call == 0 else f"{name}:{call}"
+
+    def _signature(self, a: Any, output: Tensor) -> tuple[Any, ...]:
+        """A layer call's ``signature`` (``pergrad._core.shortcuts.followed``)."""
+        assert self.batch is not None
+        return signature(a, output, isinstance(a, Tensor) and self.batch.from_inputs(a), self._outputs)
+
+    def _unmatched(self, label: str, a: Any, output: Tensor | None, dim: int) -> None:
+        """A call of a lean forward (``pergrad._core.shortcuts.followed``) without a record: answered as batched on
+        ``dim`` where its input ``a`` settles it (``a`` and ``output`` have the batch's size on ``dim``, and ``a``
+        was computed from outputs of this forward's calls by elementwise ops alone; or it is the call's own
+        argument or computed from such an output, with the batch's size on ``dim`` alone), else refused."""
+        batch = self.batch
+        assert batch is not None
+        size = batch.size
+        if isinstance(a, Tensor) and not isinstance(a, Shared) and output is not None:
+            fits = [j for j, n in enumerate(a.shape) if n == size]
+            if dim in fits and output.dim() > dim and output.shape[dim] == size:
+                alone = fits == [dim]
+                if (alone and (batch.from_inputs(a) or reaches(a, self._outputs))) or elementwise_from_outputs(
+                    a, self._outputs
+                ):
+                    self.followed.unmatched()
+                    return
+        self.followed.off = True
+        raise BatchSizeError(
+            f"{label} was called in a forward of the model that took a path the forwards pergrad followed with "
+            "arguments of the same shapes did not take (pergrad follows where the batch is through every op of a "
+            "model's forward until the forwards of those shapes repeat, then only checks each layer call against "
+            "them), and this call's input does not tell where the batch is without following the forward"
+            + (f" (input shape {tuple(a.shape)})" if isinstance(a, Tensor) else "")
+            + ". pergrad follows every forward of this model from now on: run the step again"
+        )
 
     def _keep_shared(
         self,
@@ -1059,6 +1130,9 @@ class LayerHooks:
             if batch is None or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
                 return
             self._refuse_direct(layers[0].label, "with raw parameters shared by the batch")
+            if self.followed.lean:
+                self._unmatched(layers[0].label, None, None, batch.dim)
+            self.followed.not_plain()
             saved: list[tuple[nn.Module, str, Tensor, Tensor]] = []
             for layer in layers:
                 holder = layer.module  # the module itself, or a ParameterDict/ParameterList of it
@@ -1088,6 +1162,7 @@ class LayerHooks:
                 holder._parameters[name] = p  # type: ignore[assignment]
 
     def _model_returned(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        self.followed.returned()
         if self.batch is not None and self._graph_unchecked:  # the first forward that builds a graph
             self._graph_unchecked = False
             refuse_batch_statistics(output_tensors(output))

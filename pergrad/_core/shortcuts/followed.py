@@ -1,0 +1,270 @@
+"""Following the batch only where the forward is new: ``Provenance`` for the first forwards of each kind, then
+a check of each layer call.
+
+``Provenance`` (``pergrad._core.shortcuts.shared``) follows every op of the model's forward to tell, at each
+layer call, where the batch is in the layer's input and whether the input carries it at all. In the
+steady state of training the answers repeat: the same model, called with arguments of the same shapes,
+calls the same layers on inputs of the same shapes computed the same way. So the forwards of one *kind*
+(``kind_of``: the shapes, dtypes and devices of the call's tensor arguments, its other arguments, the
+batch, the model's training mode, autocast) are followed until two in a row were *plain* and alike, and
+then run *lean*: without the mode, each layer call checked against the record (``signature``: the
+input's and output's shapes, dtype, the autograd node that made the input, whether it is the call's own
+argument), with the answers the record had.
+
+A forward is plain where every layer call took its input batched on the wrapper's batch dim: nothing
+shared by the batch (no ``Shared`` tensor, no raw parameter), no batch moved to another dim or lost,
+no ``PackedSequence``, no segment that checkpointing computes again, no nested call of the model. Those
+forwards keep being followed, as do the kinds whose two first followed forwards differ (a layer skipped at
+random, a branch on the data) and the kinds past ``KINDS``.
+
+A lean forward whose layer call matches no record (a branch not taken in the forwards followed) is
+answered where the call's input settles it without the mode: it is the call's own tensor argument, or
+its autograd history reaches the output of a layer call of this forward (computed from the batch), and
+its only dim of the batch's size is the batch dim. The kind is followed again from then on. Anything
+else raises ``BatchSizeError`` (pergrad follows every forward of the model after that), never a guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._dynamo.decorators import skip
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from pergrad.errors import EAGER
+
+KINDS = 64  # kinds of forward remembered per wrapper (sequence lengths that vary, say); past it: followed
+ALIKE = 2  # plain, alike followed forwards of a kind before its forwards run lean
+PATH = 64  # autograd nodes of a layer input's path that its signature names at most
+WALK = 10_000  # autograd nodes a lean forward's unmatched call walks at most to find the batch
+
+Kind = tuple[Any, ...]
+Signature = tuple[Any, ...]
+
+
+def kind_of(args: tuple[Any, ...], kwargs: dict[str, Any], size: int, dim: int, training: bool) -> Kind:
+    """What a lean forward must share with the followed ones: its tensor arguments' shapes, dtypes, devices and
+    ``requires_grad``, its other arguments (a scalar by value, anything else by type), their structure,
+    the batch, the model's training mode and autocast."""
+    if not kwargs and all(isinstance(a, Tensor) for a in args):  # the common call, without pytree's walk
+        leaves: list[Any] = list(args)
+        spec: Any = len(args)
+    else:
+        leaves, spec = tree_flatten((args, kwargs))
+    return (
+        spec,
+        size,
+        dim,
+        training,
+        torch.is_autocast_enabled(),
+        *(
+            (tuple(x.shape), x.dtype, x.device, x.requires_grad)
+            if isinstance(x, Tensor)
+            else (x if isinstance(x, bool | int | float | str | None) else type(x))
+            for x in leaves
+        ),
+    )
+
+
+def signature(a: Any, output: Tensor, from_inputs: bool, outputs: dict[Any, tuple[str, int]]) -> Signature:
+    """What a layer call of a lean forward must share with its record: its input's shape, strides and dtype,
+    whether it is the call's own argument, the ops it was computed by since the outputs of earlier layer
+    calls (``path``), and its output's shape and dtype."""
+    if not isinstance(a, Tensor):
+        return (type(a), tuple(output.shape))
+    return (tuple(a.shape), a.stride(), a.dtype, from_inputs, path(a, outputs), tuple(output.shape), output.dtype)
+
+
+def path(a: Tensor, outputs: dict[Any, tuple[str, int]]) -> tuple[Any, ...]:
+    """The autograd nodes ``a`` was computed by, depth first from its own, down to the outputs of the forward's
+    layer calls (``outputs``: by node, the call's key and the output's dims, named in their place) and the parameters: their types
+    (a node met again: 0), at most ``PATH`` of them. ``x.transpose(0, 1)`` before a layer, a layer called on
+    another layer's output, a skip connection: each changes it."""
+    start = a.grad_fn
+    if start is None:
+        return ()
+    found: list[Any] = []
+    seen, stack = {start}, [start]
+    while stack and len(found) < PATH:
+        node = stack.pop()
+        key = outputs.get(node)
+        if key is not None:
+            found.append(key)
+            continue
+        found.append(type(node))
+        for nxt, _ in reversed(node.next_functions):
+            if nxt is None:
+                continue
+            if nxt in seen:
+                found.append(0)
+            else:
+                seen.add(nxt)
+                stack.append(nxt)
+    return (*found, len(stack))
+
+
+@dataclass
+class _Record:
+    calls: dict[str, Signature] | None = None  # by call key (``name`` or ``name:k``), of the last plain forward
+    alike: int = 0  # plain followed forwards in a row with these calls
+    followed: bool = False  # always followed (not plain, or not alike)
+
+
+@dataclass
+class Followed:
+    """Which forwards the wrapper follows (``Provenance``) and which run lean; the records of the kinds."""
+
+    off: bool = False  # every forward followed (a lean forward met a call it could not answer)
+    _records: dict[Kind, _Record] = field(default_factory=dict)
+    _kind: Kind | None = None  # of the running forward
+    _notes: dict[str, Signature] = field(default_factory=dict)  # its calls so far
+    _plain: bool = True  # whether it is plain so far
+    lean: bool = False  # whether the running forward runs lean
+    recording: bool = False  # whether the running forward is followed and its calls noted for its kind's record
+
+    def start(self, kind: Kind | None) -> bool:
+        """A forward of the model of ``kind`` starts (None: not one to record); True where it runs lean."""
+        self._kind, self._notes, self._plain = kind, {}, True
+        record = None if kind is None or self.off else self._records.get(kind)
+        self.lean = record is not None and not record.followed and record.alike >= ALIKE
+        self.recording = kind is not None and not self.off and not self.lean and not (record and record.followed)
+        return self.lean
+
+    def note(self, key: str, sig: Signature, plain: bool) -> None:
+        """A layer call of a followed forward: its signature, and whether its answers were the plain ones."""
+        self._notes[key] = sig
+        self._plain = self._plain and plain
+
+    def not_plain(self) -> None:
+        """The running forward is not plain (see the module docstring)."""
+        self._plain = False
+
+    def matches(self, key: str, sig: Signature) -> bool:
+        """Whether a layer call of a lean forward matches its record."""
+        assert self._kind is not None
+        calls = self._records[self._kind].calls
+        return calls is not None and calls.get(key) == sig
+
+    def unmatched(self) -> None:
+        """A lean forward met a call without a record, answered from the call itself: its kind is followed again."""
+        if self._kind is not None and self._kind in self._records:
+            self._records[self._kind].followed = True
+
+    def returned(self) -> None:
+        """The running forward returned: a followed one's record counts it."""
+        kind, self._kind = self._kind, None
+        if kind is None or not self.recording:
+            return
+        record = self._records.get(kind)
+        if record is None:
+            if len(self._records) >= KINDS:
+                return
+            record = self._records[kind] = _Record()
+        if not self._plain or (record.calls is not None and record.calls != self._notes):
+            record.followed = True
+        elif not record.followed:
+            record.calls, record.alike = self._notes, record.alike + 1
+
+    def forget(self) -> None:
+        """The layers were hooked again: every kind is followed anew."""
+        self._records.clear()
+        self._kind, self.lean, self.recording = None, False, False
+
+
+def reaches(t: Tensor, nodes: dict[Any, tuple[str, int]]) -> bool:
+    """Whether ``t``'s autograd history reaches one of ``nodes`` (within ``WALK`` nodes)."""
+    start = t.grad_fn
+    if start is None:
+        return False
+    seen, stack = {start}, [start]
+    while stack and len(seen) <= WALK:
+        node = stack.pop()
+        if node in nodes:
+            return True
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return False
+
+
+# autograd nodes of elementwise ops: the batch stays on the dim it had in their operands of the same rank
+ELEMENTWISE = frozenset(
+    f"{name}Backward{k}"
+    for name in (
+        "Add", "Sub", "Mul", "Div", "Neg", "Relu", "Gelu", "Silu", "Tanh", "Sigmoid", "LeakyRelu", "Elu", "Hardtanh",
+        "Softplus", "Exp", "Log", "Pow", "Sqrt", "Rsqrt", "Abs", "Clamp", "ClampMin", "ClampMax", "Threshold",
+        "NativeDropout", "Clone", "ToCopy", "MaskedFill", "Where", "Sin", "Cos", "Erf", "Mish", "Hardswish",
+    )
+    for k in (0, 1)
+)  # fmt: skip
+
+
+def elementwise_from_outputs(a: Tensor, outputs: dict[Any, tuple[str, int]]) -> bool:
+    """Whether ``a`` was computed from outputs of the forward's layer calls (of its rank) by elementwise ops
+    alone, with parameters as the other operands: then it has the batch where those outputs have it."""
+    start = a.grad_fn
+    if start is None:
+        return False
+    reached, seen, stack = False, {start}, [start]
+    while stack:
+        if len(seen) > WALK:
+            return False
+        node = stack.pop()
+        found = outputs.get(node)
+        if found is not None:
+            if found[1] != a.dim():
+                return False
+            reached = True
+            continue
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            continue
+        if name not in ELEMENTWISE:
+            return False
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return reached
+
+
+class Lean(TorchFunctionMode):
+    """The mode of a lean forward: it follows nothing. It keeps a compiled model's forward running eagerly,
+    as under ``Provenance``, so a lean forward runs the same code (and makes the same autograd nodes) as the
+    followed ones it is checked against."""
+
+    @skip  # never traced nor compiled by Dynamo, as ``Provenance.__torch_function__``
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if _dynamo_callback() is not None:  # called from code Dynamo compiled: nothing called from here may be
+            return _without_dynamo(func, *args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+    def aside(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` with this mode off the stack (it must be on top): pergrad's own work in a layer's hook."""
+        torch._C._pop_torch_function_stack()
+        try:
+            return fn(*args)
+        finally:
+            torch._C._push_on_torch_function_stack(self)
+
+    def on_top(self) -> bool:
+        """Whether this mode is the innermost torch function mode."""
+        stack = torch._C._len_torch_function_stack()
+        return bool(stack) and torch._C._get_function_stack_at(stack - 1) is self
+
+
+_dynamo_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback  # (torch is pinned: a private name)
+
+
+@torch.compiler.disable(reason=EAGER)
+def _without_dynamo(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with Dynamo's frame evaluation off."""
+    return fn(*args, **kwargs)
