@@ -18,7 +18,8 @@ with the shared input ``a``; for a raw parameter, it is ``g_i`` itself.
 
 Which layer inputs are shared, given the batch size B of the model's call (``batch_of_call``)
 and the batch dim, follows from where the input came from (``Provenance`` follows every op of the
-model's forward), never from its size alone:
+model's forward, for the forwards of each kind until they repeat: ``pergrad._core.shortcuts.followed``),
+never from its size alone:
 
 - computed from the model's batched tensor arguments (a view, ``labels[:, :-1]``, a shifted copy
   written in place, a mask): batched, on the dim the forward moved the batch to (``pergrad._core.capture.dims``:
