@@ -103,6 +103,12 @@ class PerSampleModule:
             gradient that pergrad replaces anyway: one matmul or convolution backward less per
             layer. ``torch.autograd.grad`` with respect to such a weight then raises (it is not in
             the graph); pass False if you need that.
+        lean_forwards: once two forwards of one kind (the same argument shapes, batch, training mode and
+            autocast) were followed op by op (where the batch is in each layer's input) and alike, run the
+            later ones without following, each layer call checked against their record; a call that matches
+            none is answered where its input settles it, or refused (``docs/how-it-works.md``, "followed /
+            lean forward"). False follows every forward: for a model whose forward moves the batch to
+            another dim of the same size depending on the data, by the same kinds of ops either way.
         grad_scaler: the ``torch.amp.GradScaler`` whose ``scaler.scale(loss)`` the backward passes
             run on (mixed precision). Its scale is read, as a tensor, at each backward; the
             transforms see the per-sample gradients of the samples' own (unscaled) losses, so a
@@ -140,6 +146,7 @@ class PerSampleModule:
         fallback: bool = False,
         rules: RuleRegistry | None = None,
         detach_transformed: bool = True,
+        lean_forwards: bool = True,
         grad_scaler: GradScalerLike = None,
         loss_scale: LossScaleLike = None,
     ) -> None:
@@ -157,6 +164,7 @@ class PerSampleModule:
             verify=verify,
             fallback=fallback,
             detach_transformed=detach_transformed,
+            lean_forwards=lean_forwards,
         )
         if owners(model):
             raise PergradError(
@@ -198,6 +206,7 @@ class PerSampleModule:
                 may_tap=self._engine.may_tap,
                 on_model_returned=self._after_call,
                 on_failed=self._engine.on_failed_hook,
+                lean=lean_forwards,
             )
             self._install_hooks()
             self._install_accumulate_hooks()

@@ -234,3 +234,18 @@ def test_a_batch_of_one_and_of_two_alternating() -> None:
             model.mode = "extra"
         x, y = data(b, 4, seed=step)
         step_and_check(psm, model, x, y, f"step {step} (B={b})")
+
+
+@pytest.mark.parametrize("mode", ["transpose", "shared"])
+def test_lean_forwards_off_follows_every_forward(mode: str) -> None:
+    """``lean_forwards=False``: no forward runs lean, and the switch of path that a lean forward refuses is
+    followed like any other, exact at every step (T == B)."""
+    model = Branchy(t=4)
+    psm = PerSampleModule(model, keep_grad_sample=False, lean_forwards=False)
+    psm.register_transform(model, transforms.clip_norm(BOUND))
+    assert not psm.options.lean_forwards
+    for step in range(8):
+        model.mode = mode if step >= 4 else "plain"
+        x, y = data(4, 4, seed=step)
+        step_and_check(psm, model, x, y, f"step {step}")
+        assert not psm._hooks.followed.lean, f"step {step}: a lean forward with lean_forwards=False"

@@ -396,6 +396,7 @@ class LayerHooks:
         may_tap: Callable[[HookedLayer], bool] | None = None,
         on_model_returned: Callable[[], None] | None = None,
         on_failed: Callable[[], None] | None = None,
+        lean: bool = True,
     ) -> None:
         self._model = model
         self._on_recompute = on_recompute
@@ -429,7 +430,7 @@ class LayerHooks:
         self._root_out = model.register_forward_hook(ModuleHook(self, self._model_returned), with_kwargs=True)
         # of the running forwards of the model (nested calls: several); a lean forward's mode is a ``Lean``
         self._provenance: list[Provenance | Lean] = []
-        self.followed = Followed()  # which forwards are followed (``pergrad._core.shortcuts.followed``)
+        self.followed = Followed(off=not lean)  # which forwards are followed (``pergrad._core.shortcuts.followed``)
         # the autograd nodes of the running forward's calls' outputs: their keys and dims
         self._outputs: dict[Any, tuple[str, int]] = {}
         self._root_done = model.register_forward_hook(ModuleHook(self, self._forward_done), always_call=True)
