@@ -155,16 +155,20 @@ def pergrad_for(model: Any, kind: str) -> Any:
     - ``materialise``: ``grad_sample``; ``norms``: every per-sample norm; ``clip``: flat clipping of
       the whole model at ``CLIP_NORM``; ``stats``: every statistic; ``stats_trace``: ``trace_variance``;
     - ``penalty``: ``grad_sample`` (for a penalty built from it); ``penalty_norms``: the per-sample
-      norms without materialising (a penalty built from ``per_sample_norms()``).
+      norms without materialising (a penalty built from ``per_sample_norms()``);
+    - ``..._followed``: the same, every forward followed op by op (``lean_forwards=False``).
     """
     from pergrad import PerSampleModule, transforms
 
+    followed = kind.endswith("_followed")
+    kind = kind.removesuffix("_followed")
     stats: bool | set[str] = {"trace_variance"} if kind == "stats_trace" else kind == "stats"
     psm = PerSampleModule(
         model,
         keep_grad_sample=kind in ("materialise", "penalty"),
         track_norms=kind in ("norms", "penalty_norms"),
         track_statistics=stats,
+        lean_forwards=not followed,
     )
     if kind == "clip":
         psm.register_transform(model, transforms.clip_norm(CLIP_NORM))
@@ -272,9 +276,9 @@ def setup(
         return step, full_grad
 
     if method.startswith("pergrad"):
-        kind = method.removeprefix("pergrad").lstrip("_") or "materialise"
+        psm = pergrad_for(model, method.removeprefix("pergrad").lstrip("_") or "materialise")
+        kind = method.removeprefix("pergrad").lstrip("_").removesuffix("_followed") or "materialise"
         box = {}
-        psm = pergrad_for(model, kind)
 
         def step() -> None:
             psm.zero_grad()

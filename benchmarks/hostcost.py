@@ -44,9 +44,11 @@ import transformer  # noqa: E402
 METHODS = {
     "plain": "plain",
     "hooks only": "pergrad_hooks",
+    "hooks, every forward followed": "pergrad_hooks_followed",
     "grad_sample": "pergrad",
     "fused norms": "pergrad_norms",
     "fused clip": "pergrad_clip",
+    "fused clip, every forward followed": "pergrad_clip_followed",
     "project kron": "pergrad_project_kron",
     "Opacus hooks": "opacus_hooks",
     "Opacus ghost clip": "opacus_ghost_clip",
