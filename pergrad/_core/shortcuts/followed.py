@@ -80,11 +80,12 @@ def signature(a: Any, output: Tensor, from_inputs: bool, outputs: dict[Any, tupl
     return (tuple(a.shape), a.stride(), a.dtype, from_inputs, path(a, outputs), tuple(output.shape), output.dtype)
 
 
-def path(a: Tensor, outputs: dict[Any, tuple[str, int]]) -> tuple[Any, ...]:
+def path(a: Tensor, outputs: dict[Any, tuple[str, int]]) -> tuple[Any, ...] | None:
     """The autograd nodes ``a`` was computed by, depth first from its own, down to the outputs of the forward's
     layer calls (``outputs``: by node, the call's key and the output's dims, named in their place) and the parameters: their types
-    (a node met again: 0), at most ``PATH`` of them. ``x.transpose(0, 1)`` before a layer, a layer called on
-    another layer's output, a skip connection: each changes it."""
+    (a node met again: 0). ``x.transpose(0, 1)`` before a layer, a layer called on another layer's output, a skip
+    connection: each changes it. None where there are more than ``PATH`` of them: a path cut short cannot tell
+    apart two that differ past its end (a transpose under a long loop of ops), so such a call is not plain."""
     start = a.grad_fn
     if start is None:
         return ()
@@ -105,7 +106,7 @@ def path(a: Tensor, outputs: dict[Any, tuple[str, int]]) -> tuple[Any, ...]:
             else:
                 seen.add(nxt)
                 stack.append(nxt)
-    return (*found, len(stack))
+    return None if stack else tuple(found)
 
 
 @dataclass
@@ -136,9 +137,10 @@ class Followed:
         return self.lean
 
     def note(self, key: str, sig: Signature, plain: bool) -> None:
-        """A layer call of a followed forward: its signature, and whether its answers were the plain ones."""
+        """A layer call of a followed forward: its signature, and whether its answers were the plain ones (a
+        signature whose ``path`` was cut short does not tell the call's path: not plain)."""
         self._notes[key] = sig
-        self._plain = self._plain and plain
+        self._plain = self._plain and plain and not (len(sig) > 4 and sig[4] is None)
 
     def not_plain(self) -> None:
         """The running forward is not plain (see the module docstring)."""

@@ -1,0 +1,465 @@
+"""Adversarial tests of lean forwards (``pergrad._core.shortcuts.followed``): models and loops a user writes, each
+run over several steps (lean from the third forward of a kind), every step's clipped ``.grad`` (and, where asked,
+``grad_sample`` and the per-sample norms) checked against a one-sample-at-a-time autograd loop on a copy."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pergrad import PerSampleModule, transforms
+from tests.reference import assert_close, clipped_mean
+
+pytestmark = pytest.mark.usefixtures("float64")
+BOUND = 0.5
+FOLLOWED = bool(os.environ.get("ATTACK_LEAN_FOLLOWED"))  # check the references against the old behaviour
+
+Batch = tuple[tuple[Any, ...], dict[str, Any], Tensor]  # the model's arguments, keywords, and the labels
+Loss = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Tensor], Tensor]
+
+
+def ce(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], y: Tensor) -> Tensor:
+    return F.cross_entropy(model(*args, **kwargs), y)
+
+
+def sample(v: Any, i: int, b: int, dim: int) -> Any:
+    """Sample ``i`` of ``v`` where ``v`` is a tensor with the batch (size ``b``) on ``dim``, else ``v``."""
+    if isinstance(v, Tensor) and v.dim() > dim and v.shape[dim] == b:
+        return v.narrow(dim, i, 1)
+    return v
+
+
+def one_at_a_time(model: nn.Module, batch: Batch, loss: Loss, dim: int = 0) -> dict[str, Tensor]:
+    """``{name: [B, *shape]}``: each sample's gradient of its own loss, by autograd on a copy of ``model``."""
+    ref = copy.deepcopy(model)
+    args, kwargs, y = batch
+    b = y.shape[0]
+    params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    grads: dict[str, list[Tensor]] = {n: [] for n in params}
+    for i in range(b):
+        one_args = tuple(sample(a, i, b, dim) for a in args)
+        one_kwargs = {k: sample(v, i, b, dim) for k, v in kwargs.items()}
+        found = torch.autograd.grad(
+            loss(ref, one_args, one_kwargs, y[i : i + 1]), list(params.values()), allow_unused=True
+        )
+        for n, g in zip(params, found, strict=True):
+            grads[n].append(torch.zeros_like(params[n]) if g is None else g)
+    return {n: torch.stack(gs) for n, gs in grads.items()}
+
+
+def wrapped(model: nn.Module, **options: Any) -> PerSampleModule:
+    psm = PerSampleModule(model, **{"keep_grad_sample": False, **options})
+    psm._hooks.followed.off = FOLLOWED  # (True: the old behaviour, every forward followed)
+    psm.register_transform(model, transforms.clip_norm(BOUND))
+    return psm
+
+
+def step(
+    psm: PerSampleModule,
+    model: nn.Module,
+    batch: Batch,
+    what: str,
+    loss: Loss = ce,
+    dim: int = 0,
+    call: nn.Module | None = None,
+    norms: bool = False,
+) -> bool:
+    """One clipped step checked against the reference, then SGD; whether its forward ran lean."""
+    expected = one_at_a_time(model, batch, loss, dim)
+    mean = clipped_mean(expected, BOUND)
+    model.zero_grad(set_to_none=True)
+    args, kwargs, y = batch
+    loss(psm if call is None else call, args, kwargs, y).backward()
+    lean = psm._hooks.followed.lean
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            assert not expected[n].any(), f"{what}: no .grad of {n}"
+            continue
+        assert_close(p.grad, mean[n], f"{what}: .grad of {n}")
+        if getattr(psm.options, "keep_grad_sample", False) and hasattr(p, "grad_sample"):
+            assert_close(p.grad_sample, expected[n] / y.shape[0], f"{what}: grad_sample of {n}")
+    if norms:
+        found = psm.per_sample_norms()
+        for n in expected:
+            if n in found:
+                assert_close(found[n], expected[n].flatten(1).norm(dim=1), f"{what}: norm of {n}")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.sub_(0.1 * p.grad)
+    return lean
+
+
+def run(
+    model: nn.Module,
+    batches: Callable[[int], Batch],
+    steps: int = 7,
+    *,
+    psm: PerSampleModule | None = None,
+    before: Callable[[int], None] | None = None,
+    loss: Loss = ce,
+    dim: int = 0,
+    norms: bool = False,
+    **options: Any,
+) -> list[bool]:
+    """``steps`` checked steps; which of them ran lean."""
+    psm = wrapped(model, **options) if psm is None else psm
+    leans = []
+    for k in range(steps):
+        if before is not None:
+            before(k)
+        leans.append(step(psm, model, batches(k), f"step {k}", loss, dim, norms=norms))
+    return leans
+
+
+def flat(b: int, d: int = 4) -> Callable[[int], Batch]:
+    """Batches ``x [B, D]``, ``y [B]``."""
+
+    def make(k: int) -> Batch:
+        g = gen(k)
+        return (torch.randn(b, d, generator=g),), {}, torch.randint(0, 3, (b,), generator=g)
+
+    return make
+
+
+def lean(leans: list[bool]) -> None:
+    """Some step ran lean (the test would not reach what it attacks otherwise)."""
+    assert FOLLOWED or any(leans), leans
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def seq(b: int, t: int, d: int = 4, classes: int = 3) -> Callable[[int], Batch]:
+    """Batches ``x [B, T, D]``, ``y [B]``, new values each step."""
+
+    def make(k: int) -> Batch:
+        g = gen(k)
+        return (torch.randn(b, t, d, generator=g),), {}, torch.randint(0, classes, (b,), generator=g)
+
+    return make
+
+
+# -- data-dependent branches --------------------------------------------------------------------------------------
+
+
+class ValueBranch(nn.Module):
+    """A layer more where the batch's mean is positive (a branch on the values of ``x``)."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        if x.mean() > 0:
+            h = h + self.b(h)
+        return self.head(h).mean(1)
+
+
+@pytest.mark.parametrize("t", [4, 5])
+def test_branch_on_the_values_of_x(t: int) -> None:
+    def make(k: int) -> Batch:
+        (x,), _, y = seq(4, t)(k)
+        return (x + (1.0 if k in (3, 5, 8) else -1.0),), {}, y  # the branch taken from step 3 on, now and then
+
+    lean(run(ValueBranch(), make, 10))
+
+
+class PerSampleWhere(nn.Module):
+    """Each sample through one of two layers, chosen by the sign of its features (``torch.where``)."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        pick = x.sum(-1, keepdim=True) > 0
+        h = torch.where(pick, self.a(x), self.b(x))
+        return self.head(h.relu()).sum(1)
+
+
+@pytest.mark.parametrize("t", [4, 5])
+def test_torch_where_per_sample(t: int) -> None:
+    lean(run(PerSampleWhere(), seq(4, t), 7))
+
+
+class SoftMoE(nn.Module):
+    """Top-1 routing per token: every expert runs, the router's weight zeroed where it did not win."""
+
+    def __init__(self, d: int = 4, experts: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.router = nn.Linear(d, experts)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(experts))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate = self.router(x).softmax(-1)
+        top = gate.argmax(-1, keepdim=True)
+        gate = gate * F.one_hot(top.squeeze(-1), gate.shape[-1]).to(gate.dtype)
+        h = x
+        for e, expert in enumerate(self.experts):
+            if bool((top == e).any()):  # an expert no token chose is not run (a data-dependent set of calls)
+                h = h + gate[..., e : e + 1] * expert(x)
+        return self.head(h).mean(1)
+
+
+@pytest.mark.parametrize("t", [4, 5])
+def test_moe_routing_skips_unchosen_experts(t: int) -> None:
+    lean(run(SoftMoE(), seq(4, t, 4), 10))
+
+
+class Adaptive(nn.Module):
+    """A block applied ``self.n`` times (a number of calls that changes between steps, as with a depth drawn
+    from the data)."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.inp, self.block, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 3)
+        self.n = 2
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        for _ in range(self.n):
+            h = torch.tanh(self.block(h)) * 0.5
+        return self.head(h).mean(1)
+
+
+@pytest.mark.parametrize("t", [4, 5])
+def test_layer_called_a_data_dependent_number_of_times(t: int) -> None:
+    model = Adaptive()
+
+    def before(k: int) -> None:
+        model.n = [2, 2, 2, 3, 1, 0, 2, 4, 2][k]
+
+    lean(run(model, seq(4, t), 9, before=before))
+
+
+class InPlace(nn.Module):
+    """In-place ops on activations (``relu_``, ``mul_``, a masked fill from the input) between layers."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.a, self.b, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x) + 0.0
+        h.mul_(2.0)
+        h.masked_fill_(x < -1.0, 0.0)
+        h = self.b(h)
+        h.mul_(0.5)  # in place on a layer's output
+        h = h + x
+        out = self.head(h)
+        return out.mean(1) if out.dim() == 3 else out
+
+
+@pytest.mark.parametrize("t", [4, 5])
+def test_in_place_ops_on_activations(t: int) -> None:
+    run(InPlace(), seq(4, t), 7)  # (in place on a Linear's output [B, T, D], a view: its kind stays followed)
+    lean(run(InPlace(), flat(t), 7))
+
+
+class Dropped(nn.Module):
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.a, self.drop, self.head = nn.Linear(d, d), nn.Dropout(0.5), nn.Linear(d, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.drop(torch.tanh(self.a(x)))).mean(1)
+
+
+def test_eval_mode_forwards_with_grad_between_training_forwards_without() -> None:
+    """Attribution-style: eval-mode forwards with grad (dropout off) checked, and between them training-mode
+    forwards without grad (dropout on) of the same shapes; lean from the third eval forward."""
+    model = Dropped()
+    psm = wrapped(model)
+    model.eval()
+    found = []
+    for k in range(8):
+        model.train()
+        with torch.no_grad():
+            psm(seq(4, 4)(k + 100)[0][0])
+        model.eval()
+        found.append(step(psm, model, seq(4, 4)(k), f"step {k}"))
+    lean(found)
+
+
+# -- sequence-first, recurrent, attention ------------------------------------------------------------------------
+
+
+class SeqFirstLSTM(nn.Module):
+    def __init__(self, d: int = 4, batch_first: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.inp = nn.Linear(d, d)
+        self.rnn = nn.LSTM(d, d, batch_first=batch_first)
+        self.head = nn.Linear(d, 3)
+        self.batch_first = batch_first
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.rnn(torch.tanh(self.inp(x)))
+        return self.head(out).mean(1 if self.batch_first else 0)
+
+
+@pytest.mark.parametrize("t", [4, 5])
+def test_sequence_first_wrapper_lstm(t: int) -> None:
+    def make(k: int) -> Batch:
+        g = gen(k)
+        return (torch.randn(t, 4, 4, generator=g),), {}, torch.randint(0, 3, (4,), generator=g)
+
+    lean(run(SeqFirstLSTM(), make, 7, dim=1, batch_first=False))
+
+
+@pytest.mark.parametrize("t", [4, 5])
+def test_batch_first_gru_after_a_user_transpose(t: int) -> None:
+    """``x [B, T, D]``, a GRU built sequence-first, the user transposes before and after it."""
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(7)
+            self.inp, self.rnn, self.head = nn.Linear(4, 4), nn.GRU(4, 4), nn.Linear(4, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            out, _ = self.rnn(self.inp(x).transpose(0, 1))
+            return self.head(out.transpose(0, 1).mean(1))
+
+    run(M(), seq(4, t), 7)
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int = 4, batch_first: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(8)
+        self.inp = nn.Linear(d, d)
+        self.mha = nn.MultiheadAttention(d, 2, batch_first=batch_first)
+        self.head = nn.Linear(d, 3)
+        self.batch_first = batch_first
+
+    def forward(self, x: Tensor, pad: Tensor) -> Tensor:
+        h = self.inp(x)
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        out, _ = self.mha(h, h, h, key_padding_mask=pad, need_weights=False)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return self.head(out.masked_fill(pad.unsqueeze(-1), 0.0).sum(1))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("t", [4, 5])
+def test_multihead_attention_with_padding_that_changes(batch_first: bool, t: int) -> None:
+    def make(k: int) -> Batch:
+        g = gen(k)
+        pad = torch.zeros(4, t, dtype=torch.bool)
+        if k % 2:  # padding in some steps only
+            pad[1, -2:] = True
+            pad[3, -1:] = True
+        return (torch.randn(4, t, 4, generator=g), pad), {}, torch.randint(0, 3, (4,), generator=g)
+
+    run(Attention(batch_first=batch_first), make, 8)
+
+
+# -- layers of the first call: convolutions, embeddings ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [4, 5])
+def test_conv1d_on_channels_then_time_with_t_equal_b(t: int) -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(9)
+            self.conv, self.head = nn.Conv1d(3, 4, 3, padding=1), nn.Linear(4, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(F.relu(self.conv(x)).mean(-1))
+
+    def make(k: int) -> Batch:
+        g = gen(k)
+        return (torch.randn(4, 3, t, generator=g),), {}, torch.randint(0, 3, (4,), generator=g)
+
+    lean(run(M(), make, 7))
+
+
+@pytest.mark.parametrize("t", [4, 5])
+def test_embedding_with_padding_idx(t: int) -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(10)
+            self.emb, self.head = nn.Embedding(7, 4, padding_idx=0), nn.Linear(4, 3)
+
+        def forward(self, ids: Tensor) -> Tensor:
+            return self.head(self.emb(ids).sum(1))
+
+    def make(k: int) -> Batch:
+        g = gen(k)
+        ids = torch.randint(0, 7, (4, t), generator=g)
+        ids[:, -1] = 0
+        return (ids,), {}, torch.randint(0, 3, (4,), generator=g)
+
+    lean(run(M(), make, 7))
+
+
+# -- what the signature of a call does not see ------------------------------------------------------------------
+
+
+def scan(h: Tensor, dim: int, inner: int = 40) -> Tensor:
+    """A smoothing over time (``dim``) written step by step: many autograd nodes, and no layer, between layers."""
+    s = torch.zeros_like(h.select(dim, 0))
+    steps = []
+    for k in range(h.shape[dim]):
+        for _ in range(inner):
+            s = s * 0.9 + h.select(dim, k) * 0.1
+        steps.append(s)
+    return torch.stack(steps, dim)
+
+
+class DeepChain(nn.Module):
+    """Smoothings over time between the layers; with ``time_major`` (switched on by the user once the forwards
+    run lean) the middle layer runs time-major (``[T, B, D]``: with T == B the shape and strides of ``[B, T, D]``),
+    the transposes hidden from the signature's path by the smoothings' many nodes."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.a, self.b, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 3)
+        self.time_major = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        if self.time_major:
+            h = h.transpose(0, 1)
+        out = self.b(scan(h, 0 if self.time_major else 1))
+        if self.time_major:
+            out = out.transpose(0, 1)
+        return self.head(scan(out, 1)).mean(1)
+
+
+@pytest.mark.parametrize("t", [4, 5])
+def test_a_transpose_deeper_than_the_signature_looks(t: int) -> None:
+    """T == B: the time-major input of ``b`` has the batch-major one's shape and strides, and its autograd path
+    differs from the record's only past ``PATH`` nodes; it must not be taken for batched on dim 0 (T != B: the
+    shape differs, refused once then followed)."""
+    model = DeepChain()
+
+    def before(k: int) -> None:
+        model.time_major = k >= 4
+
+    assert not any(run(model, seq(4, t), 7, before=before))  # (paths longer than ``PATH``: followed)
