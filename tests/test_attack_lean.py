@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pergrad import PerSampleModule, transforms
+from pergrad.errors import BatchSizeError
 from tests.reference import assert_close, clipped_mean
 
 pytestmark = pytest.mark.usefixtures("float64")
 BOUND = 0.5
+UNMATCHED = r"took a path the forwards pergrad followed with arguments of the same shapes did not take"
 FOLLOWED = bool(os.environ.get("ATTACK_LEAN_FOLLOWED"))  # check the references against the old behaviour
 
 Batch = tuple[tuple[Any, ...], dict[str, Any], Tensor]  # the model's arguments, keywords, and the labels
@@ -463,3 +465,43 @@ def test_a_transpose_deeper_than_the_signature_looks(t: int) -> None:
         model.time_major = k >= 4
 
     assert not any(run(model, seq(4, t), 7, before=before))  # (paths longer than ``PATH``: followed)
+
+
+class TimeMajor(nn.Module):
+    """``x [B, T, D]`` standardized inside the forward (no autograd history); with ``time_major`` (a user's switch)
+    the whole model runs time-major after a ``transpose(0, 1).contiguous()`` of it: every layer's input then has
+    the batch on dim 1, with T == B the shape and strides of the batch-major one."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(12)
+        self.a, self.head = nn.Linear(d, d), nn.Linear(d, 3)
+        self.time_major = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = (x - x.mean(-1, keepdim=True)) * 2.0
+        if self.time_major:
+            h = h.transpose(0, 1).contiguous()
+        out = self.head(torch.tanh(self.a(h)))
+        return out.mean(0 if self.time_major else 1)
+
+
+@pytest.mark.parametrize("t", [4, 5])
+def test_a_transpose_of_an_input_without_autograd_history(t: int) -> None:
+    """The first layer's input has no autograd path: its signature is its shape and strides alone. With T == B a
+    time-major forward must not be taken for a batch-major one (T != B: another shape, refused once)."""
+    model = TimeMajor(d=3)
+
+    def before(k: int) -> None:
+        model.time_major = k >= 4
+
+    if t == 4:
+        assert not any(run(model, seq(4, t, 3), 7, before=before))  # (T == B: followed)
+        return
+    psm = wrapped(model)
+    run(model, seq(4, t, 3), 4, psm=psm)
+    model.time_major = True
+    if not FOLLOWED:
+        with pytest.raises(BatchSizeError, match=UNMATCHED):
+            F.cross_entropy(psm(seq(4, t, 3)(4)[0][0]), seq(4, t, 3)(4)[2]).backward()
+    run(model, seq(4, t, 3), 7, psm=psm)

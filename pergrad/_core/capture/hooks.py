@@ -36,7 +36,7 @@ from pergrad._core.capture.dims import LOST, carries
 from pergrad._core.capture.parametrized import Capture, Computed, parametrizations_of, sites
 from pergrad._core.memory.layout import batch_to_front
 from pergrad._core.shortcuts.detach import anchor_output
-from pergrad._core.shortcuts.followed import Followed, Lean, elementwise_from_outputs, kind_of, reaches, signature
+from pergrad._core.shortcuts.followed import Followed, Lean, elementwise_from_outputs, kind_of, reaches, signature, told
 from pergrad._core.shortcuts.shared import (
     SEEN,
     BatchInfo,
@@ -879,6 +879,8 @@ class LayerHooks:
                 group = None if all_inputs else classify(a, output, dim, self.batch, layer.label)
                 if self.followed.recording:
                     plain = group is None and dim == batch_dim and packed_batch is None
+                    own = isinstance(first, Tensor) and self.batch.from_inputs(first)
+                    plain = plain and told(first, self.batch.size, dim, own)
                     self.followed.note(self._next_key(name), self._signature(first, output), plain)
                 if group is not None:
                     assert isinstance(a, Tensor)

@@ -80,6 +80,17 @@ def signature(a: Any, output: Tensor, from_inputs: bool, outputs: dict[Any, tupl
     return (tuple(a.shape), a.stride(), a.dtype, from_inputs, path(a, outputs), tuple(output.shape), output.dtype)
 
 
+def told(a: Any, size: int, dim: int, from_inputs: bool) -> bool:
+    """Whether a layer input's ``signature`` tells where its batch is: ``a`` has an autograd history (its
+    ``path``), or it is the call's own argument, or its only dim of the batch's ``size`` is ``dim``. An input
+    computed inside the forward without autograd history (``x - x.mean()`` of an input that needs no gradient)
+    has no path, and with T == B ``h.transpose(0, 1).contiguous()`` has ``h``'s shape and strides: a followed
+    call on such an input is not plain."""
+    if not isinstance(a, Tensor) or a.grad_fn is not None or from_inputs:
+        return True
+    return [j for j, n in enumerate(a.shape) if n == size] == [dim]
+
+
 def path(a: Tensor, outputs: dict[Any, tuple[str, int]]) -> tuple[Any, ...] | None:
     """The autograd nodes ``a`` was computed by, depth first from its own, down to the outputs of the forward's
     layer calls (``outputs``: by node, the call's key and the output's dims, named in their place) and the parameters: their types
