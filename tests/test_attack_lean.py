@@ -765,3 +765,82 @@ class LSTMWithState(nn.Module):
 @pytest.mark.parametrize("t", [4, 5])
 def test_batch_first_lstm_with_an_initial_state_from_the_batch(t: int) -> None:
     run(LSTMWithState(), seq(4, t), 7)
+
+
+class LSTMState(nn.Module):
+    """A two-layer LSTM; with ``use_state`` (switched on once the forwards run lean) a layer more on its final
+    hidden state ``h_n [layers, B, H]``, whose batch is on dim 1 (with B == layers, dim 0 has the batch's size)."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(16)
+        self.rnn = nn.LSTM(d, d, num_layers=2, batch_first=True)
+        self.head, self.proj = nn.Linear(d, 3), nn.Linear(d, 3)
+        self.use_state = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, (h, _) = self.rnn(x)
+        y = self.head(out.mean(1))
+        if self.use_state:
+            y = y + self.proj(torch.tanh(h)).sum(0)
+        return y
+
+
+@pytest.mark.parametrize("b", [2, 3])  # B == layers, and not
+def test_a_new_layer_on_a_recurrent_layers_final_state(b: int) -> None:
+    """The unmatched call's input is an elementwise function of an output of a layer call, an output whose batch
+    is on dim 1: it must not be answered as batched on dim 0."""
+    model = LSTMState()
+
+    def before(k: int) -> None:
+        model.use_state = k >= 4
+
+    def make(k: int) -> Batch:
+        g = gen(k)
+        return (torch.randn(b, 3, 4, generator=g),), {}, torch.randint(0, 3, (b,), generator=g)
+
+    psm = wrapped(model)
+    found = run(model, make, 4, psm=psm)
+    model.use_state = True
+    try:
+        found += run(model, lambda k: make(k + 4), 4, psm=psm)
+    except BatchSizeError:
+        found += run(model, lambda k: make(k + 4), 4, psm=psm)  # (refused once, then followed: exact)
+    lean(found)
+
+
+class OutOrState(nn.Module):
+    """A two-layer LSTM whose pooled features come from its outputs ``[B, T, H]`` or, with ``from_state`` (the
+    user's switch), from its final states ``[layers, B, H]``: with layers == T == B the same shape and strides."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(17)
+        self.rnn, self.proj = nn.LSTM(d, d, num_layers=2, batch_first=True), nn.Linear(d, 3)
+        self.from_state = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, (h, _) = self.rnn(x)
+        return self.proj(torch.tanh(h if self.from_state else out)).sum(0 if self.from_state else 1)
+
+
+def test_a_layer_on_a_recurrent_layers_state_in_place_of_its_output() -> None:
+    """The record's input came from the LSTM's output (batch on dim 0), the lean one's from its final state (batch
+    on dim 1), with equal shapes: the path names the output's batch dim, so the call does not match."""
+    model = OutOrState()
+
+    def before(k: int) -> None:
+        model.from_state = k >= 4
+
+    def make(k: int) -> Batch:
+        g = gen(k)
+        return (torch.randn(2, 2, 4, generator=g),), {}, torch.randint(0, 3, (2,), generator=g)
+
+    psm = wrapped(model)
+    found = run(model, make, 4, psm=psm)
+    model.from_state = True
+    try:
+        found += run(model, lambda k: make(k + 4), 4, psm=psm)
+    except BatchSizeError:
+        found += run(model, lambda k: make(k + 4), 4, psm=psm)  # (refused once, then followed: exact)
+    lean(found)

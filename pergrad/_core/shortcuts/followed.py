@@ -44,6 +44,7 @@ PATH = 64  # autograd nodes of a layer input's path that its signature names at 
 WALK = 10_000  # autograd nodes a lean forward's unmatched call walks at most to find the batch
 
 Kind = tuple[Any, ...]
+Outputs = dict[Any, tuple[str, int, int | None]]  # by autograd node: a layer call's key, the output's rank, batch dim
 Signature = tuple[Any, ...]
 
 
@@ -71,7 +72,7 @@ def kind_of(args: tuple[Any, ...], kwargs: dict[str, Any], size: int, dim: int, 
     )
 
 
-def signature(a: Any, output: Tensor, from_inputs: bool, outputs: dict[Any, tuple[str, int]]) -> Signature:
+def signature(a: Any, output: Tensor, from_inputs: bool, outputs: Outputs) -> Signature:
     """What a layer call of a lean forward must share with its record: its input's shape, strides and dtype,
     whether it is the call's own argument, the ops it was computed by since the outputs of earlier layer
     calls (``path``), and its output's shape and dtype."""
@@ -91,7 +92,7 @@ def told(a: Any, size: int, dim: int, from_inputs: bool) -> bool:
     return [j for j, n in enumerate(a.shape) if n == size] == [dim]
 
 
-def path(a: Tensor, outputs: dict[Any, tuple[str, int]]) -> tuple[Any, ...] | None:
+def path(a: Tensor, outputs: Outputs) -> tuple[Any, ...] | None:
     """The autograd nodes ``a`` was computed by, depth first from its own, down to the outputs of the forward's
     layer calls (``outputs``: by node, the call's key and the output's dims, named in their place) and the parameters: their types
     (a node met again: 0). ``x.transpose(0, 1)`` before a layer, a layer called on another layer's output, a skip
@@ -189,7 +190,7 @@ class Followed:
         self._kind, self.lean, self.recording = None, False, False
 
 
-def reaches(t: Tensor, nodes: dict[Any, tuple[str, int]]) -> bool:
+def reaches(t: Tensor, nodes: Outputs) -> bool:
     """Whether ``t``'s autograd history reaches one of ``nodes`` (within ``WALK`` nodes)."""
     start = t.grad_fn
     if start is None:
@@ -218,9 +219,10 @@ ELEMENTWISE = frozenset(
 )  # fmt: skip
 
 
-def elementwise_from_outputs(a: Tensor, outputs: dict[Any, tuple[str, int]]) -> bool:
-    """Whether ``a`` was computed from outputs of the forward's layer calls (of its rank) by elementwise ops
-    alone, with parameters as the other operands: then it has the batch where those outputs have it."""
+def elementwise_from_outputs(a: Tensor, outputs: Outputs, dim: int) -> bool:
+    """Whether ``a`` was computed from outputs of the forward's layer calls (of its rank, with the batch on
+    ``dim``: not a recurrent layer's ``h_n [layers, B, H]``) by elementwise ops alone, with parameters as the
+    other operands: then it has the batch on ``dim``, where those outputs have it."""
     start = a.grad_fn
     if start is None:
         return False
@@ -231,7 +233,7 @@ def elementwise_from_outputs(a: Tensor, outputs: dict[Any, tuple[str, int]]) -> 
         node = stack.pop()
         found = outputs.get(node)
         if found is not None:
-            if found[1] != a.dim():
+            if found[1] != a.dim() or found[2] != dim:
                 return False
             reached = True
             continue
