@@ -844,3 +844,40 @@ def test_a_layer_on_a_recurrent_layers_state_in_place_of_its_output() -> None:
     except BatchSizeError:
         found += run(model, lambda k: make(k + 4), 4, psm=psm)  # (refused once, then followed: exact)
     lean(found)
+
+
+class Parametrized(nn.Module):
+    """Weight norm (a parametrization) on the first layer, the embedding tied to the output layer."""
+
+    def __init__(self, d: int = 4, vocab: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(18)
+        self.emb = nn.Embedding(vocab, d)
+        self.mid = nn.utils.parametrizations.weight_norm(nn.Linear(d, d))
+        self.out = nn.Linear(d, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.mid(self.emb(ids)))).mean(1)
+
+
+@pytest.mark.parametrize("t", [4, 5])
+def test_weight_norm_and_tied_embeddings(t: int) -> None:
+    def make(k: int) -> Batch:
+        g = gen(k)
+        return (torch.randint(0, 6, (4, t), generator=g),), {}, torch.randint(0, 6, (4,), generator=g)
+
+    run(Parametrized(), make, 7, norms=True, keep_grad_sample=True, track_norms=True)
+
+
+@pytest.mark.parametrize("t", [4, 5])
+def test_inputs_cut_from_batches_padded_to_other_widths(t: int) -> None:
+    """The loop cuts each batch to its longest sample (``x[:, :T]`` of a batch padded to another width each step):
+    the model's argument has the same shape every step and other strides (a view)."""
+
+    def make(k: int) -> Batch:
+        g = gen(k)
+        width = t + (2 if k in (4, 6) else 0)  # wider batches from step 4 on, now and then
+        return (torch.randn(4, width, 4, generator=g)[:, :t],), {}, torch.randint(0, 3, (4,), generator=g)
+
+    lean(run(Blocks(), make, 9))

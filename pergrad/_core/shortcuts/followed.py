@@ -49,8 +49,9 @@ Signature = tuple[Any, ...]
 
 
 def kind_of(args: tuple[Any, ...], kwargs: dict[str, Any], size: int, dim: int, training: bool) -> Kind:
-    """What a lean forward must share with the followed ones: its tensor arguments' shapes, dtypes, devices and
-    ``requires_grad``, its other arguments (a scalar by value, anything else by type), their structure,
+    """What a lean forward must share with the followed ones: its tensor arguments' shapes, strides (``x[:, :T]``
+    of a wider batch is another layout of the same shape), dtypes, devices and ``requires_grad``, its other
+    arguments (a scalar by value, anything else by type), their structure,
     the batch, the model's training mode and autocast."""
     if not kwargs and all(isinstance(a, Tensor) for a in args):  # the common call, without pytree's walk
         leaves: list[Any] = list(args)
@@ -64,7 +65,7 @@ def kind_of(args: tuple[Any, ...], kwargs: dict[str, Any], size: int, dim: int, 
         training,
         torch.is_autocast_enabled(),
         *(
-            (tuple(x.shape), x.dtype, x.device, x.requires_grad)
+            (tuple(x.shape), x.stride() if x.layout == torch.strided else None, x.dtype, x.device, x.requires_grad)
             if isinstance(x, Tensor)
             else (x if isinstance(x, bool | int | float | str | None) else type(x))
             for x in leaves
