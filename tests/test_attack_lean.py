@@ -881,3 +881,53 @@ def test_inputs_cut_from_batches_padded_to_other_widths(t: int) -> None:
         return (torch.randn(4, width, 4, generator=g)[:, :t],), {}, torch.randint(0, 3, (4,), generator=g)
 
     lean(run(Blocks(), make, 9))
+
+
+class Positions(nn.Module):
+    """Position ids from the attention mask where a batch is padded (``mask.cumsum(1) - 1``, each sample's own),
+    else ``arange(T)`` expanded over the batch (shared): a data-dependent branch of the user's."""
+
+    def __init__(self, d: int = 4, vocab: int = 7) -> None:
+        super().__init__()
+        torch.manual_seed(19)
+        self.tok, self.pos, self.head = nn.Embedding(vocab, d), nn.Embedding(8, d), nn.Linear(d, 3)
+
+    def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
+        if bool((mask == 0).any()):
+            pos = (mask.cumsum(1) - 1).clamp(min=0)
+        else:
+            pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        h = (self.tok(ids) + self.pos(pos)) * mask.unsqueeze(-1)
+        return self.head(torch.tanh(h).sum(1))
+
+
+@pytest.mark.parametrize(
+    "t",
+    [
+        4,  # (T == B: position ids computed without autograd history, [B, T]: the kind stays followed)
+        pytest.param(
+            5,
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=BatchSizeError,
+                reason="false error: the first batch without padding after lean forwards looks positions up with "
+                "arange(T).expand(B, T), a branch new to the records (stride 0); shared, without autograd history, "
+                "it cannot be answered without following and the lean forward raises BatchSizeError (every forward "
+                "followed is exact)",
+            ),
+        ),
+    ],
+)
+def test_position_ids_from_the_mask_or_shared(t: int) -> None:
+    """Padded batches first (the kind runs lean on batched position ids), then one without padding (shared ones)."""
+
+    def make(k: int) -> Batch:
+        g = gen(k)
+        ids = torch.randint(1, 7, (4, t), generator=g)
+        mask = torch.ones(4, t, dtype=torch.long)
+        if k not in (4, 6):
+            mask[1, -1] = mask[3, -2:] = 0
+        return (ids, mask), {}, torch.randint(0, 3, (4,), generator=g)
+
+    found = run(Positions(), make, 8)
+    assert FOLLOWED or not any(found)
