@@ -5,7 +5,7 @@ a check of each layer call.
 layer call, where the batch is in the layer's input and whether the input carries it at all. In the
 steady state of training the answers repeat: the same model, called with arguments of the same shapes,
 calls the same layers on inputs of the same shapes computed the same way. So the forwards of one *kind*
-(``kind_of``: the shapes, dtypes and devices of the call's tensor arguments, its other arguments, the
+(``kind_of``: the shapes, strides, dtypes and devices of the call's tensor arguments, its other arguments, the
 batch, the model's training mode, autocast) are followed until two in a row were *plain* and alike, and
 then run *lean*: without the mode, each layer call checked against the record (``signature``: the
 input's and output's shapes, dtype, the autograd node that made the input, whether it is the call's own
@@ -13,7 +13,8 @@ argument), with the answers the record had.
 
 A forward is plain where every layer call took its input batched on the wrapper's batch dim: nothing
 shared by the batch (no ``Shared`` tensor, no raw parameter), no batch moved to another dim or lost,
-no ``PackedSequence``, no segment that checkpointing computes again, no nested call of the model. Those
+no ``PackedSequence``, no segment that checkpointing computes again, no nested call of the model, and every
+call's signature telling its path (``told``; a ``path`` not cut short at ``PATH`` nodes). Those
 forwards keep being followed, as do the kinds whose two first followed forwards differ (a layer skipped at
 random, a branch on the data) and the kinds past ``KINDS``.
 
