@@ -36,7 +36,16 @@ from pergrad._core.capture.dims import LOST, carries
 from pergrad._core.capture.parametrized import Capture, Computed, parametrizations_of, sites
 from pergrad._core.memory.layout import batch_to_front
 from pergrad._core.shortcuts.detach import anchor_output
-from pergrad._core.shortcuts.followed import Followed, Lean, elementwise_from_outputs, kind_of, reaches, signature
+from pergrad._core.shortcuts.followed import (
+    Followed,
+    Lean,
+    Outputs,
+    elementwise_from_outputs,
+    kind_of,
+    reaches,
+    signature,
+    told,
+)
 from pergrad._core.shortcuts.shared import (
     SEEN,
     BatchInfo,
@@ -431,8 +440,8 @@ class LayerHooks:
         # of the running forwards of the model (nested calls: several); a lean forward's mode is a ``Lean``
         self._provenance: list[Provenance | Lean] = []
         self.followed = Followed(off=not lean)  # which forwards are followed (``pergrad._core.shortcuts.followed``)
-        # the autograd nodes of the running forward's calls' outputs: their keys and dims
-        self._outputs: dict[Any, tuple[str, int]] = {}
+        # the autograd nodes of the running forward's calls' outputs: their keys, ranks and batch dims
+        self._outputs: Outputs = {}
         self._root_done = model.register_forward_hook(ModuleHook(self, self._forward_done), always_call=True)
         self._handles: list[RemovableHandle] = []
         # per layer, the dims its calls in the running forward had the batch on (LOST: not followed), for the
@@ -880,6 +889,8 @@ class LayerHooks:
                 group = None if all_inputs else classify(a, output, dim, self.batch, layer.label)
                 if self.followed.recording:
                     plain = group is None and dim == batch_dim and packed_batch is None
+                    own = isinstance(first, Tensor) and self.batch.from_inputs(first)
+                    plain = plain and told(first, self.batch.size, dim, own)
                     self.followed.note(self._next_key(name), self._signature(first, output), plain)
                 if group is not None:
                     assert isinstance(a, Tensor)
@@ -913,9 +924,10 @@ class LayerHooks:
             if self.batch is not None and packed_batch is None:
                 _place_outputs(returned if every else output, dims if every else (dim,), batch_size)
             if self.followed.recording or self.followed.lean:
-                for t in output_tensors(returned) if every else (output,):
+                outs = zip(output_tensors(returned), dims, strict=False) if every else ((output, dim),)
+                for t, at in outs:
                     if t.grad_fn is not None:
-                        self._outputs[t.grad_fn] = (kept.key, t.dim())
+                        self._outputs[t.grad_fn] = (kept.key, t.dim(), at)
             if isinstance(a, LayerCall) and a.output_dims:  # the rule takes every output's gradient
                 _catch_outputs(kept, returned, (args, kwargs), on_output_grad)
                 return None
@@ -1018,7 +1030,7 @@ class LayerHooks:
             if dim in fits and output.dim() > dim and output.shape[dim] == size:
                 alone = fits == [dim]
                 if (alone and (batch.from_inputs(a) or reaches(a, self._outputs))) or elementwise_from_outputs(
-                    a, self._outputs
+                    a, self._outputs, dim
                 ):
                     self.followed.unmatched()
                     return

@@ -5,7 +5,7 @@ a check of each layer call.
 layer call, where the batch is in the layer's input and whether the input carries it at all. In the
 steady state of training the answers repeat: the same model, called with arguments of the same shapes,
 calls the same layers on inputs of the same shapes computed the same way. So the forwards of one *kind*
-(``kind_of``: the shapes, dtypes and devices of the call's tensor arguments, its other arguments, the
+(``kind_of``: the shapes, strides, dtypes and devices of the call's tensor arguments, its other arguments, the
 batch, the model's training mode, autocast) are followed until two in a row were *plain* and alike, and
 then run *lean*: without the mode, each layer call checked against the record (``signature``: the
 input's and output's shapes, dtype, the autograd node that made the input, whether it is the call's own
@@ -13,7 +13,8 @@ argument), with the answers the record had.
 
 A forward is plain where every layer call took its input batched on the wrapper's batch dim: nothing
 shared by the batch (no ``Shared`` tensor, no raw parameter), no batch moved to another dim or lost,
-no ``PackedSequence``, no segment that checkpointing computes again, no nested call of the model. Those
+no ``PackedSequence``, no segment that checkpointing computes again, no nested call of the model, and every
+call's signature telling its path (``told``; a ``path`` not cut short at ``PATH`` nodes). Those
 forwards keep being followed, as do the kinds whose two first followed forwards differ (a layer skipped at
 random, a branch on the data) and the kinds past ``KINDS``.
 
@@ -44,12 +45,14 @@ PATH = 64  # autograd nodes of a layer input's path that its signature names at 
 WALK = 10_000  # autograd nodes a lean forward's unmatched call walks at most to find the batch
 
 Kind = tuple[Any, ...]
+Outputs = dict[Any, tuple[str, int, int | None]]  # by autograd node: a layer call's key, the output's rank, batch dim
 Signature = tuple[Any, ...]
 
 
 def kind_of(args: tuple[Any, ...], kwargs: dict[str, Any], size: int, dim: int, training: bool) -> Kind:
-    """What a lean forward must share with the followed ones: its tensor arguments' shapes, dtypes, devices and
-    ``requires_grad``, its other arguments (a scalar by value, anything else by type), their structure,
+    """What a lean forward must share with the followed ones: its tensor arguments' shapes, strides (``x[:, :T]``
+    of a wider batch is another layout of the same shape), dtypes, devices and ``requires_grad``, its other
+    arguments (a scalar by value, anything else by type), their structure,
     the batch, the model's training mode and autocast."""
     if not kwargs and all(isinstance(a, Tensor) for a in args):  # the common call, without pytree's walk
         leaves: list[Any] = list(args)
@@ -63,7 +66,7 @@ def kind_of(args: tuple[Any, ...], kwargs: dict[str, Any], size: int, dim: int, 
         training,
         torch.is_autocast_enabled(),
         *(
-            (tuple(x.shape), x.dtype, x.device, x.requires_grad)
+            (tuple(x.shape), x.stride() if x.layout == torch.strided else None, x.dtype, x.device, x.requires_grad)
             if isinstance(x, Tensor)
             else (x if isinstance(x, bool | int | float | str | None) else type(x))
             for x in leaves
@@ -71,7 +74,7 @@ def kind_of(args: tuple[Any, ...], kwargs: dict[str, Any], size: int, dim: int, 
     )
 
 
-def signature(a: Any, output: Tensor, from_inputs: bool, outputs: dict[Any, tuple[str, int]]) -> Signature:
+def signature(a: Any, output: Tensor, from_inputs: bool, outputs: Outputs) -> Signature:
     """What a layer call of a lean forward must share with its record: its input's shape, strides and dtype,
     whether it is the call's own argument, the ops it was computed by since the outputs of earlier layer
     calls (``path``), and its output's shape and dtype."""
@@ -80,11 +83,23 @@ def signature(a: Any, output: Tensor, from_inputs: bool, outputs: dict[Any, tupl
     return (tuple(a.shape), a.stride(), a.dtype, from_inputs, path(a, outputs), tuple(output.shape), output.dtype)
 
 
-def path(a: Tensor, outputs: dict[Any, tuple[str, int]]) -> tuple[Any, ...]:
+def told(a: Any, size: int, dim: int, from_inputs: bool) -> bool:
+    """Whether a layer input's ``signature`` tells where its batch is: ``a`` has an autograd history (its
+    ``path``), or it is the call's own argument, or its only dim of the batch's ``size`` is ``dim``. An input
+    computed inside the forward without autograd history (``x - x.mean()`` of an input that needs no gradient)
+    has no path, and with T == B ``h.transpose(0, 1).contiguous()`` has ``h``'s shape and strides: a followed
+    call on such an input is not plain."""
+    if not isinstance(a, Tensor) or a.grad_fn is not None or from_inputs:
+        return True
+    return [j for j, n in enumerate(a.shape) if n == size] == [dim]
+
+
+def path(a: Tensor, outputs: Outputs) -> tuple[Any, ...] | None:
     """The autograd nodes ``a`` was computed by, depth first from its own, down to the outputs of the forward's
     layer calls (``outputs``: by node, the call's key and the output's dims, named in their place) and the parameters: their types
-    (a node met again: 0), at most ``PATH`` of them. ``x.transpose(0, 1)`` before a layer, a layer called on
-    another layer's output, a skip connection: each changes it."""
+    (a node met again: 0). ``x.transpose(0, 1)`` before a layer, a layer called on another layer's output, a skip
+    connection: each changes it. None where there are more than ``PATH`` of them: a path cut short cannot tell
+    apart two that differ past its end (a transpose under a long loop of ops), so such a call is not plain."""
     start = a.grad_fn
     if start is None:
         return ()
@@ -105,7 +120,7 @@ def path(a: Tensor, outputs: dict[Any, tuple[str, int]]) -> tuple[Any, ...]:
             else:
                 seen.add(nxt)
                 stack.append(nxt)
-    return (*found, len(stack))
+    return None if stack else tuple(found)
 
 
 @dataclass
@@ -136,9 +151,10 @@ class Followed:
         return self.lean
 
     def note(self, key: str, sig: Signature, plain: bool) -> None:
-        """A layer call of a followed forward: its signature, and whether its answers were the plain ones."""
+        """A layer call of a followed forward: its signature, and whether its answers were the plain ones (a
+        signature whose ``path`` was cut short does not tell the call's path: not plain)."""
         self._notes[key] = sig
-        self._plain = self._plain and plain
+        self._plain = self._plain and plain and not (len(sig) > 4 and sig[4] is None)
 
     def not_plain(self) -> None:
         """The running forward is not plain (see the module docstring)."""
@@ -176,7 +192,7 @@ class Followed:
         self._kind, self.lean, self.recording = None, False, False
 
 
-def reaches(t: Tensor, nodes: dict[Any, tuple[str, int]]) -> bool:
+def reaches(t: Tensor, nodes: Outputs) -> bool:
     """Whether ``t``'s autograd history reaches one of ``nodes`` (within ``WALK`` nodes)."""
     start = t.grad_fn
     if start is None:
@@ -205,9 +221,10 @@ ELEMENTWISE = frozenset(
 )  # fmt: skip
 
 
-def elementwise_from_outputs(a: Tensor, outputs: dict[Any, tuple[str, int]]) -> bool:
-    """Whether ``a`` was computed from outputs of the forward's layer calls (of its rank) by elementwise ops
-    alone, with parameters as the other operands: then it has the batch where those outputs have it."""
+def elementwise_from_outputs(a: Tensor, outputs: Outputs, dim: int) -> bool:
+    """Whether ``a`` was computed from outputs of the forward's layer calls (of its rank, with the batch on
+    ``dim``: not a recurrent layer's ``h_n [layers, B, H]``) by elementwise ops alone, with parameters as the
+    other operands: then it has the batch on ``dim``, where those outputs have it."""
     start = a.grad_fn
     if start is None:
         return False
@@ -218,7 +235,7 @@ def elementwise_from_outputs(a: Tensor, outputs: dict[Any, tuple[str, int]]) -> 
         node = stack.pop()
         found = outputs.get(node)
         if found is not None:
-            if found[1] != a.dim():
+            if found[1] != a.dim() or found[2] != dim:
                 return False
             reached = True
             continue
