@@ -156,19 +156,19 @@ def pergrad_for(model: Any, kind: str) -> Any:
       the whole model at ``CLIP_NORM``; ``stats``: every statistic; ``stats_trace``: ``trace_variance``;
     - ``penalty``: ``grad_sample`` (for a penalty built from it); ``penalty_norms``: the per-sample
       norms without materialising (a penalty built from ``per_sample_norms()``);
-    - ``..._followed``: the same, every forward followed op by op (``lean_forwards=False``).
+    - ``..._lean``: the same, with lean forwards (``lean_forwards=True``).
     """
     from pergrad import PerSampleModule, transforms
 
-    followed = kind.endswith("_followed")
-    kind = kind.removesuffix("_followed")
+    lean = kind.endswith("_lean")
+    kind = kind.removesuffix("_lean")
     stats: bool | set[str] = {"trace_variance"} if kind == "stats_trace" else kind == "stats"
     psm = PerSampleModule(
         model,
         keep_grad_sample=kind in ("materialise", "penalty"),
         track_norms=kind in ("norms", "penalty_norms"),
         track_statistics=stats,
-        lean_forwards=not followed,
+        lean_forwards=lean,
     )
     if kind == "clip":
         psm.register_transform(model, transforms.clip_norm(CLIP_NORM))
@@ -277,7 +277,7 @@ def setup(
 
     if method.startswith("pergrad"):
         psm = pergrad_for(model, method.removeprefix("pergrad").lstrip("_") or "materialise")
-        kind = method.removeprefix("pergrad").lstrip("_").removesuffix("_followed") or "materialise"
+        kind = method.removeprefix("pergrad").lstrip("_").removesuffix("_lean") or "materialise"
         box = {}
 
         def step() -> None:

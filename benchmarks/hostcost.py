@@ -44,11 +44,11 @@ import transformer  # noqa: E402
 METHODS = {
     "plain": "plain",
     "hooks only": "pergrad_hooks",
-    "hooks, every forward followed": "pergrad_hooks_followed",
+    "hooks, lean forwards": "pergrad_hooks_lean",
     "grad_sample": "pergrad",
     "fused norms": "pergrad_norms",
     "fused clip": "pergrad_clip",
-    "fused clip, every forward followed": "pergrad_clip_followed",
+    "fused clip, lean forwards": "pergrad_clip_lean",
     "project kron": "pergrad_project_kron",
     "Opacus hooks": "opacus_hooks",
     "Opacus ghost clip": "opacus_ghost_clip",

@@ -143,8 +143,9 @@ def traced(fn: Callable[[], None], root: Path) -> tuple[set[CodeType], set[tuple
     return codes, lines, generated
 
 
-def trace_step(model: str, warmup: int = 3) -> dict[str, Any]:
-    """The report of one clipped step of ``model`` after ``warmup`` steps (see the module docstring)."""
+def trace_step(model: str, warmup: int = 3, lean: bool = False) -> dict[str, Any]:
+    """The report of one clipped step of ``model`` after ``warmup`` steps (see the module docstring); ``lean``:
+    with ``lean_forwards=True``."""
     import torch
     import torch.nn.functional as F
 
@@ -153,7 +154,7 @@ def trace_step(model: str, warmup: int = 3) -> dict[str, Any]:
 
     net, x, y = build(model)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    psm = PerSampleModule(net, keep_grad_sample=False)
+    psm = PerSampleModule(net, keep_grad_sample=False, lean_forwards=lean)
     psm.register_transform(net, transforms.clip_norm(1.0))
 
     def step() -> None:
@@ -237,13 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--show-functions", action="store_true", help="list every function, not only the features'")
+    parser.add_argument("--lean", action="store_true", help="with lean_forwards=True")
     for what in ("lines", "modules", "types", "feature-lines"):
         parser.add_argument(f"--budget-{what}", type=int, default=None, help=f"exit 1 where a model's {what} exceed it")
     parser.add_argument("--json", type=Path, default=HERE / "results" / "trace_step.json")
     args = parser.parse_args(argv)
     import torch
 
-    results = [trace_step(m, args.warmup) for m in args.model]
+    results = [trace_step(m, args.warmup, args.lean) for m in args.model]
     for r in results:
         print(report(r, args.show_functions))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)

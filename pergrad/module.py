@@ -105,10 +105,13 @@ class PerSampleModule:
             the graph); pass False if you need that.
         lean_forwards: once two forwards of one kind (the same argument shapes, batch, training mode and
             autocast) were followed op by op (where the batch is in each layer's input) and alike, run the
-            later ones without following, each layer call checked against their record; a call that matches
-            none is answered where its input settles it, or refused (``docs/how-it-works.md``, "followed /
-            lean forward"). False follows every forward: for a model whose forward moves the batch to
-            another dim of the same size depending on the data, by the same kinds of ops either way.
+            later ones without following, each layer call checked against their record (less host time per
+            step: ``benchmarks/hostcost.py``). Off by default: a lean forward that takes a path the followed
+            ones did not take (a branch on the step or the data, an auxiliary head on some steps) is answered
+            only where the call's input settles where the batch is, and else refused with a
+            ``BatchSizeError`` (every forward is followed after it); and a forward that moves the batch to
+            another dim of the same size depending on the data, by the same kinds of ops either way, is
+            answered as the followed ones were. See ``docs/how-it-works.md``, "followed / lean forward".
         grad_scaler: the ``torch.amp.GradScaler`` whose ``scaler.scale(loss)`` the backward passes
             run on (mixed precision). Its scale is read, as a tensor, at each backward; the
             transforms see the per-sample gradients of the samples' own (unscaled) losses, so a
@@ -146,7 +149,7 @@ class PerSampleModule:
         fallback: bool = False,
         rules: RuleRegistry | None = None,
         detach_transformed: bool = True,
-        lean_forwards: bool = True,
+        lean_forwards: bool = False,
         grad_scaler: GradScalerLike = None,
         loss_scale: LossScaleLike = None,
     ) -> None:

@@ -58,8 +58,7 @@ def one_at_a_time(model: nn.Module, batch: Batch, loss: Loss, dim: int = 0) -> d
 
 
 def wrapped(model: nn.Module, **options: Any) -> PerSampleModule:
-    psm = PerSampleModule(model, **{"keep_grad_sample": False, **options})
-    psm._hooks.followed.off = FOLLOWED  # (True: the old behaviour, every forward followed)
+    psm = PerSampleModule(model, **{"keep_grad_sample": False, "lean_forwards": not FOLLOWED, **options})
     psm.register_transform(model, transforms.clip_norm(BOUND))
     return psm
 

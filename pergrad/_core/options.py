@@ -24,7 +24,7 @@ class Options:
     verify: bool = True
     fallback: bool = False
     detach_transformed: bool = True
-    lean_forwards: bool = True
+    lean_forwards: bool = False
 
     def __post_init__(self) -> None:
         for arg, value in (("loss_reduction", self.loss_reduction), ("reduction", self.reduction)):

@@ -405,7 +405,7 @@ class LayerHooks:
         may_tap: Callable[[HookedLayer], bool] | None = None,
         on_model_returned: Callable[[], None] | None = None,
         on_failed: Callable[[], None] | None = None,
-        lean: bool = True,
+        lean: bool = False,
     ) -> None:
         self._model = model
         self._on_recompute = on_recompute
@@ -666,12 +666,13 @@ class LayerHooks:
         if self._in_model > 1:
             self.followed.off = True  # a call of the model inside its own forward: followed from now on
         packed = [t for t in tensors if isinstance(t, PackedSequence)]
-        kind = None if packed or self.followed.off else kind_of(args, kwargs, size, dim, self._model.training)
-        if self.followed.start(kind):
-            lean = Lean()
-            lean.__enter__()
-            self._provenance.append(lean)
-            return
+        if not self.followed.off:  # (``lean_forwards=True``)
+            kind = None if packed else kind_of(args, kwargs, size, dim, self._model.training)
+            if self.followed.start(kind):
+                lean = Lean()
+                lean.__enter__()
+                self._provenance.append(lean)
+                return
         seeds = [(t, dim) for t in tensors if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == size]
         seeds += [(t.data, LOST) for t in packed if int(t.batch_sizes[0]) == size]
         seen = [t for t in tensors if isinstance(t, Tensor)]
@@ -693,7 +694,7 @@ class LayerHooks:
         """A forward starts (a call of the model, or a direct call of its layers): its generation, and
         its batch read from the call's arguments."""
         self.generation += 1
-        self.followed.start(None)
+        self.followed.lean = self.followed.recording = False
         self._outputs.clear()
         self._calls.clear()
         self._placed.clear()
@@ -1021,7 +1022,8 @@ class LayerHooks:
         """A call of a lean forward (``pergrad._core.shortcuts.followed``) without a record: answered as batched on
         ``dim`` where its input ``a`` settles it (``a`` and ``output`` have the batch's size on ``dim``, and ``a``
         was computed from outputs of this forward's calls by elementwise ops alone; or it is the call's own
-        argument or computed from such an output, with the batch's size on ``dim`` alone), else refused."""
+        argument or computed from such an output, with the batch's size on ``dim`` alone, or a batch of one),
+        else refused."""
         batch = self.batch
         assert batch is not None
         size = batch.size
@@ -1029,8 +1031,10 @@ class LayerHooks:
             fits = [j for j, n in enumerate(a.shape) if n == size]
             if dim in fits and output.dim() > dim and output.shape[dim] == size:
                 alone = fits == [dim]
-                if (alone and (batch.from_inputs(a) or reaches(a, self._outputs))) or elementwise_from_outputs(
-                    a, self._outputs, dim
+                if (
+                    size == 1  # one sample: its gradient is the batch's, batched or shared, on any dim of size 1
+                    or (alone and (batch.from_inputs(a) or reaches(a, self._outputs)))
+                    or elementwise_from_outputs(a, self._outputs, dim)
                 ):
                     self.followed.unmatched()
                     return
@@ -1175,7 +1179,8 @@ class LayerHooks:
                 holder._parameters[name] = p  # type: ignore[assignment]
 
     def _model_returned(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        self.followed.returned()
+        if self.followed.recording:
+            self.followed.returned()
         if self.batch is not None and self._graph_unchecked:  # the first forward that builds a graph
             self._graph_unchecked = False
             refuse_batch_statistics(output_tensors(output))
