@@ -251,7 +251,25 @@ def elementwise_from_outputs(a: Tensor, outputs: Outputs, dim: int) -> bool:
     return reached
 
 
-class Lean(TorchFunctionMode):
+class Stepped(TorchFunctionMode):
+    """A torch function mode of pergrad's, which pergrad's own work in a layer's hook steps aside from."""
+
+    def aside(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` with this mode off the stack of torch function modes (it must be on top): pergrad's own
+        work in a hook of a layer, whose ops would otherwise each pass through the mode."""
+        torch._C._pop_torch_function_stack()
+        try:
+            return fn(*args)
+        finally:
+            torch._C._push_on_torch_function_stack(self)
+
+    def on_top(self) -> bool:
+        """Whether this mode is the innermost torch function mode (no other entered inside it)."""
+        stack = torch._C._len_torch_function_stack()
+        return bool(stack) and torch._C._get_function_stack_at(stack - 1) is self
+
+
+class Lean(Stepped):
     """The mode of a lean forward: it follows nothing. It keeps a compiled model's forward running eagerly,
     as under ``Provenance``, so a lean forward runs the same code (and makes the same autograd nodes) as the
     followed ones it is checked against."""
@@ -263,19 +281,6 @@ class Lean(TorchFunctionMode):
         if _dynamo_callback() is not None:  # called from code Dynamo compiled: nothing called from here may be
             return _without_dynamo(func, *args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
-
-    def aside(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` with this mode off the stack (it must be on top): pergrad's own work in a layer's hook."""
-        torch._C._pop_torch_function_stack()
-        try:
-            return fn(*args)
-        finally:
-            torch._C._push_on_torch_function_stack(self)
-
-    def on_top(self) -> bool:
-        """Whether this mode is the innermost torch function mode."""
-        stack = torch._C._len_torch_function_stack()
-        return bool(stack) and torch._C._get_function_stack_at(stack - 1) is self
 
 
 _dynamo_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback  # (torch is pinned: a private name)

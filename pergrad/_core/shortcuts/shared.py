@@ -67,10 +67,10 @@ from torch._C import DisableTorchFunctionSubclass
 from torch._dynamo.decorators import skip
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.utils.rnn import PackedSequence
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
 from pergrad._core.capture.dims import LOST, attribute_dim, carries, folded, result_dims, torch_functions, written
+from pergrad._core.shortcuts.followed import Stepped
 from pergrad.errors import EAGER, BatchSizeError, SharedInputError
 
 
@@ -760,7 +760,7 @@ SEEN = -2  # ``Provenance.where``: seen computed in the forward, without the bat
 UNSEEN = -3  # ``Provenance.where``: never seen (held before the call, or computed by code the mode does not see)
 
 
-class Provenance(TorchFunctionMode):
+class Provenance(Stepped):
     """Which tensors of one forward of the model carry the batch, by where they came from, and on which dim.
 
     The model's tensor arguments with the batch on the batch dim carry it, and so does every tensor
@@ -772,6 +772,9 @@ class Provenance(TorchFunctionMode):
     those alone do not, whatever their size. Where an op moves the batch to another dim
     (``x.transpose(0, 1)``), ``pergrad._core.capture.dims`` follows it. Active (a ``TorchFunctionMode``, so every
     torch op is seen) for the model's forward only; tensors are held by weak reference.
+
+    pergrad's own work in a layer's hook runs aside from it (``Stepped.aside``): what that work returns into
+    the forward is marked by hand (``mark``).
 
     Code whose ops the mode does not see (TorchScript) makes tensors it never saw: ``where`` says so.
     Dynamo never traces it: a compiled model's forward runs eagerly under it, so no op is hidden from it."""
@@ -894,21 +897,6 @@ class Provenance(TorchFunctionMode):
         base = target._base
         if base is not None and not carries(self._own(base)):
             self.mark(base, dim if base.shape == target.shape else LOST, name)
-
-    def aside(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` with this mode off the stack of torch function modes (it must be on top):
-        pergrad's own work in a hook of a layer, whose ops would otherwise each pass through the mode.
-        What such work returns into the forward must be marked by hand (``mark``)."""
-        torch._C._pop_torch_function_stack()
-        try:
-            return fn(*args)
-        finally:
-            torch._C._push_on_torch_function_stack(self)
-
-    def on_top(self) -> bool:
-        """Whether this mode is the innermost torch function mode (no other entered inside it)."""
-        stack = torch._C._len_torch_function_stack()
-        return bool(stack) and torch._C._get_function_stack_at(stack - 1) is self
 
     def __enter__(self) -> Provenance:
         super().__enter__()
