@@ -314,8 +314,9 @@ def test_transformed_grad_accumulates_over_micro_batches(keep: bool) -> None:
 @pytest.mark.parametrize("detach", [False, True])
 def test_output_gradients_no_one_reads_are_not_kept_to_the_end(detach: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """With only the head clipped, the other layers' output gradients are not needed at the end of
-    the backward (after the first one, whose check reads them all): pergrad lets them go at once
-    instead of holding every layer's ``d`` until the end. ``.grad`` stays exact on every step."""
+    the backward: pergrad lets them go at once instead of holding every layer's ``d`` until the end. The
+    first backward's check reads them all, each as its parameters' ``AccumulateGrad`` runs, and lets them go
+    then. ``.grad`` stays exact on every step."""
     from pergrad._core.backward import sources
 
     seen: list[list[str]] = []
@@ -330,7 +331,9 @@ def test_output_gradients_no_one_reads_are_not_kept_to_the_end(detach: bool, mon
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3)).double()
     psm = PerSampleModule(model, keep_grad_sample=False, detach_transformed=detach)
     psm.register_transform("4", transforms.clip_norm(0.2))
+    steps: list[list[list[str]]] = []
     for step, b in enumerate([4, 6, 3]):
+        seen.clear()
         x, y = torch.randn(b, 5, dtype=torch.float64), torch.randint(0, 3, (b,))
         ref = reference_grad_sample(model, x, y, loss=nn.functional.cross_entropy)
         psm.zero_grad()
@@ -340,5 +343,7 @@ def test_output_gradients_no_one_reads_are_not_kept_to_the_end(detach: bool, mon
         for name, p in model.named_parameters():
             g = ref[name] * factors.view(-1, *[1] * (ref[name].dim() - 1)) if name.startswith("4.") else ref[name]
             assert_close(p.grad, g.mean(0), f"step {step}: .grad of {name}")
-    assert seen[0] == ["4", "2", "0"]  # the first backward checks every layer
-    assert seen[1:] == [["4"], ["4"]]
+        steps.append(list(seen))
+    assert steps[0][-1] == ["4"]  # the end of the first backward: only what a consumer reads
+    assert {name for calls in steps[0][:-1] for name in calls} == {"4", "2", "0"}  # its check read every layer
+    assert steps[1:] == [[["4"]], [["4"]]]

@@ -410,3 +410,52 @@ def test_a_second_backward_through_a_freed_graph_is_refused() -> None:
                 assert_close(p.grad_sample, 2 * once[n], n)
             with pytest.raises(HookStateError, match=r"layer '2' \(Linear\).*Pass retain_graph=True"):
                 out.sum().backward()  # (sum's node saves nothing: the first node it reaches is the layer's)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "head clipped"])
+def test_the_first_backwards_check_lets_go_of_each_layer_once_it_agreed(mode: str) -> None:
+    """The first backward's check compares each parameter's summed per-sample gradients with autograd's
+    as its ``AccumulateGrad`` runs, so a layer's ``(a, d)`` that no consumer reads is let go as the backward
+    moves on, as autograd lets go of what it saved, instead of every layer's being held to the end (which
+    doubled the first step's peak memory). Read when the input's gradient arrives, at the end of the graph:
+    no later layer's input is alive but the one a transform reads, on the first step and later ones;
+    ``.grad`` exact on each."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(6, 6), nn.Tanh())], nn.Linear(6, 3)).double()
+    psm = PerSampleModule(model, keep_grad_sample=False)
+    if mode == "head clipped":
+        psm.register_transform("8", transforms.clip_norm(0.3))
+    inputs: list[weakref.ref[torch.Tensor]] = []
+    for layer in list(model)[2::2]:
+        layer.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0])))
+    for step, b in enumerate([5, 3, 5]):
+        x, y = torch.randn(b, 6, dtype=torch.float64), torch.randint(0, 3, (b,))
+        ref = reference_grad_sample(model, x.detach(), y, loss=nn.functional.cross_entropy)
+        head = {k: g for k, g in ref.items() if k.startswith("8.")} if mode == "head clipped" else {}
+        expected = {k: g.mean(0) for k, g in ref.items()} | (expected_grads(head, 0.3) if head else {})
+        inputs.clear()
+        alive: list[int] = []
+
+        def read(g: torch.Tensor, alive: list[int] = alive) -> None:
+            alive.extend(i for i, ref in enumerate(inputs) if ref() is not None)
+
+        x.requires_grad_(True)
+        x.register_hook(read)
+        psm.zero_grad()
+        nn.functional.cross_entropy(psm(x), y).backward()
+        kept = [3] if mode == "head clipped" else []  # the clipped head's, which its transform reads at the end
+        assert alive == kept, f"step {step}: the inputs of layers {alive} were alive at the end of the backward"
+        for name, p in model.named_parameters():
+            assert_close(p.grad, expected[name], f"step {step}: {name}")
+
+
+def test_the_first_backwards_check_as_it_runs_still_refuses_a_regulariser() -> None:
+    """A term of the loss that uses a weight directly: its layer's sums disagree when its ``AccumulateGrad``
+    runs, and the first backward refuses it at its end, naming the parameter."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    psm = PerSampleModule(model, keep_grad_sample=False)
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+    loss = nn.functional.cross_entropy(psm(x), y) + 0.1 * model[0].weight.square().sum()
+    with pytest.raises(HookStateError, match=r"parameter '0\.weight': its gradient has a part that no hooked layer"):
+        loss.backward()

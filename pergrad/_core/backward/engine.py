@@ -47,10 +47,19 @@ from torch.utils.hooks import RemovableHandle
 from pergrad._core.backward.grads import GradWriter
 from pergrad._core.backward.removal import AfterRemoval
 from pergrad._core.backward.sources import Fused, Materialized, in_parameter_dtype, no_autocast, no_grad, run_rule
-from pergrad._core.backward.state import Backward, Backwards, any_replaced, queue_at_end, saving, will_accumulate
+from pergrad._core.backward.state import (
+    Backward,
+    Backwards,
+    Unchecked,
+    any_replaced,
+    queue_at_end,
+    saving,
+    will_accumulate,
+)
 from pergrad._core.backward.targets import Targets
 from pergrad._core.backward.verify import (
     check_hooked,
+    check_part,
     check_partial,
     check_reached,
     check_sums,
@@ -462,6 +471,8 @@ class Engine:
                 arrived.passed.update((self.canonical(p), None) for _, p in layer.trainable())
                 return
             arrived.calls.append(call)
+            if self.verify_backwards > 0:
+                self._check_as_it_runs(state, call, read=reader is not None)
             return
         if kept.batch_size == 0:  # an empty batch: no rule needs to run
             like = d if isinstance(d, Tensor) else next(g for g in d if g is not None)
@@ -480,6 +491,24 @@ class Engine:
             arrived.grads[param] = g if previous is None else previous + g
         if any(consumer.keeps_inputs(kept) for consumer in self.consumers):  # read at the end, beside the built g_i
             arrived.calls.append(Call(layer, kept.a, d, scale, per_sample))
+
+    def _check_as_it_runs(self, state: Backward, call: Call, read: bool) -> None:
+        """In the first backward, have ``call``'s parameters compared as their ``AccumulateGrad`` runs
+        (``verify.check_part``), not all at the end, where nothing but the check needs every call's
+        ``(a, d)`` and autograd's gradient at once: not in a backward with ``create_graph=True`` or of
+        an empty batch, with statistics (they read autograd's gradients) or under DDP and FSDP."""
+        checking = state.checking
+        if checking is None:
+            if state.arrived.calls[:-1] or state.create_graph or state.mode_unknown or not state.batch_size:
+                return  # (decided at the backward's first call)
+            if self.options.track_statistics or self.world is not None:
+                return
+            checking = state.checking = Unchecked()
+        params = list(dict.fromkeys(self.canonical(p) for _, p in call.layer.trainable()))
+        for p in params:
+            checking.since.setdefault(p, []).append(call)
+        if not read:
+            checking.waiting[call] = (params, [len(params)])
 
     def _takes_now(self, state: Backward, kept: Kept, call: Call, reader: Consumer, others: Iterator[Consumer]) -> bool:
         """Have ``reader``, the first consumer that reads a call (one that ``takes_now``), take it as its ``d``
@@ -532,7 +561,10 @@ class Engine:
             return None
         # autograd's sum, before the user's tensor hooks (``grad``: what they returned, which autograd adds)
         summed = seen.unhooked.pop(param, grad)
-        if self.options.track_statistics or self.verify_backwards > 0:
+        if state.checking is not None:  # the first backward's check, parameter by parameter
+            with no_autocast(summed.device.type):
+                check_part(state, param, state.to_sample_units(summed), self.options.loss_reduction, self.canonical)
+        elif self.options.track_statistics or self.verify_backwards > 0:
             unscaled = state.to_sample_units(summed)  # the units of the per-sample gradients
             before = seen.batch_grads.get(param)  # (reentrant checkpointing: a nested backward's part too)
             seen.batch_grads[param] = unscaled if before is None else before + unscaled
@@ -761,5 +793,14 @@ class Engine:
         if self.verify_backwards > 0 and batch.size > 0 and batch.params:
             self.verify_backwards -= 1
             state.verified = True
-            grads = state.autograd.batch_grads
-            check_sums(source, list(batch.params), grads, batch.size, self.options.loss_reduction, self.param_names)
+            grads, checking = state.autograd.batch_grads, state.checking
+            params = list(batch.params)
+            if checking is None:
+                check_sums(lambda p: source, params, grads, batch.size, self.options.loss_reduction, self.param_names)
+                return
+            left = [p for p in params if p in checking.since or p not in checking.agreed]  # not compared as it ran
+
+            def since(p: nn.Parameter) -> Materialized | Fused:  # the batch's calls of p, if p never agreed
+                return Fused(checking.since.get(p, []), self.canonical) if p in checking.agreed else source
+
+            check_sums(since, left, grads, batch.size, self.options.loss_reduction, self.param_names)

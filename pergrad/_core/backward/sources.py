@@ -269,6 +269,14 @@ class Fused:
                 self._builds[call] = found
         return found
 
+    def lend_builds(self) -> None:
+        """Hand the results of rules without a fused form that this source built (``_run``) to their calls
+        (``Call.built``): another source of the same calls in this backward reads them instead of building
+        them again."""
+        for call, built in self._builds.items():
+            if call.built is None and call.layer.spec.fused is None:
+                call.built = built
+
     def per_sample(self, params: Params) -> dict[nn.Parameter, Tensor]:
         """Build ``g_i`` for ``params``: every call's rule, summed per sample."""
         wanted = dict.fromkeys(params)

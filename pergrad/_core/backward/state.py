@@ -82,6 +82,19 @@ class Accumulated:
 
 
 @dataclass
+class Unchecked:
+    """The first backward's check as its backward runs (``pergrad._core.backward.verify.check_part``): each
+    parameter is compared when its ``AccumulateGrad`` runs, with the calls that fed it since its sums last
+    agreed with autograd's (``since``; autograd's parts since then wait in ``Accumulated.batch_grads``). A
+    call no consumer reads is kept only for the check: let go once every parameter it feeds agreed
+    (``waiting``: its parameters, and how many have not agreed yet)."""
+
+    since: dict[nn.Parameter, list[Call]] = field(default_factory=dict)
+    agreed: dict[nn.Parameter, None] = field(default_factory=dict)
+    waiting: dict[Call, tuple[list[nn.Parameter], list[int]]] = field(default_factory=dict)
+
+
+@dataclass
 class Written:
     """What pergrad wrote into ``.grad`` in this backward."""
 
@@ -114,6 +127,7 @@ class Backward:
     written: Written = field(default_factory=Written)
     computed: bool = False  # the end-of-backward work ran (see ``Engine._graph_done``)
     verified: bool = False  # this backward ran the first backward's check
+    checking: Unchecked | None = None  # that check, parameter by parameter as it runs (``Engine._use``)
     error: BaseException | None = None  # what it raised, re-raised once the wrapper's communication is done
 
     def to_grad_units(self, t: Tensor) -> Tensor:

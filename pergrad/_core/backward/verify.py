@@ -22,46 +22,117 @@ import torch
 from torch import Tensor, nn
 
 from pergrad._core.backward.sources import Fused, Materialized
-from pergrad._core.backward.state import Backward
+from pergrad._core.backward.state import Backward, Unchecked
 from pergrad._core.backward.targets import Targets
-from pergrad._core.capture.calls import HookedLayer
+from pergrad._core.capture.calls import Call, HookedLayer
 from pergrad.errors import RECOMPUTED, HookStateError, TransformError
 
 Canonical = Callable[[nn.Parameter], nn.Parameter]
 
 
 def check_sums(
-    source: Materialized | Fused,
+    sources: Callable[[nn.Parameter], Materialized | Fused],
     params: list[nn.Parameter],
     batch_grads: dict[nn.Parameter, Tensor],
     batch_size: int,
     loss_reduction: str,
     names: dict[nn.Parameter, str],
 ) -> None:
-    """Raise ``HookStateError`` for the first parameter whose per-sample gradients do not add up to
-    autograd's ``batch_grads`` (in the units of the per-sample gradients), within the round-off of
-    two summation orders: relative to the larger side, or, where the samples' terms cancel, to the
-    terms themselves (``sum_i w_i |g_i|`` elementwise, built only then: a layer that computes in float32
-    inside float64 parameters, as HF's Gemma RMSNorm does, rounds each term at float32)."""
-    first = batch_grads[params[0]]
-    weight = 1.0 / batch_size if loss_reduction == "mean" else 1.0
-    totals = source.summed(params, first.new_full((batch_size,), weight))
+    """Raise ``HookStateError`` for the first parameter whose per-sample gradients (``sources(p)``: those of
+    the calls not compared yet) do not add up to autograd's ``batch_grads`` (in the units of the per-sample
+    gradients; none: 0). One parameter at a time: no second copy of every gradient at once."""
     for p in params:
-        autograd = batch_grads[p].detach()  # (create_graph=True: compared as values)
-        ours = totals[p].detach().to(autograd.dtype)
-        if not torch.isfinite(autograd).all():
-            continue  # non-finite values: nothing to compare; a poisoned sample is handled elsewhere
-        # a floor for sums that cancel to ~0 (a term below it would not change training anyway)
-        rel, floor = (1e-6, 1e-10) if autograd.dtype == torch.float64 else (1e-2, 1e-4)
-        scale = torch.maximum(autograd.abs().max(), ours.abs().max())
-        if torch.allclose(autograd, ours, rtol=0, atol=float(rel * scale + floor)):
-            continue
-        terms = source.per_sample([p])[p].detach().abs().sum(0).mul_(weight).to(autograd.dtype)
-        if not ((autograd - ours).abs() <= rel * terms + floor).all():
+        autograd = batch_grads.get(p)
+        autograd = torch.zeros_like(p) if autograd is None else autograd
+        source = sources(p)
+        difference = _difference(
+            autograd, _summed(source, p, batch_size, loss_reduction, autograd), source, p, batch_size, loss_reduction
+        )
+        if difference is not None:
             raise HookStateError(
-                unattributable(names[p], f"max difference {float((autograd - ours).abs().max()):.3g}")
+                unattributable(names[p], f"max difference {difference:.3g}")
                 + " Or pass verify=False to PerSampleModule if dropping that part is intended."
             )
+
+
+def check_part(state: Backward, param: nn.Parameter, part: Tensor, loss_reduction: str, canonical: Canonical) -> None:
+    """``param``'s ``AccumulateGrad`` ran in the first backward with autograd's ``part`` (in the samples'
+    units): compared now with the calls that fed it since it last agreed (``Unchecked``). Where they agree,
+    those calls are done with ``param`` (one no consumer reads is let go once all its parameters agreed);
+    where not (the rest of its calls has not arrived: reentrant checkpointing, a rule of every output),
+    ``part`` waits in ``batch_grads`` for the next comparison, the last one at the end (``check_sums``)."""
+    checking, batch_grads = state.checking, state.autograd.batch_grads
+    assert checking is not None and state.batch_size is not None
+    before = batch_grads.pop(param, None)
+    total = part if before is None else before + part
+    calls = checking.since.get(param)
+    if calls:
+        source = Fused(calls, canonical)
+        ours = _summed(source, param, state.batch_size, loss_reduction, total)
+        agreed = _difference(total, ours, source, param, state.batch_size, loss_reduction) is None
+        source.lend_builds()
+        if agreed:
+            del checking.since[param]
+            checking.agreed[param] = None
+            for call in calls:
+                _done_with(state, checking, call)
+            return
+    batch_grads[param] = total
+
+
+def _done_with(state: Backward, checking: Unchecked, call: Call) -> None:
+    """One more of ``call``'s parameters agreed: a call kept only for the check is let go after its last."""
+    found = checking.waiting.get(call)
+    if found is None:
+        return
+    params, left = found
+    left[0] -= 1
+    if left[0] > 0:
+        return
+    del checking.waiting[call]
+    calls = state.arrived.calls
+    for i in range(len(calls) - 1, -1, -1):  # mostly the last few calls
+        if calls[i] is call:
+            del calls[i]
+            break
+    state.arrived.passed.update(dict.fromkeys(params))
+
+
+def _weight(batch_size: int, loss_reduction: str) -> float:
+    return 1.0 / batch_size if loss_reduction == "mean" else 1.0
+
+
+def _summed(
+    source: Materialized | Fused, p: nn.Parameter, batch_size: int, loss_reduction: str, like: Tensor
+) -> Tensor:
+    """``sum_i w_i g_i`` of ``p`` from ``source`` (``w_i = 1/B`` for a mean loss): 0 where no call fed it."""
+    if p not in (source.uses if isinstance(source, Fused) else source.grads):
+        return torch.zeros_like(like)
+    return source.summed([p], like.new_full((batch_size,), _weight(batch_size, loss_reduction)))[p]
+
+
+def _difference(
+    autograd: Tensor, ours: Tensor, source: Materialized | Fused, p: nn.Parameter, batch_size: int, loss_reduction: str
+) -> float | None:
+    """None where pergrad's sum ``ours`` of ``p``'s per-sample gradients agrees with ``autograd``'s within
+    the round-off of two summation orders: relative to the larger side, or, where the samples' terms
+    cancel, to the terms themselves (``sum_i w_i |g_i|`` elementwise, built only then: a layer that
+    computes in float32 inside float64 parameters, as HF's Gemma RMSNorm does, rounds each term at
+    float32); else their largest difference."""
+    autograd = autograd.detach()  # (create_graph=True: compared as values)
+    ours = ours.detach().to(autograd.dtype)
+    if not torch.isfinite(autograd).all():
+        return None  # non-finite values: nothing to compare; a poisoned sample is handled elsewhere
+    # a floor for sums that cancel to ~0 (a term below it would not change training anyway)
+    rel, floor = (1e-6, 1e-10) if autograd.dtype == torch.float64 else (1e-2, 1e-4)
+    scale = torch.maximum(autograd.abs().max(), ours.abs().max())
+    if torch.allclose(autograd, ours, rtol=0, atol=float(rel * scale + floor)):
+        return None
+    terms = source.per_sample([p])[p].detach().abs().sum(0).mul_(_weight(batch_size, loss_reduction))
+    difference = (autograd - ours).abs()
+    if (difference <= rel * terms.to(autograd.dtype) + floor).all():
+        return None
+    return float(difference.max())
 
 
 def unreached(
