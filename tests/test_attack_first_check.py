@@ -3,8 +3,8 @@ when its ``AccumulateGrad`` runs, a call no consumer reads let go once its param
 only with ``keep_grad_sample=False`` and only in the first backward, so every case runs that path over several
 steps (later steps take the shortcuts: detached weights, taps), in float64, against a one-sample-at-a-time
 autograd loop on a twin of the model (a ``copy.deepcopy``: pergrad's hooks on it are inert; its weights loaded
-from the model at every step). Cases pinned ``xfail(strict=True)`` are bugs of 9261b42 (the parent commit
-passes them); their reasons give the cause."""
+from the model at every step). The regularisers under reentrant checkpointing and the rule that raises found
+two bugs of 9261b42, both fixed."""
 
 from __future__ import annotations
 
@@ -203,17 +203,6 @@ def loss_then_l2(psm: PerSampleModule, model: Holder, x: Tensor, y: Tensor) -> T
     return loss + 0.05 * model.inner.body.weight.square().sum()
 
 
-MISSED = (
-    "missed error: the nested backward of the reentrant checkpoint runs {name}'s AccumulateGrad first; its part "
-    "agrees with the recomputed call and the parameter goes to Unchecked.agreed, its calls out of Unchecked.since "
-    "(pergrad/_core/backward/verify.py:74-79). {what} then reaches the outer backward's AccumulateGrad of the same "
-    "parameter with no call since (verify.py:68: `calls` is None), waits in batch_grads (verify.py:80), and "
-    "Engine._check never compares it: `left` (pergrad/_core/backward/engine.py:801) takes only parameters in "
-    "since or not agreed. The first backward passes; the norms / projections silently leave that part out "
-    "(the parent commit raised). Where a transform covers the weight the taps catch it (check_taps)"
-)
-
-
 def _wrap(model: nn.Module, mode: str, weight: nn.Module) -> PerSampleModule:
     """``mode``: ``"norms"`` (track_norms), ``"projection"`` of ``weight``'s layer, ``"head clipped"`` (a
     transform on the head only) or ``"clip all"``."""
@@ -236,14 +225,11 @@ MODES = ["norms", "projection", "head clipped", "clip all"]
 @pytest.mark.parametrize("order", [l2_then_loss, loss_then_l2], ids=["l2 first", "l2 last"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_regulariser_of_a_checkpointed_weight_is_refused(
-    reentrant: bool, order: Callable[..., Tensor], mode: str, request: pytest.FixtureRequest
+    reentrant: bool, order: Callable[..., Tensor], mode: str
 ) -> None:
     """``l2(model) + criterion(model(x), y)``: the L2 term of a checkpointed layer's weight cannot be split
     into samples. The first backward refuses it whichever way the loss is written, and leaves ``.grad``
     as it was (None)."""
-    if reentrant and order is l2_then_loss and mode != "clip all":
-        what = "The L2 term's part (its nodes are older than the model's: it runs after the checkpoint)"
-        request.applymarker(pytest.mark.xfail(strict=True, reason=MISSED.format(name="inner.body.weight", what=what)))
     torch.manual_seed(0)
     model = Holder(reentrant)
     psm = _wrap(model, mode, model.inner.body)
@@ -268,12 +254,7 @@ class OutsideUseBeforeCheckpoint(nn.Module):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_weight_used_outside_its_layer_before_a_reentrant_checkpoint_is_refused(
-    mode: str, request: pytest.FixtureRequest
-) -> None:
-    if mode != "clip all":
-        what = "The part F.linear(x, body.weight) sends it, outside the checkpoint,"
-        request.applymarker(pytest.mark.xfail(strict=True, reason=MISSED.format(name="body.weight", what=what)))
+def test_a_weight_used_outside_its_layer_before_a_reentrant_checkpoint_is_refused(mode: str) -> None:
     torch.manual_seed(0)
     model = OutsideUseBeforeCheckpoint()
     psm = _wrap(model, mode, model.body)
@@ -977,12 +958,6 @@ def test_tiny_gpt2_with_reentrant_gradient_checkpointing() -> None:
     run_steps(model, psm, batches, loss, clipped=clipped, norms=True, rtol=1e-7)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=MISSED.format(
-        name="transformer.h.0.mlp.c_fc.weight", what="The L2 term's part (computed before the forward)"
-    ),
-)
 def test_tiny_gpt2_with_reentrant_checkpointing_refuses_an_l2_term_computed_first() -> None:
     """``l2 + lm_loss`` with HF's reentrant gradient checkpointing and norms tracked: refused as without
     checkpointing (and as with ``use_reentrant=False``)."""
@@ -1039,30 +1014,7 @@ def test_a_users_rule_off_by_a_factor_is_refused() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize(
-    "clip",
-    [
-        pytest.param(
-            False,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="half-written .grad: the first backward runs the rules as each parameter's AccumulateGrad "
-                "runs (Engine.on_accumulate -> verify.check_part, pergrad/_core/backward/engine.py:566), and an "
-                "error a rule raises there leaves the pre-hook (pergrad/module.py:372) without "
-                "GradWriter.abandon: the head's .grad, written by its AccumulateGrad before, stays (the parent "
-                "commit ran the rules at the end, in Engine._compute, which abandons)",
-            ),
-        ),
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="half-written .grad: as without the transform (engine.py:566, module.py:372, no "
-                "GradWriter.abandon), here the zeros the clipped head's AccumulateGrad got stay in its .grad",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("clip", [False, True])
 def test_a_users_rule_that_raises_leaves_no_grad(clip: bool) -> None:
     """A rule of the user's that fails on some batches (here, more than 2 samples): the error reaches the
     user and no ``.grad`` is half-written; the next batch (2 samples) trains exactly."""

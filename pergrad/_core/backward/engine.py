@@ -562,8 +562,13 @@ class Engine:
         # autograd's sum, before the user's tensor hooks (``grad``: what they returned, which autograd adds)
         summed = seen.unhooked.pop(param, grad)
         if state.checking is not None:  # the first backward's check, parameter by parameter
-            with no_autocast(summed.device.type):
-                check_part(state, param, state.to_sample_units(summed), self.options.loss_reduction, self.canonical)
+            try:
+                with no_autocast(summed.device.type):
+                    part = state.to_sample_units(summed)
+                    check_part(state, param, part, self.options.loss_reduction, self.canonical)
+            except Exception:  # a rule raised: no .grad of this backward is written
+                self.writer.abandon(state)
+                raise
         elif self.options.track_statistics or self.verify_backwards > 0:
             unscaled = state.to_sample_units(summed)  # the units of the per-sample gradients
             before = seen.batch_grads.get(param)  # (reentrant checkpointing: a nested backward's part too)
@@ -798,7 +803,8 @@ class Engine:
             if checking is None:
                 check_sums(lambda p: source, params, grads, batch.size, self.options.loss_reduction, self.param_names)
                 return
-            left = [p for p in params if p in checking.since or p not in checking.agreed]  # not compared as it ran
+            # not compared as it ran: calls since it last agreed, a part of autograd's since, or never agreed
+            left = [p for p in params if p in checking.since or p in grads or p not in checking.agreed]
 
             def since(p: nn.Parameter) -> Materialized | Fused:  # the batch's calls of p, if p never agreed
                 return Fused(checking.since.get(p, []), self.canonical) if p in checking.agreed else source

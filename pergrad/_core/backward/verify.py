@@ -102,11 +102,16 @@ def _weight(batch_size: int, loss_reduction: str) -> float:
     return 1.0 / batch_size if loss_reduction == "mean" else 1.0
 
 
+def _fed(source: Materialized | Fused, p: nn.Parameter) -> bool:
+    """Whether some call of ``source`` fed ``p``."""
+    return p in (source.uses if isinstance(source, Fused) else source.grads)
+
+
 def _summed(
     source: Materialized | Fused, p: nn.Parameter, batch_size: int, loss_reduction: str, like: Tensor
 ) -> Tensor:
     """``sum_i w_i g_i`` of ``p`` from ``source`` (``w_i = 1/B`` for a mean loss): 0 where no call fed it."""
-    if p not in (source.uses if isinstance(source, Fused) else source.grads):
+    if not _fed(source, p):
         return torch.zeros_like(like)
     return source.summed([p], like.new_full((batch_size,), _weight(batch_size, loss_reduction)))[p]
 
@@ -128,8 +133,10 @@ def _difference(
     scale = torch.maximum(autograd.abs().max(), ours.abs().max())
     if torch.allclose(autograd, ours, rtol=0, atol=float(rel * scale + floor)):
         return None
-    terms = source.per_sample([p])[p].detach().abs().sum(0).mul_(_weight(batch_size, loss_reduction))
     difference = (autograd - ours).abs()
+    if not _fed(source, p):  # no call fed it: no terms
+        return float(difference.max())
+    terms = source.per_sample([p])[p].detach().abs().sum(0).mul_(_weight(batch_size, loss_reduction))
     if (difference <= rel * terms.to(autograd.dtype) + floor).all():
         return None
     return float(difference.max())
