@@ -610,18 +610,14 @@ def test_a_conv2d_with_an_in_place_forward_hook_prepended_after_wrapping() -> No
         check(model, psm, call, x, y, True, f"step {s}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch runs global forward hooks (register_module_forward_hook) before a module's own, so pergrad keeps "
-    "the hook's output as the layer's: at step 0 verify raises a HookStateError naming a wrong cause (a loss term "
-    "using the parameter directly), registered after the first backward .grad is silently wrong",
-)
 @pytest.mark.parametrize("when", [0, 2])
 def test_a_global_forward_hook_that_rescales_a_layers_output(when: int) -> None:
-    """``register_module_forward_hook``: torch runs global forward hooks before every module's own."""
+    """``register_module_forward_hook``: torch runs global forward hooks before every module's own, so
+    pergrad runs its own ahead of them (``hooks.Ahead``) and keeps the layer's own output. The hook rescales
+    the first layer's output (``out_features == 6``), in the reference's copy of the model too; registered
+    before the first step and after, and taken away after the last (pergrad's global hook goes with it)."""
     torch.manual_seed(25)
     model, (x, y) = mlp(), data(4)
-    target = model[0]
     psm = PerSampleModule(model)
     psm.register_transform("", transforms.clip_norm(C))
     handle = None
@@ -629,9 +625,77 @@ def test_a_global_forward_hook_that_rescales_a_layers_output(when: int) -> None:
         for s in range(4):
             if s == when:
                 handle = nn.modules.module.register_module_forward_hook(
-                    lambda m, args, out: out * 3.0 if m is target else None
+                    lambda m, args, out: out * 3.0 if isinstance(m, nn.Linear) and m.out_features == 6 else None
                 )
             check(model, psm, call, x, y, True, f"step {s}")
     finally:
         if handle is not None:
             handle.remove()
+    check(model, psm, call, x, y, True, "after the hook's removal")
+    assert not nn.modules.module._global_forward_hooks, "pergrad's global forward hook outlived the user's"
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_global_forward_hooks_that_observe_or_replace_outputs_with_two_wrappers(keep: bool) -> None:
+    """A global forward hook that only reads (a profiler's) and one that replaces the output of every
+    Tanh, registered in that order, with two wrapped models in one process: both exact on every step."""
+    torch.manual_seed(26)
+    models = [mlp(), mlp()]
+    wrappers = [PerSampleModule(m, keep_grad_sample=keep) for m in models]
+    seen: list[str] = []
+    handles = [
+        nn.modules.module.register_module_forward_hook(lambda m, args, out: seen.append(type(m).__name__)),
+        nn.modules.module.register_module_forward_hook(
+            lambda m, args, out: out * 0.5 if isinstance(m, nn.Linear) else None
+        ),
+    ]
+    try:
+        for s in range(3):
+            for model, psm in zip(models, wrappers, strict=True):
+                x, y = data(4)
+                check(model, psm, call, x, y, False, f"step {s}")
+        assert "Linear" in seen
+    finally:
+        for handle in handles:
+            handle.remove()
+    for psm in wrappers:
+        psm.remove()
+    assert not nn.modules.module._global_forward_hooks
+
+
+def test_a_forward_that_raises_under_a_global_forward_hook_leaves_the_model_intact() -> None:
+    """A global forward hook of the user's, then a forward whose last layer raises (a wrong input width
+    there): torch's error comes out, every parameter is back in place, and the next steps are exact. From
+    the second step the first layer's weights run detached, so pergrad's hook (run ahead of the global one)
+    is what puts them back."""
+    torch.manual_seed(27)
+    model, (x, y) = mlp(), data(4)
+    before = params_of(model)
+    psm = PerSampleModule(model)
+    psm.register_transform("", transforms.clip_norm(C))
+    handle = nn.modules.module.register_module_forward_hook(lambda m, args, out: None)
+    try:
+        check(model, psm, call, x, y, True, "step 0")
+        model[3].register_forward_pre_hook(lambda m, args: (args[0][:, :2],) if args[0].shape[0] == 3 else None)
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            psm(x[:3])
+        assert_intact(model, before)
+        for s in range(1, 3):
+            check(model, psm, call, x, y, True, f"step {s}")
+    finally:
+        handle.remove()
+
+
+def test_flop_counter_mode_around_a_clipped_step() -> None:
+    """``torch.utils.flop_counter.FlopCounterMode`` tracks modules with global forward hooks: a clipped step
+    counted by it is exact, on every step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(28)
+    model, (x, y) = mlp(), data(4)
+    psm = PerSampleModule(model)
+    psm.register_transform("", transforms.clip_norm(C))
+    for s in range(3):
+        with FlopCounterMode(display=False) as counter:
+            check(model, psm, call, x, y, True, f"step {s}")
+        assert counter.get_total_flops() > 0

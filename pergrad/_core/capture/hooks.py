@@ -11,9 +11,9 @@ output (``output.grad_fn``), not by a full module backward hook:
 - each call of a layer has its own node and its own kept input, so a layer called several times
   in one forward, or a graph backwarded twice with ``retain_graph=True``, needs no stack.
 
-pergrad's forward hooks on a layer run before the user's (``_run_first``), so the output kept and
-caught is the layer's own: a forward hook of the user's that rescales or replaces it is an op of the
-model after the layer.
+pergrad's forward hooks on a layer run before the user's (``_run_first``), and before the forward hooks
+registered for every module (``Ahead``), so the output kept and caught is the layer's own: a forward hook
+of the user's that rescales or replaces it is an op of the model after the layer.
 """
 
 from __future__ import annotations
@@ -117,12 +117,17 @@ class ModuleHook:
     """A module hook owned by one ``LayerHooks``. Copying or pickling the model copies no pergrad
     state: the copy gets a ``_Inert`` hook in its place."""
 
-    def __init__(self, owner: LayerHooks, fn: Callable[..., Any], aside: bool = False) -> None:
+    def __init__(self, owner: LayerHooks, fn: Callable[..., Any], aside: bool = False, first: bool = False) -> None:
         self.owner, self.fn, self.aside = owner, fn, aside
         self.removed = False
+        self.first = first  # a layer's forward hook: run ahead of the global forward hooks (``Ahead``)
+        self.ran_ahead = 0  # calls it ran for already, from ``Ahead``: the module's own call of it then returns
 
     @torch.compiler.disable(reason=EAGER)  # (runs eagerly, also in a compiled model: ``Provenance``)
     def __call__(self, *args: Any) -> Any:
+        if self.ran_ahead:
+            self.ran_ahead -= 1
+            return None
         if self.removed:
             # removed while its module's call was running: torch runs the hooks it listed when the call
             # began (a lazy root materialised in its own pre-hook, then rebound by the model's) and no
@@ -288,6 +293,56 @@ def _run_first(module: nn.Module, handles: list[RemovableHandle]) -> None:
     for handle in reversed(handles):
         if handle.id in hooks:
             hooks.move_to_end(handle.id, last=False)
+
+
+class Ahead:
+    """torch runs the forward hooks registered for every module (``register_module_forward_hook``) before a
+    module's own, so one that changes a hooked layer's output (``out * s``) would hand pergrad's forward hook
+    the changed output as the layer's. While such a hook of the user's exists, a global forward hook of
+    pergrad's, kept first among them (``check``, at every hooked call), runs each module's pergrad forward
+    hooks (``ModuleHook.first``) before them, on the layer's own output; the module's own call of them then
+    returns at once. Gone with the last global hook of the user's."""
+
+    handle: RemovableHandle | None = None
+
+    @classmethod
+    def check(cls) -> None:
+        hooks = cast(OrderedDict[int, Callable[..., Any]], nn.modules.module._global_forward_hooks)
+        if not hooks:
+            return
+        ours = cls.handle
+        if ours is not None and ours.id in hooks:
+            if len(hooks) == 1:  # the user's are gone
+                cls.release()
+            elif next(iter(hooks)) != ours.id:
+                hooks.move_to_end(ours.id, last=False)
+            return
+        cls.handle = nn.modules.module.register_module_forward_hook(_run_ahead, with_kwargs=True, always_call=True)
+        hooks.move_to_end(cls.handle.id, last=False)
+
+    @classmethod
+    def release(cls) -> None:
+        """Take pergrad's global forward hook away (where it is the only one left)."""
+        if cls.handle is not None:
+            cls.handle.remove()
+            cls.handle = None
+
+
+@torch.compiler.disable(reason=EAGER)
+def _run_ahead(module: nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
+    """pergrad's global forward hook (``Ahead``): ``(module, args, kwargs, output)``, or, where the forward
+    raised, ``(module, args, output)``."""
+    output = returned = rest[-1]
+    kwargs = rest[0] if len(rest) == 2 else {}
+    for hook in list(module._forward_hooks.values()):
+        if isinstance(hook, ModuleHook) and hook.first and not hook.removed:
+            try:
+                result = hook(module, args, kwargs, output)
+            finally:
+                hook.ran_ahead += 1
+            if result is not None:
+                output = result
+    return None if output is returned else output
 
 
 Edge = tuple[Any, int]  # an autograd node and the index of one of its outputs
@@ -479,7 +534,7 @@ class LayerHooks:
             self._handles.append(layer.module.register_forward_pre_hook(pre, with_kwargs=True))
             if layer.spec.parametrized:
                 self._capture(layer)
-            post = ModuleHook(self, self._after_call(layer, detach, tap), aside=True)
+            post = ModuleHook(self, self._after_call(layer, detach, tap), aside=True, first=True)
             self._handles.append(layer.module.register_forward_hook(post, with_kwargs=True, always_call=True))
             _run_first(layer.module, self._handles[mine:])
             firsts.extend(h.id for h in self._handles[mine:] if h.id in layer.module._forward_hooks)
@@ -525,6 +580,8 @@ class LayerHooks:
                 for found in reversed(own):
                     if found in hooks:
                         hooks.move_to_end(found, last=False)
+            if nn.modules.module._global_forward_hooks:
+                Ahead.check()
             enter(module, args, kwargs)
             if refuse is not None:
                 refuse(module, args)
@@ -594,6 +651,7 @@ class LayerHooks:
                 hook.removed = True
             handle.remove()
         self._handles.clear()
+        Ahead.check()  # (where only pergrad's global forward hook is left: taken away)
         self._captures.clear()
         self._detached.clear()
         for module in list(self._tapped):

@@ -192,21 +192,36 @@ class Followed:
         self._kind, self.lean, self.recording = None, False, False
 
 
-def reaches(t: Tensor, nodes: Outputs) -> bool:
-    """Whether ``t``'s autograd history reaches one of ``nodes`` (within ``WALK`` nodes)."""
+SKIP = object()  # ``_walk``: do not go past this node
+
+
+def _walk(t: Tensor, step: Callable[[Any], Any]) -> bool | None:
+    """Depth-first through ``t``'s autograd history, ``step(node)`` at each node: True or False ends the walk
+    with that answer, ``SKIP`` does not go past the node, None goes on through its inputs. False beyond ``WALK``
+    nodes; None where the history ran out."""
     start = t.grad_fn
     if start is None:
-        return False
+        return None
     seen, stack = {start}, [start]
-    while stack and len(seen) <= WALK:
+    while stack:
+        if len(seen) > WALK:
+            return False
         node = stack.pop()
-        if node in nodes:
-            return True
+        found = step(node)
+        if found is SKIP:
+            continue
+        if found is not None:
+            return bool(found)
         for nxt, _ in node.next_functions:
             if nxt is not None and nxt not in seen:
                 seen.add(nxt)
                 stack.append(nxt)
-    return False
+    return None
+
+
+def reaches(t: Tensor, nodes: Outputs) -> bool:
+    """Whether ``t``'s autograd history reaches one of ``nodes`` (within ``WALK`` nodes)."""
+    return _walk(t, lambda node: True if node in nodes else None) is True
 
 
 # autograd nodes of elementwise ops: the batch stays on the dim it had in their operands of the same rank
@@ -225,30 +240,21 @@ def elementwise_from_outputs(a: Tensor, outputs: Outputs, dim: int) -> bool:
     """Whether ``a`` was computed from outputs of the forward's layer calls (of its rank, with the batch on
     ``dim``: not a recurrent layer's ``h_n [layers, B, H]``) by elementwise ops alone, with parameters as the
     other operands: then it has the batch on ``dim``, where those outputs have it."""
-    start = a.grad_fn
-    if start is None:
-        return False
-    reached, seen, stack = False, {start}, [start]
-    while stack:
-        if len(seen) > WALK:
-            return False
-        node = stack.pop()
+    reached: list[Any] = []
+
+    def step(node: Any) -> Any:
         found = outputs.get(node)
         if found is not None:
             if found[1] != a.dim() or found[2] != dim:
                 return False
-            reached = True
-            continue
+            reached.append(node)
+            return SKIP
         name = type(node).__name__
         if name == "AccumulateGrad":
-            continue
-        if name not in ELEMENTWISE:
-            return False
-        for nxt, _ in node.next_functions:
-            if nxt is not None and nxt not in seen:
-                seen.add(nxt)
-                stack.append(nxt)
-    return reached
+            return SKIP
+        return None if name in ELEMENTWISE else False
+
+    return _walk(a, step) is None and bool(reached)
 
 
 class Stepped(TorchFunctionMode):
