@@ -58,11 +58,11 @@ from pergrad._core.backward.state import (
 )
 from pergrad._core.backward.targets import Targets
 from pergrad._core.backward.verify import (
+    check_first,
     check_hooked,
     check_part,
     check_partial,
     check_reached,
-    check_sums,
     check_taps,
     unattributable,
 )
@@ -561,18 +561,8 @@ class Engine:
             return None
         # autograd's sum, before the user's tensor hooks (``grad``: what they returned, which autograd adds)
         summed = seen.unhooked.pop(param, grad)
-        if state.checking is not None:  # the first backward's check, parameter by parameter
-            try:
-                with no_autocast(summed.device.type):
-                    part = state.to_sample_units(summed)
-                    check_part(state, param, part, self.options.loss_reduction, self.canonical)
-            except Exception:  # a rule raised: no .grad of this backward is written
-                self.writer.abandon(state)
-                raise
-        elif self.options.track_statistics or self.verify_backwards > 0:
-            unscaled = state.to_sample_units(summed)  # the units of the per-sample gradients
-            before = seen.batch_grads.get(param)  # (reentrant checkpointing: a nested backward's part too)
-            seen.batch_grads[param] = unscaled if before is None else before + unscaled
+        if self.options.track_statistics or self.verify_backwards > 0:
+            self._autograd_part(state, param, state.to_sample_units(summed))
         self.writer.accumulating(param, state)
         transformed, detached = param in self.transformed, param in self.detacher.current
         if transformed or detached:
@@ -594,6 +584,20 @@ class Engine:
         else:
             seen.untapped.setdefault(param, []).append(summed)
         return self.writer.hold(param, grad, state)
+
+    def _autograd_part(self, state: Backward, param: nn.Parameter, part: Tensor) -> None:
+        """Autograd's sum for ``param`` in this backward (``part``, in the samples' units): compared at once by
+        the first backward's check as it runs (``verify.check_part``), or kept for it and the statistics."""
+        if state.checking is None:
+            before = state.autograd.batch_grads.get(param)  # (reentrant checkpointing: a nested backward's part too)
+            state.autograd.batch_grads[param] = part if before is None else before + part
+            return
+        try:
+            with no_autocast(part.device.type):
+                check_part(state, param, part, self.options.loss_reduction, self.canonical)
+        except Exception:  # a rule raised: no .grad of this backward is written
+            self.writer.abandon(state)
+            raise
 
     def on_probe(self, grad: Tensor | None) -> Tensor | None:
         """Gradient hook of a probe anchor (see ``Detached``): it runs exactly in backward passes that
@@ -798,15 +802,4 @@ class Engine:
         if self.verify_backwards > 0 and batch.size > 0 and batch.params:
             self.verify_backwards -= 1
             state.verified = True
-            grads, checking = state.autograd.batch_grads, state.checking
-            params = list(batch.params)
-            if checking is None:
-                check_sums(lambda p: source, params, grads, batch.size, self.options.loss_reduction, self.param_names)
-                return
-            # not compared as it ran: calls since it last agreed, a part of autograd's since, or never agreed
-            left = [p for p in params if p in checking.since or p in grads or p not in checking.agreed]
-
-            def since(p: nn.Parameter) -> Materialized | Fused:  # the batch's calls of p, if p never agreed
-                return Fused(checking.since.get(p, []), self.canonical) if p in checking.agreed else source
-
-            check_sums(since, left, grads, batch.size, self.options.loss_reduction, self.param_names)
+            check_first(batch, self.options.loss_reduction, self.canonical)

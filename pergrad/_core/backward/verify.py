@@ -25,6 +25,7 @@ from pergrad._core.backward.sources import Fused, Materialized
 from pergrad._core.backward.state import Backward, Unchecked
 from pergrad._core.backward.targets import Targets
 from pergrad._core.capture.calls import Call, HookedLayer
+from pergrad._core.consumers import Batch
 from pergrad.errors import RECOMPUTED, HookStateError, TransformError
 
 Canonical = Callable[[nn.Parameter], nn.Parameter]
@@ -53,6 +54,23 @@ def check_sums(
                 unattributable(names[p], f"max difference {difference:.3g}")
                 + " Or pass verify=False to PerSampleModule if dropping that part is intended."
             )
+
+
+def check_first(batch: Batch, loss_reduction: str, canonical: Canonical) -> None:
+    """The first backward's sums at its end: every parameter it reached, or, where it compared them as it
+    ran (``check_part``), those with calls or a part of autograd's since they last agreed (or never agreed)."""
+    state, source = batch.state, batch.source
+    grads, checking, names = state.autograd.batch_grads, state.checking, batch.names
+    params = list(batch.params)
+    if checking is None:
+        check_sums(lambda p: source, params, grads, batch.size, loss_reduction, names)
+        return
+    left = [p for p in params if p in checking.since or p in grads or p not in checking.agreed]
+
+    def since(p: nn.Parameter) -> Materialized | Fused:  # the batch's calls of p, where p never agreed
+        return Fused(checking.since.get(p, []), canonical) if p in checking.agreed else source
+
+    check_sums(since, left, grads, batch.size, loss_reduction, names)
 
 
 def check_part(state: Backward, param: nn.Parameter, part: Tensor, loss_reduction: str, canonical: Canonical) -> None:
