@@ -1,7 +1,7 @@
 """The generic fallback: per-sample gradients of any module's own parameters with torch.func.
 
 Used for modules without a rule when the wrapper is built with ``fallback=True``. For each sample
-it re-runs the module's forward on that sample's inputs (``functional_call``) and pulls the
+it re-runs the module's forward on that sample's inputs (``_own_forward``) and pulls the
 sample's output gradient back to the module's own parameters (``vjp``), vectorised over the batch
 with ``vmap``. Exact for any forward, at the cost of one more forward and backward of the module.
 """
@@ -14,12 +14,22 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vjp, vmap
+from torch.func import vjp, vmap
+from torch.nn.utils.stateless import _reparametrize_module  # (torch is pinned: a private name)
 
 from pergrad._core.memory.layout import recorded
 
 from ..errors import BatchMixingError, PergradError, UnsupportedLayerError
 from ..registry import LayerCall, OutputGrads, default_registry, output_tensors
+
+
+def _own_forward(layer: nn.Module, params: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``layer.forward(*args, **kwargs)`` with ``params`` in place of its parameters: ``functional_call``
+    without the layer's own forward hooks and pre-hooks, nor those registered for every module. What they
+    did in the real call is outside the layer: its kept input is the one its pre-hooks handed the forward,
+    its output gradient is caught on its forward's own output."""
+    with _reparametrize_module(layer, params, tie_weights=True):
+        return layer.forward(*args, **kwargs)
 
 
 def _found_dim(x: Any, batch_dim: int, batch: int) -> int | None:
@@ -119,7 +129,7 @@ def fallback(
         kwargs = {k: unsqueeze(v, kwarg_dims[k]) for k, v in kwargs.items()}
 
         def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
-            outputs = output_tensors(functional_call(layer, p, args, kwargs))
+            outputs = output_tensors(_own_forward(layer, p, args, kwargs))
             return tuple(outputs[k] for k in present)
 
         pulled = vjp(forward, params)

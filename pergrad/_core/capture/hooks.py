@@ -22,7 +22,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -66,6 +66,7 @@ from pergrad.errors import (
     RECOMPUTED,
     BatchMixingError,
     BatchSizeError,
+    HookStateError,
     SharedInputError,
     UnsupportedLayerError,
     module_label,
@@ -121,12 +122,14 @@ class ModuleHook:
         self.owner, self.fn, self.aside = owner, fn, aside
         self.removed = False
         self.first = first  # a layer's forward hook: run ahead of the global forward hooks (``Ahead``)
-        self.ran_ahead = 0  # calls it ran for already, from ``Ahead``: the module's own call of it then returns
+        # the ``args`` of the running calls it ran for already from ``Ahead`` (innermost last): the module's own
+        # call of it for the same call (torch hands both the same tuple) then returns at once
+        self.ahead: list[tuple[Any, ...]] = []
 
     @torch.compiler.disable(reason=EAGER)  # (runs eagerly, also in a compiled model: ``Provenance``)
     def __call__(self, *args: Any) -> Any:
-        if self.ran_ahead:
-            self.ran_ahead -= 1
+        if self.ahead and args[1] is self.ahead[-1]:
+            self.ahead.pop()
             return None
         if self.removed:
             # removed while its module's call was running: torch runs the hooks it listed when the call
@@ -301,9 +304,10 @@ class Ahead:
     the changed output as the layer's. While such a hook of the user's exists, a global forward hook of
     pergrad's, kept first among them (``check``, at every hooked call), runs each module's pergrad forward
     hooks (``ModuleHook.first``) before them, on the layer's own output; the module's own call of them then
-    returns at once. Gone with the last global hook of the user's."""
+    returns at once. Gone with the last global hook of the user's, or the last wrapper (``owners``)."""
 
     handle: RemovableHandle | None = None
+    owners: ClassVar[weakref.WeakSet[LayerHooks]] = weakref.WeakSet()  # those with layers hooked
 
     @classmethod
     def check(cls) -> None:
@@ -312,19 +316,31 @@ class Ahead:
             return
         ours = cls.handle
         if ours is not None and ours.id in hooks:
-            if len(hooks) == 1:  # the user's are gone
+            if len(hooks) == 1 or not cls.owners:  # the user's are gone, or every wrapper
                 cls.release()
             elif next(iter(hooks)) != ours.id:
                 hooks.move_to_end(ours.id, last=False)
             return
-        cls.handle = nn.modules.module.register_module_forward_hook(_run_ahead, with_kwargs=True, always_call=True)
-        hooks.move_to_end(cls.handle.id, last=False)
+        if cls.owners:
+            cls.handle = nn.modules.module.register_module_forward_hook(_run_ahead, with_kwargs=True, always_call=True)
+            hooks.move_to_end(cls.handle.id, last=False)
+
+    @classmethod
+    def behind(cls) -> bool:
+        """Whether a global forward hook of the user's runs before pergrad's (registered after the call's
+        pre-hooks ran: ``check`` put pergrad's first before the forward)."""
+        hooks = nn.modules.module._global_forward_hooks
+        ours = cls.handle
+        return bool(hooks) and (ours is None or next(iter(hooks)) != ours.id)
 
     @classmethod
     def release(cls) -> None:
-        """Take pergrad's global forward hook away (where it is the only one left)."""
+        """Take pergrad's global forward hook away, with what torch keeps of it beside the hooks."""
         if cls.handle is not None:
+            key = cls.handle.id
             cls.handle.remove()
+            nn.modules.module._global_forward_hooks_with_kwargs.pop(key, None)
+            nn.modules.module._global_forward_hooks_always_called.pop(key, None)
             cls.handle = None
 
 
@@ -332,6 +348,9 @@ class Ahead:
 def _run_ahead(module: nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
     """pergrad's global forward hook (``Ahead``): ``(module, args, kwargs, output)``, or, where the forward
     raised, ``(module, args, output)``."""
+    if len(nn.modules.module._global_forward_hooks) == 1 or not Ahead.owners:
+        Ahead.release()  # (torch listed the hooks before this call: taking it away now is safe)
+        return None
     output = returned = rest[-1]
     kwargs = rest[0] if len(rest) == 2 else {}
     for hook in list(module._forward_hooks.values()):
@@ -339,7 +358,7 @@ def _run_ahead(module: nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
             try:
                 result = hook(module, args, kwargs, output)
             finally:
-                hook.ran_ahead += 1
+                hook.ahead.append(args)
             if result is not None:
                 output = result
     return None if output is returned else output
@@ -505,10 +524,12 @@ class LayerHooks:
         self._installs = 0  # how many times ``install`` ran (the root's own hooks, made again in its call: ``_missed``)
         self._graph_unchecked = True  # the first graph is checked for batch statistics (pergrad._core.capture.coupling)
         self._captures: dict[str, Capture] = {}  # parametrized layers: what their parametrizations computed
+        weakref.finalize(self, Ahead.check)  # a wrapper collected with its layers hooked: ``Ahead.owners`` lost it
 
     def install(self, layers: list[HookedLayer]) -> None:
         """Hook ``layers`` (and refuse batch statistics in every BatchNorm of the model)."""
         self.uninstall()
+        Ahead.owners.add(self)
         self._installs += 1
         self.followed.forget()
         raw: dict[nn.Module, list[HookedLayer]] = {}
@@ -615,6 +636,14 @@ class LayerHooks:
                 untap(module, args, output)
             if returned is None:
                 return None
+            if nn.modules.module._global_forward_hooks and Ahead.behind():
+                raise HookStateError(
+                    f"{layer.label}: a forward hook registered for every module (register_module_forward_hook) "
+                    "during this call of the layer, after pergrad's pre-hook of it ran, runs before pergrad's own "
+                    "forward hook, so pergrad cannot tell the layer's own output from what that hook returned. "
+                    "Register the global hook before the call (pergrad then runs its own ahead of it), or register "
+                    "it on the modules themselves with register_forward_hook."
+                )
             kept = keep(module, args, rest[0], output)
             if kept is not None:
                 return kept
@@ -651,7 +680,8 @@ class LayerHooks:
                 hook.removed = True
             handle.remove()
         self._handles.clear()
-        Ahead.check()  # (where only pergrad's global forward hook is left: taken away)
+        Ahead.owners.discard(self)
+        Ahead.check()  # (where only pergrad's global forward hook is left, or no wrapper: taken away)
         self._captures.clear()
         self._detached.clear()
         for module in list(self._tapped):
