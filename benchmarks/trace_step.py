@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import gc
 import inspect
 import json
 import platform
@@ -133,6 +134,9 @@ def traced(fn: Callable[[], None], root: Path) -> tuple[set[CodeType], set[tuple
         return None
 
     before, before_threads = sys.gettrace(), threading.gettrace()
+    gc.collect()  # the collector off while tracing: what was dropped before is freed (finalizers run) now
+    enabled = gc.isenabled()
+    gc.disable()
     threading.settrace(on_call)
     sys.settrace(on_call)
     try:
@@ -140,6 +144,8 @@ def traced(fn: Callable[[], None], root: Path) -> tuple[set[CodeType], set[tuple
     finally:
         sys.settrace(before)
         threading.settrace(before_threads)
+        if enabled:
+            gc.enable()
     return codes, lines, generated
 
 

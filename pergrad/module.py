@@ -366,10 +366,13 @@ class PerSampleModule:
             self._sync()
 
     def _accumulate_hook(self, param: nn.Parameter) -> Callable[[tuple[Tensor, ...]], tuple[Tensor, ...] | None]:
-        engine = self._engine
+        # the engine held weakly: autograd holds the hook (a tap's graph holds the node), and a reference through
+        # autograd is one Python's collector cannot follow, so a dropped wrapper would never be collected
+        engine = weakref.ref(self._engine)
 
         def hook(grads: tuple[Tensor | None, ...]) -> tuple[Tensor, ...] | None:
-            new = engine.on_accumulate(param, grads[0])
+            found = engine()
+            new = None if found is None else found.on_accumulate(param, grads[0])
             return None if new is None else (new,)
 
         return hook

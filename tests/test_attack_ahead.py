@@ -666,13 +666,7 @@ def test_pergrad_leaves_no_global_hook_state_behind() -> None:
     assert not torch_module._has_any_global_hook(), f"left: {dict(torch_module._global_forward_hooks_with_kwargs)}"
 
 
-LEAKED = (
-    "an older leak (a3c7a34 too): a wrapper with a transform that ran a step is never collected once dropped "
-    "without remove(), so its layers stay hooked, and pergrad's global hook rightly stays with them"
-)
-
-
-@pytest.mark.parametrize("how", ["remove", pytest.param("del", marks=pytest.mark.xfail(strict=True, reason=LEAKED))])
+@pytest.mark.parametrize("how", ["remove", "del"])
 def test_pergrad_global_hook_does_not_outlive_the_wrapper(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The user's global hook outlives the wrapper (``psm.remove()``, or the wrapper and its model deleted
     and collected); once the user removes it, no global forward hook is left. After ``psm.remove()`` the

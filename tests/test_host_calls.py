@@ -12,6 +12,7 @@ step beyond it fails here, and one that removes some may lower the budget.
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -51,14 +52,21 @@ def count_calls(step: Callable[[], None]) -> int:
             seen[0] += 1
 
     counts = []
-    for _ in range(STEPS):
-        seen[0] = 0
-        sys.setprofile(profile)
-        try:
-            step()
-        finally:
-            sys.setprofile(None)
-        counts.append(seen[0])
+    gc.collect()  # the collector off while counting: what earlier tests dropped is freed (finalizers run) now, not inside
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(STEPS):
+            seen[0] = 0
+            sys.setprofile(profile)
+            try:
+                step()
+            finally:
+                sys.setprofile(None)
+            counts.append(seen[0])
+    finally:
+        if enabled:
+            gc.enable()
     return max(counts)
 
 

@@ -459,3 +459,26 @@ def test_the_first_backwards_check_as_it_runs_still_refuses_a_regulariser() -> N
     loss = nn.functional.cross_entropy(psm(x), y) + 0.1 * model[0].weight.square().sum()
     with pytest.raises(HookStateError, match=r"parameter '0\.weight': its gradient has a part that no hooked layer"):
         loss.backward()
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("detach", [True, False])
+def test_a_dropped_wrapper_and_its_model_are_collected(keep: bool, verify: bool, detach: bool) -> None:
+    """A notebook that wraps a new model and drops the old one without ``remove()``: once neither is
+    referenced, the collector frees them, after steps with a transform (the taps, the detaching shortcut's
+    zero anchor and the ``AccumulateGrad`` pre-hooks are held by autograd, whose references Python's
+    collector cannot follow: none of them holds the wrapper)."""
+
+    def train() -> tuple[weakref.ref[PerSampleModule], weakref.ref[nn.Module]]:
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3, bias=False)).double()
+        psm = PerSampleModule(model, keep_grad_sample=keep, verify=verify, detach_transformed=detach)
+        psm.register_transform(model, transforms.clip_norm(1.0))
+        for b in (5, 3):
+            psm.zero_grad()
+            psm(torch.randn(b, 4, dtype=torch.float64)).square().sum().backward()
+        return weakref.ref(psm), weakref.ref(model)
+
+    wrapper, model = train()
+    gc.collect()
+    assert wrapper() is None and model() is None, "the dropped wrapper (or its model) is still alive"

@@ -42,7 +42,7 @@ from torch.autograd.graph import get_gradient_edge
 from pergrad._core.capture.calls import Detached, HookedLayer
 from pergrad._core.options import Options
 from pergrad._core.parallel.world import World
-from pergrad._core.shortcuts.reach import Taps, user_hooks
+from pergrad._core.shortcuts.reach import Taps, user_hooks, weakly
 from pergrad.errors import DetachedWeightError
 
 MANY = 16  # positions per sample from which summing built g_i beats autograd's weight gradient
@@ -386,6 +386,6 @@ class Detacher:
         probe = self._probes.get(key)
         if probe is None:
             probe = torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True)
-            probe.register_hook(self.engine.on_probe)
+            probe.register_hook(weakly(self.engine.on_probe))  # (its hooks are out of the collector's sight)
             self._probes[key] = probe
         return probe

@@ -38,6 +38,19 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 
+def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (bound) holding its object weakly, for a hook that autograd keeps (on a tensor or a node of
+    pergrad's): Python's collector does not follow references through autograd, so a strong one would keep a
+    dropped wrapper alive for good."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        found = ref()
+        return None if found is None else found(*args)
+
+    return call
+
+
 class Taps:
     """The tap of each parameter that is checked, one per forward of the model."""
 
@@ -56,7 +69,7 @@ class Taps:
         found = self._taps.get(p)
         if found is None:
             found = self._taps[p] = torch.ops.aten.alias(p)
-            on_grad = self._on_grad
+            on_grad = weakly(self._on_grad)
             found.register_hook(lambda grad: on_grad(p, grad))
         return found
 
