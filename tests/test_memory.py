@@ -482,3 +482,22 @@ def test_a_dropped_wrapper_and_its_model_are_collected(keep: bool, verify: bool,
     wrapper, model = train()
     gc.collect()
     assert wrapper() is None and model() is None, "the dropped wrapper (or its model) is still alive"
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_wrapper_the_user_does_not_keep_still_clips_every_step(verify: bool) -> None:
+    """``PerSampleModule(model).register_transform(...)`` without keeping the wrapper, training the model
+    itself: its hooks on the model keep the wrapper's engine alive (the hooks autograd holds refer to it
+    weakly), so every step's ``.grad`` is the clipped mean, with a collection between steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    PerSampleModule(model, keep_grad_sample=False, verify=verify).register_transform(model, transforms.clip_norm(0.3))
+    for step, b in enumerate([5, 3, 5, 4]):
+        gc.collect()
+        x, y = torch.randn(b, 4, dtype=torch.float64), torch.randn(b, 3, dtype=torch.float64)
+        ref = reference_grad_sample(model, x, y)
+        expected = expected_grads(ref, 0.3)
+        model.zero_grad()
+        (model(x) - y).square().sum(1).mean().backward()
+        for name, p in model.named_parameters():
+            assert_close(p.grad, expected[name], f"step {step}: {name}")
