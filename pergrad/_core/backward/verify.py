@@ -284,9 +284,7 @@ def check_taps(state: Backward, detached: Collection[nn.Parameter], names: dict[
             extra = extra - tapped
         if bool(extra.any()):
             raise HookStateError(
-                unattributable(
-                    names[param], "it arrived beside what the parameter's layers sent it, in a backward after the first"
-                )
+                unattributable(names[param], "it arrived beside what the parameter's layers sent it")
                 + " Or pass verify=False to PerSampleModule if dropping that part is intended."
             )
 
