@@ -24,9 +24,9 @@ from torch.utils.checkpoint import checkpoint
 from pergrad import HookStateError, PerSampleModule, transforms
 from pergrad._core.capture.hooks import Ahead
 from tests.reference import assert_close, clipped_mean
+from tests.test_attack_hooks import Forward, call, loop_reference, step
 
 B, C = 5, 0.3
-Forward = Callable[[Any, Tensor], Tensor]
 GLOBAL_DICTS = (
     torch_module._global_forward_hooks,
     torch_module._global_forward_pre_hooks,
@@ -68,27 +68,14 @@ def global_hook(fn: Callable[..., Any], **kwargs: Any) -> Iterator[Any]:
         handle.remove()
 
 
-def call(m: Any, x: Tensor) -> Tensor:
-    out: Tensor = m(x)
-    return out
-
-
-def loop_reference(model: nn.Module, fwd: Forward, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-    """``{name: [B, *p.shape]}``: each sample's gradient of ``sum (out_i - y_i)^2``, one sample at a time
-    through plain autograd on a deep copy of ``model`` (pergrad's hooks on it are inert)."""
-    twin = copy.deepcopy(model)
-    per: list[dict[str, Tensor]] = []
-    for i in range(x.shape[0]):
-        twin.zero_grad()
-        (fwd(twin, x[i : i + 1]) - y[i : i + 1]).pow(2).sum().backward()
-        per.append(
-            {
-                n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                for n, p in twin.named_parameters()
-                if p.requires_grad
-            }
-        )
-    return {n: torch.stack([g[n] for g in per]) for n in per[0]}
+def steps_under(hook: Callable[..., Any], model: nn.Module, psm: PerSampleModule, x: Tensor, y: Tensor, steps: int,
+                **options: Any) -> None:  # fmt: skip
+    """``steps`` steps, each checked (``check`` with ``options``), under the global forward hook ``hook``; then
+    the wrapper removed."""
+    with global_hook(hook):
+        for s in range(steps):
+            check(model, psm, x, y, f"step {s}", **options)
+    psm.remove()
 
 
 def expected_grads(ref: dict[str, Tensor], clip: str | None) -> dict[str, Tensor]:
@@ -101,11 +88,6 @@ def expected_grads(ref: dict[str, Tensor], clip: str | None) -> dict[str, Tensor
     out = {n: g.mean(0) for n, g in ref.items()}
     out.update(clipped_mean(inside, C))
     return out
-
-
-def step(psm: PerSampleModule, fwd: Forward, x: Tensor, y: Tensor) -> None:
-    psm.zero_grad()
-    ((fwd(psm, x) - y).pow(2).sum() / x.shape[0]).backward()
 
 
 def check(
@@ -199,10 +181,7 @@ def test_linear_output_rescaled_with_every_option(keep: bool, clip: str | None, 
             return out + 1.0
         return None
 
-    with global_hook(hook):
-        for s in range(4):
-            check(model, psm, x, y, f"step {s}", clip=clip, norms=norms)
-    psm.remove()
+    steps_under(hook, model, psm, x, y, 4, clip=clip, norms=norms)
 
 
 @pytest.mark.parametrize("clip", [None, ""])
@@ -247,10 +226,7 @@ def test_embedding_and_layernorm_outputs_rescaled(positions: int) -> None:
         return None
 
     psm = wrap(model, "")
-    with global_hook(hook):
-        for s in range(4):
-            check(model, psm, x, y, f"step {s}", clip="")
-    psm.remove()
+    steps_under(hook, model, psm, x, y, 4, clip="")
 
 
 class Attention(nn.Module):
@@ -334,10 +310,7 @@ def test_lstm_tuple_output_replaced() -> None:
         return None
 
     psm = wrap(model)
-    with global_hook(hook):
-        for s in range(3):
-            check(model, psm, x, y, f"step {s}")
-    psm.remove()
+    steps_under(hook, model, psm, x, y, 3)
 
 
 @pytest.mark.parametrize("kind", ["linear", "conv"])
@@ -552,10 +525,7 @@ def test_the_same_linear_called_twice_per_forward() -> None:
         return None
 
     psm = wrap(model, "")
-    with global_hook(hook):
-        for s in range(4):
-            check(model, psm, x, y, f"step {s}", clip="")
-    psm.remove()
+    steps_under(hook, model, psm, x, y, 4, clip="")
 
 
 @pytest.mark.parametrize("verify", [True, False])
@@ -576,10 +546,7 @@ def test_a_global_hook_that_calls_the_layer_again(verify: bool) -> None:
         return None
 
     psm = wrap(model, "", verify=verify)
-    with global_hook(hook):
-        for s in range(3):
-            check(model, psm, x, y, f"step {s}", clip="")
-    psm.remove()
+    steps_under(hook, model, psm, x, y, 3, clip="")
 
 
 # -- errors: a forward that raises ----------------------------------------------------------------
@@ -913,10 +880,7 @@ def test_gpt2_conv1d_and_attention_outputs_rescaled() -> None:
     y = torch.randn(B, 6, 20)
     fwd = lambda m, ids: m(input_ids=ids).logits  # noqa: E731
     psm = wrap(model, "")
-    with global_hook(hook):
-        for s in range(3):
-            check(model, psm, x, y, f"step {s}", fwd=fwd, clip="")
-    psm.remove()
+    steps_under(hook, model, psm, x, y, 3, fwd=fwd, clip="")
 
 
 def test_bert_layernorm_and_self_output_rescaled() -> None:

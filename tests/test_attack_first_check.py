@@ -168,6 +168,15 @@ class CheckpointedBlock(nn.Module):
         return self.head(h)
 
 
+def norms_or_clipped(model: nn.Module, clip: bool, batches: Sequence[Batch]) -> None:
+    """``run_steps`` of ``mse`` with the norms tracked, or with every parameter clipped (``clip``)."""
+    psm = PerSampleModule(model, keep_grad_sample=False, track_norms=not clip)
+    if clip:
+        psm.register_transform(model, transforms.clip_norm(C))
+    names = [n for n, _ in model.named_parameters()]
+    run_steps(model, psm, batches, mse, clipped=names if clip else (), norms=not clip)
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("clip", [False, True])
 def test_checkpointed_layer_with_its_weight_tied_outside_the_checkpoint(reentrant: bool, clip: bool) -> None:
@@ -176,11 +185,7 @@ def test_checkpointed_layer_with_its_weight_tied_outside_the_checkpoint(reentran
     with its own calls."""
     torch.manual_seed(0)
     model = CheckpointedBlock(reentrant, tied=True)
-    psm = PerSampleModule(model, keep_grad_sample=False, track_norms=not clip)
-    if clip:
-        psm.register_transform(model, transforms.clip_norm(C))
-    names = [n for n, p in model.named_parameters()]
-    run_steps(model, psm, regression(SIZES, 4, 3), mse, clipped=names if clip else (), norms=not clip)
+    norms_or_clipped(model, clip, regression(SIZES, 4, 3))
 
 
 class Holder(nn.Module):
@@ -390,14 +395,10 @@ class Attention(nn.Module):
 @pytest.mark.parametrize("clip", [False, True])
 def test_multihead_attention_with_both_outputs_used(clip: bool) -> None:
     torch.manual_seed(0)
-    model = Attention()
-    psm = PerSampleModule(model, keep_grad_sample=False, track_norms=not clip)
-    if clip:
-        psm.register_transform(model, transforms.clip_norm(C))
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(b, 5, 3, generator=g), torch.randn(b, 2, generator=g)) for b in SIZES]
-    names = [n for n, _ in model.named_parameters()]
-    run_steps(model, psm, batches, mse, clipped=names if clip else (), norms=not clip)
+    norms_or_clipped(
+        Attention(), clip, [(torch.randn(b, 5, 3, generator=g), torch.randn(b, 2, generator=g)) for b in SIZES]
+    )
 
 
 @pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU])
@@ -1060,14 +1061,10 @@ class SharedChain(nn.Module):
 @pytest.mark.parametrize("clip", [False, True])
 def test_a_class_token_and_a_projected_position_embedding(clip: bool) -> None:
     torch.manual_seed(0)
-    model = SharedChain()
-    psm = PerSampleModule(model, keep_grad_sample=False, track_norms=not clip)
-    if clip:
-        psm.register_transform(model, transforms.clip_norm(C))
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(b, 4, 3, generator=g), torch.randn(b, 2, generator=g)) for b in SIZES]
-    names = [n for n, _ in model.named_parameters()]
-    run_steps(model, psm, batches, mse, clipped=names if clip else (), norms=not clip)
+    norms_or_clipped(
+        SharedChain(), clip, [(torch.randn(b, 4, 3, generator=g), torch.randn(b, 2, generator=g)) for b in SIZES]
+    )
 
 
 @pytest.mark.parametrize("mode", ["norms", "clip", "projection"])
