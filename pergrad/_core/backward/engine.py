@@ -499,16 +499,16 @@ class Engine:
         an empty batch, with statistics (they read autograd's gradients) or under DDP and FSDP."""
         checking = state.checking
         if checking is None:
-            if state.arrived.calls[:-1] or state.create_graph or state.mode_unknown or not state.batch_size:
+            if len(state.arrived.calls) > 1 or state.create_graph or state.mode_unknown or not state.batch_size:
                 return  # (decided at the backward's first call)
             if self.options.track_statistics or self.world is not None:
                 return
             checking = state.checking = Unchecked()
-        params = list(dict.fromkeys(self.canonical(p) for _, p in call.layer.trainable()))
+        params = {self.canonical(p) for _, p in call.layer.trainable()}
         for p in params:
             checking.since.setdefault(p, []).append(call)
         if not read:
-            checking.waiting[call] = (params, [len(params)])
+            checking.waiting[call] = params
 
     def _takes_now(self, state: Backward, kept: Kept, call: Call, reader: Consumer, others: Iterator[Consumer]) -> bool:
         """Have ``reader``, the first consumer that reads a call (one that ``takes_now``), take it as its ``d``

@@ -87,11 +87,11 @@ class Unchecked:
     parameter is compared when its ``AccumulateGrad`` runs, with the calls that fed it since its sums last
     agreed with autograd's (``since``; autograd's parts since then wait in ``Accumulated.batch_grads``). A
     call no consumer reads is kept only for the check: let go once every parameter it feeds agreed
-    (``waiting``: its parameters, and how many have not agreed yet)."""
+    (``waiting``: those that have not yet)."""
 
     since: dict[nn.Parameter, list[Call]] = field(default_factory=dict)
     agreed: dict[nn.Parameter, None] = field(default_factory=dict)
-    waiting: dict[Call, tuple[list[nn.Parameter], list[int]]] = field(default_factory=dict)
+    waiting: dict[Call, set[nn.Parameter]] = field(default_factory=dict)
 
 
 @dataclass

@@ -45,10 +45,7 @@ def check_sums(
     for p in params:
         autograd = batch_grads.get(p)
         autograd = torch.zeros_like(p) if autograd is None else autograd
-        source = sources(p)
-        difference = _difference(
-            autograd, _summed(source, p, batch_size, loss_reduction, autograd), source, p, batch_size, loss_reduction
-        )
+        difference = _difference(autograd, sources(p), p, batch_size, loss_reduction)
         if difference is not None:
             raise HookStateError(
                 unattributable(names[p], f"max difference {difference:.3g}")
@@ -86,26 +83,24 @@ def check_part(state: Backward, param: nn.Parameter, part: Tensor, loss_reductio
     calls = checking.since.get(param)
     if calls:
         source = Fused(calls, canonical)
-        ours = _summed(source, param, state.batch_size, loss_reduction, total)
-        agreed = _difference(total, ours, source, param, state.batch_size, loss_reduction) is None
+        agreed = _difference(total, source, param, state.batch_size, loss_reduction) is None
         source.lend_builds()
         if agreed:
             del checking.since[param]
             checking.agreed[param] = None
             for call in calls:
-                _done_with(state, checking, call)
+                _done_with(state, checking, call, param, canonical)
             return
     batch_grads[param] = total
 
 
-def _done_with(state: Backward, checking: Unchecked, call: Call) -> None:
-    """One more of ``call``'s parameters agreed: a call kept only for the check is let go after its last."""
-    found = checking.waiting.get(call)
-    if found is None:
+def _done_with(state: Backward, checking: Unchecked, call: Call, param: nn.Parameter, canonical: Canonical) -> None:
+    """``param`` of ``call`` agreed: a call kept only for the check is let go after its last parameter."""
+    left = checking.waiting.get(call)
+    if left is None:
         return
-    params, left = found
-    left[0] -= 1
-    if left[0] > 0:
+    left.discard(param)
+    if left:
         return
     del checking.waiting[call]
     calls = state.arrived.calls
@@ -113,7 +108,7 @@ def _done_with(state: Backward, checking: Unchecked, call: Call) -> None:
         if calls[i] is call:
             del calls[i]
             break
-    state.arrived.passed.update(dict.fromkeys(params))
+    state.arrived.passed.update((canonical(p), None) for _, p in call.layer.trainable())
 
 
 def _weight(batch_size: int, loss_reduction: str) -> float:
@@ -125,27 +120,23 @@ def _fed(source: Materialized | Fused, p: nn.Parameter) -> bool:
     return p in (source.uses if isinstance(source, Fused) else source.grads)
 
 
-def _summed(
-    source: Materialized | Fused, p: nn.Parameter, batch_size: int, loss_reduction: str, like: Tensor
-) -> Tensor:
-    """``sum_i w_i g_i`` of ``p`` from ``source`` (``w_i = 1/B`` for a mean loss): 0 where no call fed it."""
-    if not _fed(source, p):
-        return torch.zeros_like(like)
-    return source.summed([p], like.new_full((batch_size,), _weight(batch_size, loss_reduction)))[p]
-
-
 def _difference(
-    autograd: Tensor, ours: Tensor, source: Materialized | Fused, p: nn.Parameter, batch_size: int, loss_reduction: str
+    autograd: Tensor, source: Materialized | Fused, p: nn.Parameter, batch_size: int, loss_reduction: str
 ) -> float | None:
-    """None where pergrad's sum ``ours`` of ``p``'s per-sample gradients agrees with ``autograd``'s within
-    the round-off of two summation orders: relative to the larger side, or, where the samples' terms
-    cancel, to the terms themselves (``sum_i w_i |g_i|`` elementwise, built only then: a layer that
-    computes in float32 inside float64 parameters, as HF's Gemma RMSNorm does, rounds each term at
-    float32); else their largest difference."""
+    """None where pergrad's sum ``ours = sum_i w_i g_i`` of ``p``'s per-sample gradients in ``source``
+    (``w_i = 1/B`` for a mean loss; 0 where no call fed ``p``) agrees with ``autograd``'s within the round-off
+    of two summation orders: relative to the larger side, or, where the samples' terms cancel, to the terms
+    themselves (``sum_i w_i |g_i|`` elementwise, built only then: a layer that computes in float32 inside
+    float64 parameters, as HF's Gemma RMSNorm does, rounds each term at float32); else their largest
+    difference."""
     autograd = autograd.detach()  # (create_graph=True: compared as values)
-    ours = ours.detach().to(autograd.dtype)
     if not torch.isfinite(autograd).all():
         return None  # non-finite values: nothing to compare; a poisoned sample is handled elsewhere
+    weight = _weight(batch_size, loss_reduction)
+    if _fed(source, p):
+        ours = source.summed([p], autograd.new_full((batch_size,), weight))[p].detach().to(autograd.dtype)
+    else:
+        ours = torch.zeros_like(autograd)
     # a floor for sums that cancel to ~0 (a term below it would not change training anyway)
     rel, floor = (1e-6, 1e-10) if autograd.dtype == torch.float64 else (1e-2, 1e-4)
     scale = torch.maximum(autograd.abs().max(), ours.abs().max())
@@ -154,7 +145,7 @@ def _difference(
     difference = (autograd - ours).abs()
     if not _fed(source, p):  # no call fed it: no terms
         return float(difference.max())
-    terms = source.per_sample([p])[p].detach().abs().sum(0).mul_(_weight(batch_size, loss_reduction))
+    terms = source.per_sample([p])[p].detach().abs().sum(0).mul_(weight)
     if (difference <= rel * terms.to(autograd.dtype) + floor).all():
         return None
     return float(difference.max())
