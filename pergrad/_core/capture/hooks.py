@@ -316,7 +316,7 @@ class Ahead:
             return
         ours = cls.handle
         if ours is not None and ours.id in hooks:
-            if len(hooks) == 1 or not cls.owners:  # the user's are gone, or every wrapper
+            if cls.idle():
                 cls.release()
             elif next(iter(hooks)) != ours.id:
                 hooks.move_to_end(ours.id, last=False)
@@ -324,6 +324,12 @@ class Ahead:
         if cls.owners:
             cls.handle = nn.modules.module.register_module_forward_hook(_run_ahead, with_kwargs=True, always_call=True)
             hooks.move_to_end(cls.handle.id, last=False)
+
+    @classmethod
+    def idle(cls) -> bool:
+        """Whether pergrad's global forward hook has nothing to run ahead of (it is the only one), or no wrapper
+        needs it."""
+        return len(nn.modules.module._global_forward_hooks) == 1 or not cls.owners
 
     @classmethod
     def behind(cls) -> bool:
@@ -348,7 +354,7 @@ class Ahead:
 def _run_ahead(module: nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
     """pergrad's global forward hook (``Ahead``): ``(module, args, kwargs, output)``, or, where the forward
     raised, ``(module, args, output)``."""
-    if len(nn.modules.module._global_forward_hooks) == 1 or not Ahead.owners:
+    if Ahead.idle():
         Ahead.release()  # (torch listed the hooks before this call: taking it away now is safe)
         return None
     output = returned = rest[-1]

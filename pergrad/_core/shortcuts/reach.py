@@ -69,8 +69,8 @@ class Taps:
         found = self._taps.get(p)
         if found is None:
             found = self._taps[p] = torch.ops.aten.alias(p)
-            on_grad = weakly(self._on_grad)
-            found.register_hook(lambda grad: on_grad(p, grad))
+            on_grad = weakref.WeakMethod(self._on_grad)  # (autograd holds the hook: see ``weakly``; inline, per step)
+            found.register_hook(lambda grad: None if (seen := on_grad()) is None else seen(p, grad))
         return found
 
     def clear(self) -> None:
