@@ -40,11 +40,14 @@ from pergrad._core.shortcuts.followed import (
     Followed,
     Lean,
     Outputs,
+    dynamo_callback,
     elementwise_from_outputs,
     kind_of,
+    never_traced,
     reaches,
     signature,
     told,
+    without_dynamo,
 )
 from pergrad._core.shortcuts.shared import (
     SEEN,
@@ -126,8 +129,10 @@ class ModuleHook:
         # call of it for the same call (torch hands both the same tuple) then returns at once
         self.ahead: list[tuple[Any, ...]] = []
 
-    @torch.compiler.disable(reason=EAGER)  # (runs eagerly, also in a compiled model: ``Provenance``)
+    @never_traced  # it runs eagerly, also in a compiled model (``Provenance``)
     def __call__(self, *args: Any) -> Any:
+        if dynamo_callback() is not None:  # called from code Dynamo compiled: nothing called from here may be
+            return without_dynamo(self.__call__, *args)  # (this call again, with no callback)
         if self.ahead and args[1] is self.ahead[-1]:
             self.ahead.pop()
             return None

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -47,6 +47,7 @@ WALK = 10_000  # autograd nodes a lean forward's unmatched call walks at most to
 Kind = tuple[Any, ...]
 Outputs = dict[Any, tuple[str, int, int | None]]  # by autograd node: a layer call's key, the output's rank, batch dim
 Signature = tuple[Any, ...]
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def kind_of(args: tuple[Any, ...], kwargs: dict[str, Any], size: int, dim: int, training: bool) -> Kind:
@@ -257,6 +258,27 @@ def elementwise_from_outputs(a: Tensor, outputs: Outputs, dim: int) -> bool:
     return _walk(a, step) is None and bool(reached)
 
 
+def never_traced(fn: F) -> F:
+    """``fn``, marked for Dynamo to neither trace nor compile (``skip``: free in eager, where the wrapper of
+    ``torch.compiler.disable`` costs a handful of calls at each call), with pergrad's reason, which
+    ``fullgraph=True`` quotes (``EAGER``)."""
+    skip(fn)
+    fn._torchdynamo_disable_msg = EAGER  # type: ignore[attr-defined]
+    return fn
+
+
+# Dynamo's frame callback, None unless code Dynamo compiled is running: pergrad's hooks and modes are marked
+# ``skip`` (Dynamo neither traces nor compiles them, at no cost in eager) and, where it is set, run their work
+# through ``without_dynamo``, so no frame they call is compiled (torch is pinned: a private name)
+dynamo_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+
+
+@torch.compiler.disable(reason=EAGER)
+def without_dynamo(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with Dynamo's frame evaluation off."""
+    return fn(*args, **kwargs)
+
+
 class Stepped(TorchFunctionMode):
     """A torch function mode of pergrad's, which pergrad's own work in a layer's hook steps aside from."""
 
@@ -280,19 +302,10 @@ class Lean(Stepped):
     as under ``Provenance``, so a lean forward runs the same code (and makes the same autograd nodes) as the
     followed ones it is checked against."""
 
-    @skip  # never traced nor compiled by Dynamo, as ``Provenance.__torch_function__``
+    @never_traced  # as ``Provenance.__torch_function__``
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        if _dynamo_callback() is not None:  # called from code Dynamo compiled: nothing called from here may be
-            return _without_dynamo(func, *args, **(kwargs or {}))
+        if dynamo_callback() is not None:  # called from code Dynamo compiled: nothing called from here may be
+            return without_dynamo(func, *args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
-
-
-_dynamo_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback  # (torch is pinned: a private name)
-
-
-@torch.compiler.disable(reason=EAGER)
-def _without_dynamo(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` with Dynamo's frame evaluation off."""
-    return fn(*args, **kwargs)

@@ -64,13 +64,12 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._C import DisableTorchFunctionSubclass
-from torch._dynamo.decorators import skip
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
 from pergrad._core.capture.dims import LOST, attribute_dim, carries, folded, result_dims, torch_functions, written
-from pergrad._core.shortcuts.followed import Stepped
+from pergrad._core.shortcuts.followed import Stepped, dynamo_callback, never_traced, without_dynamo
 from pergrad.errors import EAGER, BatchSizeError, SharedInputError
 
 
@@ -834,12 +833,12 @@ class Provenance(Stepped):
         found = self._marks.get(id(t))
         return found[2] if found is not None and found[0]() is t else ""
 
-    @skip  # never traced nor compiled by Dynamo; a compiled model's frames run eagerly under it
+    @never_traced  # a compiled model's frames run eagerly under it
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        if _dynamo_callback() is not None:  # called from code Dynamo compiled: nothing called from here may be
-            return _without_dynamo(self._follow_op, func, args, kwargs or {})
+        if dynamo_callback() is not None:  # called from code Dynamo compiled: nothing called from here may be
+            return without_dynamo(self._follow_op, func, args, kwargs or {})
         return self._follow_op(func, args, kwargs or {})
 
     def _follow_op(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -906,15 +905,6 @@ class Provenance(Stepped):
     def __exit__(self, *exc: object) -> None:
         _local.provenance = self._before
         super().__exit__(*exc)
-
-
-_dynamo_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback  # (torch is pinned: a private name)
-
-
-@torch.compiler.disable(reason=EAGER)
-def _without_dynamo(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` with Dynamo's frame evaluation off."""
-    return fn(*args)
 
 
 def provenance() -> Provenance | None:
