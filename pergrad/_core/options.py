@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 REDUCTIONS = ("mean", "sum")
 
@@ -33,12 +34,13 @@ class Options:
         if self.accumulate not in ("backward", "samples"):
             raise ValueError(f"accumulate must be 'backward' or 'samples', got {self.accumulate!r}")
 
-    @property
+    # (cached: read per layer call; a frozen record's answers never change)
+    @cached_property
     def norms(self) -> bool:
         """Whether every backward computes every parameter's per-sample norms (the statistics need them)."""
         return self.track_norms or bool(self.track_statistics)
 
-    @property
+    @cached_property
     def running_mean(self) -> bool:
         """``accumulate="samples"`` with a mean: ``.grad`` is the mean over every sample since it was cleared."""
         return self.accumulate == "samples" and self.reduction == "mean"

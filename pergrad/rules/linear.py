@@ -82,10 +82,17 @@ def trainable(layer: nn.Module, name: str) -> bool:
 def linear_sq_norms(layer: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
     """``||g_i(W)||^2`` (outer-product or Gram form, by shape) and ``||g_i(b)||^2 = ||sum_s d_is||^2``."""
     out = {}
+    if d.dim() == 2:  # one position per sample: ||g_i(W)||^2 = ||a_i||^2 ||d_i||^2, and ||d_i||^2 is the bias's
+        d_sq = _sq_norms(d)
+        if trainable(layer, "weight"):
+            out["weight"] = _sq_norms(a) * d_sq
+        if trainable(layer, "bias"):
+            out["bias"] = d_sq
+        return out
     if trainable(layer, "weight"):
         out["weight"] = outer_sq_norms(rows(a), rows(d))
     if trainable(layer, "bias"):
-        out["bias"] = _sq_norms(d if d.dim() == 2 else rows(d).sum(1))
+        out["bias"] = _sq_norms(rows(d).sum(1))
     return out
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
-from torch.nn.parameter import is_lazy
+from torch.nn.parameter import UninitializedParameter
 from torch.nn.utils import parametrize
 
 from pergrad._core.capture.calls import HookedLayer
@@ -74,20 +74,18 @@ def layout_of(modules: list[nn.Module], canonical: Callable[[nn.Parameter], nn.P
     ``.double()``, ``.half()`` keep the ``Parameter`` objects but give them new data, and with it a
     new ``AccumulateGrad`` node that the wrapper's hooks are not on (``torch.utils.swap_tensors``, which
     conversions use when ``torch.__future__.set_swap_module_params_on_conversion(True)``, swaps the
-    tensor itself). Cheap enough to compare at every forward."""
-    return tuple(
-        (
-            type(m),  # a lazy module becomes its cls_to_become in its first forward
-            *map(id, m._modules.values()),
-            *(
-                (n, id(c), c._cdata, c.dtype, c.device, p.requires_grad, is_lazy(p))
-                for n, p in m._parameters.items()
-                if p is not None
-                for c in (canonical(p),)
-            ),
-        )
-        for m in modules
-    )
+    tensor itself). Compared at every forward: one flat tuple, each module's entries after its type
+    (a lazy module becomes its ``cls_to_become`` in its first forward), built without a call per module."""
+    found: list[object] = []
+    for m in modules:
+        found.append(type(m))
+        found.extend(map(id, m._modules.values()))  # (ints: never equal to a type or a parameter's tuple)
+        for n, p in m._parameters.items():
+            if p is not None:
+                c = canonical(p)
+                lazy = isinstance(p, UninitializedParameter)
+                found.append((n, id(c), c._cdata, c.dtype, c.device, p.requires_grad, lazy))
+    return tuple(found)
 
 
 def _advice(cls: type[nn.Module], registry: RuleRegistry) -> str:
