@@ -24,6 +24,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from pergrad._core.shortcuts import detach
+
 settings.register_profile(
     "ci", derandomize=True, deadline=None, max_examples=100, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -109,6 +111,16 @@ def float64() -> Iterator[None]:
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(previous)
+
+
+LIBRARY_FEW_FLOPS = detach.FEW_FLOPS  # the library's own threshold (``detach_at_any_size`` sets it to 0 in tests)
+
+
+@pytest.fixture(autouse=True)
+def detach_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights run detached whatever their layer's flops (``detach.FEW_FLOPS`` 0), as the shortcut's tests, written
+    with tiny layers, mean them to. Its threshold is tested in ``test_detach_flops.py`` and drawn by the fuzzer."""
+    monkeypatch.setattr(detach, "FEW_FLOPS", 0)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from pergrad import DetachedWeightError, HookStateError, PerSampleModule, SecondOrderError, TransformError, transforms
+from pergrad._core.shortcuts import detach
 from tests.reference import assert_close, reference_grad_sample
 
 FUZZ_EXAMPLES = {"ci": 300, "dev": 60, "long": 2000}[os.environ.get("HYPOTHESIS_PROFILE", "dev")]
@@ -297,6 +298,8 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     hooked = sorted({n.rsplit(".", 1)[0] for n in trainable})
     choice = data.draw(st.sampled_from(["none", "root", "module", "param"]), label="target kind")
+    # the flops below which weights stay attached: a layer of these sizes on both sides as the batch changes
+    detach.FEW_FLOPS = data.draw(st.sampled_from([0, 0, 48, 400, 2**22]), label="detach.FEW_FLOPS")
     keep = data.draw(st.booleans(), label="keep_grad_sample")
     hook = HookLog(data.draw(st.sampled_from(["none", "none", "tensor", "post"]), label="user hook"))
     always = [n for n in trainable if not n.startswith("aux.")]  # reached on every step

@@ -46,6 +46,9 @@ from pergrad._core.shortcuts.reach import Taps, user_hooks, weakly
 from pergrad.errors import DetachedWeightError
 
 MANY = 16  # positions per sample from which summing built g_i beats autograd's weight gradient
+# flops of autograd's weight gradient (``2 B L |W|``) below which detaching the weight costs the host more (the
+# calls of the swap, the touch and the taps, at every call of the layer) than the matmul it saves
+FEW_FLOPS = 2**22
 
 
 class _Touch(torch.autograd.Function):
@@ -260,7 +263,10 @@ class Detacher:
           flops on L positions;
         - norms of a convolution are tracked (they build its ``g_i``: see ``conv_builds``);
         - a projection registered with ``grads=False`` covers the weight (one process): its ``.grad``
-          is not needed, and pergrad leaves it unwritten.
+          is not needed, and pergrad leaves it unwritten;
+
+        and, in one process, where autograd's weight gradient of a Linear or convolution costs at least
+        ``FEW_FLOPS``: below it, the host's work of running detached costs more than the matmul saved.
         """
         engine = self.engine
         if generation != self._generation:
@@ -297,8 +303,9 @@ class Detacher:
             return None
         assert isinstance(weight, nn.Parameter)
         if decided is None:
-            many = positions(module, a, batch_dim) >= MANY
-            if not self._owned(module, engine.canonical(weight), many):
+            count = positions(module, a, batch_dim)
+            key = engine.canonical(weight)
+            if not self._owned(module, key, count >= MANY) or self._cheap(module, key, a, batch_dim, count):
                 return None
         swaps: list[tuple[str, Tensor | None, Tensor]] = [("weight", weight, weight.detach())]
         trainable_bias = isinstance(bias, nn.Parameter) and bias.requires_grad
@@ -327,6 +334,17 @@ class Detacher:
             swaps.append(("bias", None, probe.expand(module.out_features)))
             return Detached(probe, (weight,), tuple(swaps), probe=True)
         return None  # a frozen bias, or one the module does not keep as `bias`
+
+    def _cheap(self, module: nn.Module, key: nn.Parameter, a: Any, batch_dim: int, count: int) -> bool:
+        """Whether autograd's weight gradient for this call of a Linear or convolution, in one process and with
+        its ``.grad`` needed, costs fewer than ``FEW_FLOPS`` flops (``2 B L |W|`` at ``count`` positions per
+        sample): then the weight stays attached, as detaching it costs more than it saves."""
+        engine = self.engine
+        if engine.world is not None or key in engine.gradless:
+            return False
+        if not isinstance(module, nn.Linear | nn.modules.conv._ConvNd) or not isinstance(a, Tensor):
+            return False
+        return a.dim() > batch_dim and 2 * a.shape[batch_dim] * count * key.numel() < FEW_FLOPS
 
     def _guard(self, layer: HookedLayer, params: tuple[nn.Parameter, ...]) -> tuple[_Guard, tuple[Tensor, ...]]:
         """The guard of ``layer``'s calls whose ``params`` run detached, and what to touch with it: the
