@@ -150,6 +150,14 @@ def positions(module: nn.Module, a: Any, batch_dim: int) -> int:
     return 1
 
 
+def few_flops(module: nn.Module, a: Any, batch_dim: int, count: int) -> bool:
+    """Whether autograd's weight gradient for this call of a Linear or convolution on ``a`` costs fewer than
+    ``FEW_FLOPS`` flops (``2 B L |W|`` at ``count`` positions per sample)."""
+    if not isinstance(module, nn.Linear | nn.modules.conv._ConvNd) or not isinstance(a, Tensor) or a.dim() <= batch_dim:
+        return False
+    return 2 * a.shape[batch_dim] * count * module.weight.numel() < FEW_FLOPS
+
+
 def has_tensor_hooks(p: Tensor) -> bool:
     """Whether ``p.register_hook`` hooks of the user's are on ``p`` (autograd calls them with its own
     gradient; pergrad's own, ``reach.Unhooked``, left out)."""
@@ -220,9 +228,9 @@ class Detacher:
             return False
         return self._owned(module, engine.canonical(weight), many=True)  # the most a call can ask for
 
-    def _owned(self, module: nn.Module, key: nn.Parameter, many: bool) -> bool:
+    def _owned(self, module: nn.Module, key: nn.Parameter, many: bool, few: bool = False) -> bool:
         """Whether pergrad writes the ``.grad`` of ``module``'s weight ``key`` itself when the call
-        applies it at ``many`` positions per sample (see ``for_call``)."""
+        applies it at ``many`` positions per sample, its weight gradient costing ``few`` flops (see ``for_call``)."""
         engine = self.engine
         if engine.world is None and key in engine.gradless:
             return True  # its .grad is not needed: autograd's weight gradient is pure cost
@@ -230,6 +238,8 @@ class Detacher:
             # FSDP2 reduce-scatters what has a gradient: detach alike on every rank, whatever
             # its batch (an empty one has "few" positions), so only the weights a transform covers
             return key in engine.transformed
+        if few and engine.world is None:  # (DDP: every rank alike, whatever its batch)
+            return False
         # with second moments, the mean of a detached weight comes from its built g_i (many positions)
         owned = (
             many if engine.second_moments else key in engine.transformed or (engine.options.keep_grad_sample and many)
@@ -304,8 +314,7 @@ class Detacher:
         assert isinstance(weight, nn.Parameter)
         if decided is None:
             count = positions(module, a, batch_dim)
-            key = engine.canonical(weight)
-            if not self._owned(module, key, count >= MANY) or self._cheap(module, key, a, batch_dim, count):
+            if not self._owned(module, engine.canonical(weight), count >= MANY, few_flops(module, a, batch_dim, count)):
                 return None
         swaps: list[tuple[str, Tensor | None, Tensor]] = [("weight", weight, weight.detach())]
         trainable_bias = isinstance(bias, nn.Parameter) and bias.requires_grad
@@ -334,17 +343,6 @@ class Detacher:
             swaps.append(("bias", None, probe.expand(module.out_features)))
             return Detached(probe, (weight,), tuple(swaps), probe=True)
         return None  # a frozen bias, or one the module does not keep as `bias`
-
-    def _cheap(self, module: nn.Module, key: nn.Parameter, a: Any, batch_dim: int, count: int) -> bool:
-        """Whether autograd's weight gradient for this call of a Linear or convolution, in one process and with
-        its ``.grad`` needed, costs fewer than ``FEW_FLOPS`` flops (``2 B L |W|`` at ``count`` positions per
-        sample): then the weight stays attached, as detaching it costs more than it saves."""
-        engine = self.engine
-        if engine.world is not None or key in engine.gradless:
-            return False
-        if not isinstance(module, nn.Linear | nn.modules.conv._ConvNd) or not isinstance(a, Tensor):
-            return False
-        return a.dim() > batch_dim and 2 * a.shape[batch_dim] * count * key.numel() < FEW_FLOPS
 
     def _guard(self, layer: HookedLayer, params: tuple[nn.Parameter, ...]) -> tuple[_Guard, tuple[Tensor, ...]]:
         """The guard of ``layer``'s calls whose ``params`` run detached, and what to touch with it: the
