@@ -345,6 +345,30 @@ def test_a_regulariser_switched_on_later_is_refused_naming_the_parameter(late: s
     psm.remove()
 
 
+def test_without_verify_small_weights_run_detached_and_a_regulariser_is_still_refused() -> None:
+    """With ``verify=False`` no tap checks what reaches an attached weight, so the threshold does not apply: the small
+    weight runs detached from the first step, as before it, and a term on it is refused naming it, never dropped."""
+    torch.manual_seed(7)
+    model = Wide()
+    psm = PerSampleModule(model, keep_grad_sample=False, verify=False)
+    psm.register_transform(model, transforms.clip_norm(BOUND))
+    params = dict(model.named_parameters())
+    for step, (x, t) in enumerate(gen_batches([(8, 4), (8, 4), (8, 4)], lambda s: (s[0], 2))):
+        psm.zero_grad()
+        out = psm(x)
+        assert model.inp.weight in psm._engine.detacher.current, f"step {step}"
+        loss = squared(out, t).mean()
+        if step < 2:
+            expected = clipped_mean(one_at_a_time(model, x, t), [params])
+            loss.backward()
+            for n, p in params.items():
+                close(p.grad, expected[n], f"step {step} {n}")
+            continue
+        with pytest.raises(HookStateError, match=re.escape("parameter 'inp.weight'")):
+            (loss + 0.1 * params["inp.weight"].sum()).backward()
+    psm.remove()
+
+
 # -- the user's hooks on small attached weights ----------------------------------------------------------------
 
 

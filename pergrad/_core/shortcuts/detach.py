@@ -238,7 +238,9 @@ class Detacher:
             # FSDP2 reduce-scatters what has a gradient: detach alike on every rank, whatever
             # its batch (an empty one has "few" positions), so only the weights a transform covers
             return key in engine.transformed
-        if few and engine.world is None:  # (DDP: every rank alike, whatever its batch)
+        # (DDP: every rank alike, whatever its batch; verify=False: no tap would check what else reaches an
+        # attached weight, where a detached one's guard refuses it)
+        if few and engine.world is None and engine.options.verify:
             return False
         # with second moments, the mean of a detached weight comes from its built g_i (many positions)
         owned = (
@@ -275,8 +277,8 @@ class Detacher:
         - a projection registered with ``grads=False`` covers the weight (one process): its ``.grad``
           is not needed, and pergrad leaves it unwritten;
 
-        and, in one process, where autograd's weight gradient of a Linear or convolution costs at least
-        ``FEW_FLOPS``: below it, the host's work of running detached costs more than the matmul saved.
+        and, in one process with ``verify=True``, where autograd's weight gradient of a Linear or convolution costs
+        at least ``FEW_FLOPS``: below it, the host's work of running detached costs more than the matmul saved.
         """
         engine = self.engine
         if generation != self._generation:
