@@ -46,8 +46,8 @@ from pergrad._core.shortcuts.reach import Taps, user_hooks, weakly
 from pergrad.errors import DetachedWeightError
 
 MANY = 16  # positions per sample from which summing built g_i beats autograd's weight gradient
-# flops of autograd's weight gradient (``2 B L |W|``) below which detaching the weight costs the host more (the
-# calls of the swap, the touch and the taps, at every call of the layer) than the matmul it saves
+# flops of a Linear's weight gradient by autograd (``2 B L |W|``) below which detaching the weight costs the host
+# more (the calls of the swap, the touch and the taps, at every call of the layer) than the matmul it saves
 FEW_FLOPS = 2**22
 
 
@@ -151,9 +151,10 @@ def positions(module: nn.Module, a: Any, batch_dim: int) -> int:
 
 
 def few_flops(module: nn.Module, a: Any, batch_dim: int, count: int) -> bool:
-    """Whether autograd's weight gradient for this call of a Linear or convolution on ``a`` costs fewer than
-    ``FEW_FLOPS`` flops (``2 B L |W|`` at ``count`` positions per sample)."""
-    if not isinstance(module, nn.Linear | nn.modules.conv._ConvNd) or not isinstance(a, Tensor) or a.dim() <= batch_dim:
+    """Whether autograd's weight gradient for this call of a Linear on ``a`` costs fewer than ``FEW_FLOPS`` flops
+    (``2 B L |W|`` at ``count`` positions per sample). Not asked of a convolution: its weight gradient (one
+    ``convolution_backward`` with the input's) costs the host more than its flops say, and more than detaching."""
+    if not isinstance(module, nn.Linear) or not isinstance(a, Tensor) or a.dim() <= batch_dim:
         return False
     return 2 * a.shape[batch_dim] * count * module.weight.numel() < FEW_FLOPS
 
@@ -277,8 +278,8 @@ class Detacher:
         - a projection registered with ``grads=False`` covers the weight (one process): its ``.grad``
           is not needed, and pergrad leaves it unwritten;
 
-        and, in one process with ``verify=True``, where autograd's weight gradient of a Linear or convolution costs
-        at least ``FEW_FLOPS``: below it, the host's work of running detached costs more than the matmul saved.
+        and, in one process with ``verify=True``, where autograd's weight gradient of a Linear costs at least
+        ``FEW_FLOPS``: below it, the host's work of running detached costs more than the matmul saved.
         """
         engine = self.engine
         if generation != self._generation:
