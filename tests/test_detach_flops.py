@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from pergrad import PerSampleModule, transforms
 from pergrad._core.shortcuts import detach
+from tests.conftest import LIBRARY_FEW_FLOPS
 from tests.reference import assert_close, clipped_mean, reference_grad_sample
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -45,7 +46,7 @@ def costs(model: Net, batch: int) -> dict[str, int]:
     return {"up.weight": flops(batch, 5, model.up.weight), "head.weight": flops(batch, 1, model.head.weight)}
 
 
-@pytest.mark.parametrize("few", [0, 700, 1_000, 2**22])
+@pytest.mark.parametrize("few", [0, 700, 1_000, LIBRARY_FEW_FLOPS])
 def test_small_linears_stay_attached_and_every_step_is_exact(monkeypatch: pytest.MonkeyPatch, few: int) -> None:
     """At 700 and 1,000 flops the up layer (240 B flops) changes sides as the batch goes 2..5; the convolution
     runs detached at every size."""

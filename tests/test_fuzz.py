@@ -33,6 +33,7 @@ from torch import nn
 
 from pergrad import DetachedWeightError, HookStateError, PerSampleModule, SecondOrderError, TransformError, transforms
 from pergrad._core.shortcuts import detach
+from tests.conftest import LIBRARY_FEW_FLOPS
 from tests.reference import assert_close, reference_grad_sample
 
 FUZZ_EXAMPLES = {"ci": 300, "dev": 60, "long": 2000}[os.environ.get("HYPOTHESIS_PROFILE", "dev")]
@@ -299,7 +300,7 @@ def test_random_models_match_torch_func_on_every_step(data: st.DataObject, seed:
     hooked = sorted({n.rsplit(".", 1)[0] for n in trainable})
     choice = data.draw(st.sampled_from(["none", "root", "module", "param"]), label="target kind")
     # the flops below which weights stay attached: a layer of these sizes on both sides as the batch changes
-    detach.FEW_FLOPS = data.draw(st.sampled_from([0, 0, 48, 400, 2**22]), label="detach.FEW_FLOPS")
+    detach.FEW_FLOPS = data.draw(st.sampled_from([0, 0, 48, 400, LIBRARY_FEW_FLOPS]), label="detach.FEW_FLOPS")
     keep = data.draw(st.booleans(), label="keep_grad_sample")
     hook = HookLog(data.draw(st.sampled_from(["none", "none", "tensor", "post"]), label="user hook"))
     always = [n for n in trainable if not n.startswith("aux.")]  # reached on every step
