@@ -17,6 +17,7 @@ its logits averaged over positions.
     python benchmarks/hostcost.py --quick          # under 2 minutes
     python benchmarks/hostcost.py --quick --device cuda   # host (CPU) and wall time of the same steps on a GPU
     python benchmarks/hostcost.py --rounds 20 --steps 5 --workloads mlp gpt --methods pergrad_hooks pergrad_clip
+    python benchmarks/hostcost.py --compile --workloads mlp gpt cnn   # every model compiled: plain and pergrad
 """
 
 from __future__ import annotations
@@ -102,10 +103,25 @@ def build(workload: str) -> tuple[Any, Any, Any]:
     raise ValueError(f"unknown workload {workload!r}")
 
 
-def prepare(method: str, workload: str, warmup: int, device: str = "cpu") -> Callable[[], None] | str:
-    """A step of ``method`` on a fresh model of ``workload`` on ``device``, warmed up; or why it cannot run."""
+# --compile measures these: the peers' steps are not compiled here
+COMPILED = ("plain", "pergrad_hooks", "pergrad", "pergrad_norms", "pergrad_clip")
+
+
+def prepare(
+    method: str, workload: str, warmup: int, device: str = "cpu", compile: bool = False
+) -> Callable[[], None] | str:
+    """A step of ``method`` on a fresh model of ``workload`` on ``device``, warmed up; or why it cannot run.
+    ``compile``: the model's forward compiled (``torch.compile``: inductor, default mode) before the method's setup
+    wraps the model, so each step runs its compiled forward and the backward of what Dynamo captured. (Not
+    ``model.compile()``: on an ``nn.Sequential`` it compiles nothing in torch 2.13.)"""
     model, x, y = build(workload)
     model, x, y = model.to(device), x.to(device), y.to(device)
+    if compile:
+        if method not in COMPILED:
+            return "not compiled here (--compile measures plain and pergrad)"
+        import torch
+
+        model.forward = torch.compile(model.forward)
     try:
         if method.startswith("pergrad_project_"):
             step = bench.setup_projection(method, model, x, y, PROJECT_DIM)[0]
@@ -126,6 +142,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     warnings.filterwarnings("ignore", message=".*batching rule")  # torch.func on HF's attention: a known fallback
     torch.set_num_threads(1)
+    if args.compile:
+        # every method's model is an instance of the same class: without guards on module hooks, code Dynamo
+        # compiled for plain's model would run the wrapped ones unhooked (pergrad then refuses the backward)
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        torch._dynamo.config.recompile_limit = 512
+        torch._dynamo.config.accumulated_recompile_limit = 4096
     cuda = args.device.startswith("cuda")
     sync: Callable[[], None] = torch.cuda.synchronize if cuda else lambda: None
     labels = [m for m in METHODS if METHODS[m] in args.methods or m == "plain"]
@@ -134,7 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for w in args.workloads:
         steps: dict[str, Callable[[], None]] = {}
         for label in labels:
-            found = prepare(METHODS[label], w, args.warmup, args.device)
+            found = prepare(METHODS[label], w, args.warmup, args.device, args.compile)
             if isinstance(found, str):
                 skipped.setdefault(w, {})[label] = found
                 print(f"{w}: {label} skipped: {found}", file=sys.stderr, flush=True)
@@ -182,6 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "steps_per_round": args.steps,
         "warmup": args.warmup,
+        "compiled": args.compile,
         "rows": rows,
         "skipped": skipped,
     }
@@ -213,13 +236,19 @@ def main(argv: list[str] | None = None) -> int:
         help="where the tensors live (cuda: CPU time is the host's work, wall time the step's)",
     )
     parser.add_argument("--quick", action="store_true", help="6 rounds of 3 steps (under 2 minutes)")
+    parser.add_argument(
+        "--compile", action="store_true", help="each model compiled (inductor, default mode): plain and pergrad only"
+    )
     parser.add_argument("--json", type=Path, default=HERE / "results" / "hostcost-run.json")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     if args.quick:
         args.rounds, args.steps = 6, 3
     report = run(args)
-    print(f"median CPU time per step / plain's (one thread, B={BATCH}, {args.rounds} rounds of {args.steps} steps)")
+    compiled = ", every model compiled (inductor)" if args.compile else ""
+    print(
+        f"median CPU time per step / plain's (one thread, B={BATCH}, {args.rounds} rounds of {args.steps} steps{compiled})"
+    )
     print(table(report))
     if args.device != "cpu":
         print(f"median wall time per step / plain's on {report['device']} (kernels included)")

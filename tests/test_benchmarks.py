@@ -352,6 +352,32 @@ def test_hostcost_saves_a_row_per_workload_and_method(tmp_path: Path) -> None:
     assert "| mlp |" in proc.stdout
 
 
+def test_hostcost_compiled_measures_plain_and_pergrad_alone(tmp_path: Path) -> None:
+    """``hostcost.py --compile``: every model's forward compiled; the peers are skipped with a line saying why."""
+    out = tmp_path / "hostcost.json"
+    proc = run_script(
+        "hostcost.py", "--compile", "--workloads", "mlp", "--rounds", "1", "--steps", "1", "--warmup", "2",
+        "--methods", "pergrad_clip", "opacus_hooks", "--json", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["compiled"] is True
+    assert [r["method"] for r in report["rows"]] == ["plain", "fused clip"]
+    assert report["skipped"] == {"mlp": {"Opacus hooks": "not compiled here (--compile measures plain and pergrad)"}}
+    assert "every model compiled" in proc.stdout
+
+
+def test_hostfloor_checks_its_steps_and_saves_a_row_per_method(tmp_path: Path) -> None:
+    """``benchmarks/hostfloor.py``: the floor's clipped ``.grad`` (eager, and its arithmetic compiled) agree with a
+    one-sample loop before anything is timed (the script raises otherwise)."""
+    out = tmp_path / "hostfloor.json"
+    proc = run_script("hostfloor.py", "--rounds", "1", "--steps", "1", "--warmup", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["plain", "floor", "floor, arithmetic compiled", "plain compiled"]
+    assert rows[0]["ratio"] == 1.0
+
+
 def test_the_kron_ranks_benchmark_draws_version_3_and_version_2s_ranks() -> None:
     """``benchmarks/kron_ranks.py``'s "v3" blocks are pergrad's own; its "v2" blocks have version 2's ranks
     (the larger on the narrower side) and factors drawn as version 2 drew them."""
