@@ -62,7 +62,7 @@ def gram_is_cheaper(shared: int, fan_in: int, fan_out: int) -> bool:
 
 def _sq_norms(t: Tensor) -> Tensor:
     """``||t_i||^2`` per sample, read in one pass (no squared temporary)."""
-    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).square()
+    return torch.linalg.vector_norm(t if t.dim() == 2 else t.reshape(t.shape[0], -1), dim=1).square()
 
 
 def outer_sq_norms(a: Tensor, d: Tensor) -> Tensor:
@@ -75,7 +75,9 @@ def outer_sq_norms(a: Tensor, d: Tensor) -> Tensor:
 
 
 def trainable(layer: nn.Module, name: str) -> bool:
-    p = getattr(layer, name, None)
+    """Whether ``layer`` holds a parameter ``name`` that requires grad (read from ``_parameters``, as autograd's
+    hooks and ``HookedLayer.trainable`` read it: a parametrized weight is no parameter of the layer's)."""
+    p = layer._parameters.get(name)
     return isinstance(p, nn.Parameter) and p.requires_grad
 
 

@@ -70,7 +70,10 @@ class Taps:
         if found is None:
             found = self._taps[p] = torch.ops.aten.alias(p)
             on_grad = weakref.WeakMethod(self._on_grad)  # (autograd holds the hook: see ``weakly``; inline, per step)
-            found.register_hook(lambda grad: None if (seen := on_grad()) is None else seen(p, grad))
+            # on the tap's node, which gets the gradient of the tap alone (cheaper than a hook on the tensor)
+            found.grad_fn.register_prehook(
+                lambda grads: None if (seen := on_grad()) is None or grads[0] is None else seen(p, grads[0])
+            )
         return found
 
     def clear(self) -> None:
