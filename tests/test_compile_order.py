@@ -151,3 +151,44 @@ def test_the_refusal_does_not_name_the_compiler_where_nothing_was_compiled() -> 
     with pytest.raises(HookStateError, match="a loss computed from a forward") as err:
         before.backward()
     assert "torch.compile" not in str(err.value)
+
+
+class Own(nn.Module):
+    """A user's own module class: ``model.compile()`` (in place) compiles its call. (On an ``nn.Sequential``,
+    ``Net``, it compiles nothing in torch 2.13.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+@pytest.mark.parametrize("compile_first", [True, False], ids=["compiled-then-wrapped", "wrapped-then-compiled"])
+def test_a_model_compiled_in_place_is_exact_on_every_step(compile_first: bool) -> None:
+    """``model.compile()`` before or after wrapping; positions on both sides of 16 and T == B, twice round."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = Own()
+    reference = copy.deepcopy(model)  # (before compiling: a copy made after it would call the model's compiled call)
+    if compile_first:
+        model.compile(backend="aot_eager")
+    psm = PerSampleModule(model)
+    psm.register_transform(model, transforms.clip_norm(BOUND))
+    if not compile_first:
+        model.compile(backend="aot_eager")
+    counters.clear()
+    for step in range(2 * len(SHAPES)):
+        x, y = batch(step)
+        expected = clipped_mean(reference, x, y)
+        psm.zero_grad()
+        loss(psm(x), y).backward()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, expected[name], rtol=1e-10, atol=1e-12, msg=f"{name} step {step}")
+                p -= 0.5 * p.grad
+            for p, q in zip(reference.parameters(), model.parameters(), strict=True):
+                p.copy_(q)
+    assert counters["frames"]["ok"] > 0  # Dynamo compiled the model's frames: the steps ran compiled code
