@@ -297,6 +297,23 @@ def test_gpt2_every_step_is_the_mean_of_each_samples_own_clipped_gradient(tmp_pa
     assert losses[0] == pytest.approx(sum(own[:3]) / 3 / 2 + sum(own[3:]) / 3 / 2, rel=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_gpt2_with_torch_compile_every_step_is_exact(tmp_path: Path, backend: str) -> None:
+    """``TrainingArguments(torch_compile=True)``: the Trainer compiles the model it trains (the model pergrad
+    hooked), and every step is still the mean of each sample's own clipped gradient."""
+    torch._dynamo.reset()  # (code Dynamo compiled for a GPT-2 of another test would run this one unhooked)
+    try:
+        base = gpt2()
+        args = arguments(tmp_path, torch_compile=True, torch_compile_backend=backend)
+        recorder, trainer = run(
+            copy.deepcopy(base), lm_data(13), tmp_path, args=args, transforms={"": transforms.clip_norm(LM_CLIP)}
+        )
+        assert type(trainer.model_wrapped).__name__ == "OptimizedModule"  # the steps ran the compiled model
+        assert check_steps(recorder, base, lm_sample, LM_CLIP) == [[3, 3], [3, 3], [1], [3, 3]]
+    finally:
+        torch._dynamo.reset()
+
+
 def test_bert_classifier_every_step_is_the_mean_of_clipped_per_sample_gradients(tmp_path: Path) -> None:
     base = bert()
     recorder, trainer = run(copy.deepcopy(base), class_data(13), tmp_path, transforms={"": transforms.clip_norm(1.2)})
