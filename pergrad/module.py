@@ -17,6 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from pergrad._core.backward.engine import Engine, integration_checks
 from pergrad._core.backward.sources import Materialized
+from pergrad._core.backward.state import any_replaced
 from pergrad._core.backward.targets import Target
 from pergrad._core.capture.calls import HookedLayer
 from pergrad._core.capture.discover import discover, is_lazy_module, layout_of
@@ -293,10 +294,12 @@ class PerSampleModule:
         self._accumulate_handles = [node.register_prehook(self._accumulate_hook(p)) for p, node in nodes.items()]
 
     def _rehook(self) -> None:
-        """At a backward's start, where a parameter's ``AccumulateGrad`` node is not the hooked one (a
-        conversion there and back since the last forward that bound, which left the dtype, device and
-        tensor, and so the layers and their rules, as they were): the hooks go on the current nodes,
-        before they run, and the detached weights' guards are made again on them."""
+        """At a forward (``_sync``) or a backward's start, where a parameter's ``AccumulateGrad`` node is not the
+        hooked one (a conversion there and back since the last forward that bound, which left the dtype, device
+        and tensor, and so the layers and their rules, as they were): the hooks go on the current nodes, before
+        they run, and the detached weights' guards are made again on them. At the forward: a backward's first
+        node may be one of them (a weight used only under reentrant checkpointing, and by a term of the loss),
+        which runs before any hook of pergrad's starts the backward."""
         self._install_accumulate_hooks()
         self._engine.detacher.renew_guards()
 
@@ -344,7 +347,14 @@ class PerSampleModule:
             for check in integration_checks():
                 if check.forward is not None:
                     check.forward(self)
-        if self._engine.closed or layout_of(self._submodules, self._canonical) == self._layout:
+        if self._engine.closed:
+            return
+        if layout_of(self._submodules, self._canonical) == self._layout:
+            # a conversion there and back (model.float().double()) since the last forward: the parameters have
+            # new AccumulateGrad nodes, hooked now, before a backward whose first node may be one of them
+            tracking = torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+            if tracking and any_replaced(self._engine.accumulators.items()):
+                self._rehook()
             return
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
             return  # torch.func or the compiler runs the model with parameters of its own

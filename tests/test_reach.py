@@ -133,6 +133,42 @@ def test_a_term_that_starts_after_the_first_backward_is_refused(keep: bool, kind
             break
 
 
+class Checkpointed(Warmup):
+    """``inp`` under reentrant activation checkpointing: in the outer backward a term on its weight is all that
+    reaches the weight's ``AccumulateGrad`` node, which may then run before any hook of pergrad's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.inp(t)), x, use_reentrant=True)
+        return self.out(h.mean(1))
+
+
+@pytest.mark.parametrize("convert", [True, False], ids=["float-double-before-the-step", "not-converted"])
+@pytest.mark.parametrize("on", ["inp.bias", "inp.weight"])
+def test_a_term_after_a_conversion_there_and_back_is_refused(convert: bool, on: str) -> None:
+    """``model.float().double()`` gives the parameters new ``AccumulateGrad`` nodes with dtype, device and tensor
+    as before (the wrapper's layout unchanged). pergrad hooks them at the next forward: a term added in that step
+    is refused, not added to a clipped ``.grad`` unclipped (before, the nodes were hooked when a backward's first
+    hook of pergrad's ran, after the term's node had run)."""
+    torch.manual_seed(2)
+    model = Checkpointed().double()
+    gen = torch.Generator().manual_seed(0)
+    with PerSampleModule(model, keep_grad_sample=False) as psm:
+        psm.register_transform(model, transforms.clip_norm(0.5))
+        for step, (b, t) in enumerate(STEPS[:3]):
+            x, y = batch(b, t, gen)
+            x.requires_grad_(True)  # (reentrant checkpointing: the segment's input must require grad)
+            if step == 2 and convert:
+                model.float().double()
+            psm.zero_grad()
+            loss = squared_error(psm(x), y) / b
+            if step < 2:
+                loss.backward()
+                continue
+            loss = loss + 0.1 * model.get_parameter(on).sum()
+            with pytest.raises(HookStateError, match=rf"parameter '{on}'"):
+                loss.backward()
+
+
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_a_backward_after_remove_gives_autograds_numbers(keep: bool, clip: float | None) -> None:
