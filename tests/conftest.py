@@ -61,6 +61,7 @@ SLOW_FILES: dict[str, str] = {
     # long: together half of the core's time (about 5 of 10 CPU-minutes), left to the full run
     "test_second_order.py": "long: differentiating through the per-sample gradients of every rule",
     "test_attack_few_flops.py": "long: one-sample loops over up to 64 samples of a 256 x 256 layer",
+    "test_attack_loops.py": "long: users' loops of 20 to 100 steps (Lightning, transformers, opacus), one-sample references",
     "test_second_order_shared.py": "long: second order through outputs shared by the batch",
     "test_attack_39.py": "long: an adversarial review's whole models (checkpointing, compile, ViT)",
     "test_sweep3_hooks.py": "long: a review's sweep of users' hooks",
