@@ -643,9 +643,7 @@ def check(kind: str, got: dict[str, Any], model: Any, x: Any, y: Any) -> tuple[b
     elif kind == "total_norms":
         expected = {"all": torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()}
     elif kind == "clipped_grad":
-        norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
-        factor = (CLIP_NORM / norms).clamp(max=1)
-        expected = {n: (g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for n, g in ref.items()}
+        expected = clipped_mean(ref)
     elif kind == "trace_variance":
         expected = {"all": sum((g.square().mean(0) - g.mean(0).square()).sum() for g in ref.values())}
     elif kind == "second_moment":
@@ -653,6 +651,15 @@ def check(kind: str, got: dict[str, Any], model: Any, x: Any, y: Any) -> tuple[b
     else:
         raise ValueError(kind)
     return _compare(got, expected, scale)
+
+
+def clipped_mean(per_sample: dict[str, Any]) -> dict[str, Any]:
+    """``(1/B) sum_i min(1, C / ||g_i||) g_i`` of every parameter, ``||g_i||`` over all of them (``C = CLIP_NORM``)."""
+    import torch
+
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in per_sample.values()]).sum(0).sqrt()
+    factor = (CLIP_NORM / norms).clamp(max=1)
+    return {n: (g * factor.view(-1, *([1] * (g.dim() - 1)))).mean(0) for n, g in per_sample.items()}
 
 
 def per_sample_reference64(model: Any, x: Any, y: Any) -> dict[str, Any]:

@@ -136,6 +136,41 @@ def prepare(
     return step
 
 
+def interleaved(
+    steps: dict[str, Callable[[], None]], rounds: int, per_round: int, sync: Callable[[], None] = lambda: None
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """CPU and wall time per step of each of ``steps``, one sample per round: each round runs ``per_round`` steps
+    of every method in turn, in reverse order every other round (``sync``: waits for a GPU's queued kernels)."""
+    cpu: dict[str, list[float]] = {m: [] for m in steps}
+    wall: dict[str, list[float]] = {m: [] for m in steps}
+    for r in range(rounds):
+        order = list(steps.items()) if r % 2 == 0 else list(reversed(steps.items()))
+        for label, step in order:
+            sync()
+            start, started = time.process_time(), time.perf_counter()
+            for _ in range(per_round):
+                step()
+            sync()  # (on a GPU: the wall time includes the kernels the steps queued)
+            cpu[label].append((time.process_time() - start) / per_round)
+            wall[label].append((time.perf_counter() - started) / per_round)
+    return cpu, wall
+
+
+def header(script: str, argv: list[str]) -> dict[str, Any]:
+    """What a saved run of ``benchmarks/<script>`` starts with: its command, commit and machine (one thread)."""
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
+    return {
+        "command": " ".join(["python", f"benchmarks/{script}", *argv]),
+        "commit": commit.stdout.strip() or None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.processor() or platform.machine(),
+        "threads": 1,
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Interleaved rounds for each workload; returns the report (also printed as a table)."""
     import torch
@@ -162,18 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"{w}: {label} skipped: {found}", file=sys.stderr, flush=True)
             else:
                 steps[label] = found
-        cpu: dict[str, list[float]] = {m: [] for m in steps}
-        wall: dict[str, list[float]] = {m: [] for m in steps}
-        for r in range(args.rounds):
-            order = list(steps.items()) if r % 2 == 0 else list(reversed(steps.items()))
-            for label, step in order:
-                sync()
-                start, started = time.process_time(), time.perf_counter()
-                for _ in range(args.steps):
-                    step()
-                sync()  # (on a GPU: the wall time includes the kernels the steps queued)
-                cpu[label].append((time.process_time() - start) / args.steps)
-                wall[label].append((time.perf_counter() - started) / args.steps)
+        cpu, wall = interleaved(steps, args.rounds, args.steps, sync)
         plain, plain_wall = statistics.median(cpu["plain"]), statistics.median(wall["plain"])
         for label in steps:
             med = statistics.median(cpu[label])
@@ -191,14 +215,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 }
             )
         print(f"{w} done", file=sys.stderr, flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
     return {
-        "command": " ".join(["python", "benchmarks/hostcost.py", *args.argv]),
-        "commit": commit.stdout.strip() or None,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.processor() or platform.machine(),
-        "threads": 1,
+        **header("hostcost.py", args.argv),
         "device": args.device if not args.device.startswith("cuda") else torch.cuda.get_device_name(args.device),
         "batch": BATCH,
         "rounds": args.rounds,

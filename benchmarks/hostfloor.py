@@ -13,7 +13,8 @@ pergrad's fused clipping, stripped to what any design built on module hooks must
 - ``plain compiled``: plain with the model's forward compiled (``torch.compile(model.forward)``), for scale.
   (The floor's forward compiled is not a floor: Dynamo breaks the graph at the hook that stores ``d``.)
 
-Every method's ``.grad`` is checked against a one-sample-at-a-time loop before timing. The floor's ratio is
+Every method's ``.grad`` is checked against the clipped mean of torch.func's per-sample gradients (float64)
+before timing. The floor's ratio is
 what the eager goal (fused clipping <= 2.0x plain) is measured against: a step of 16 layers runs about as
 many kernels after the backward as plain runs in it, so it cannot fall far below 2x without fusing them.
 
@@ -24,11 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,34 +35,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import bench  # noqa: E402
 import hostcost  # noqa: E402
 
-BOUND = 1.0
-
-
-def clipped_grads(model: Any, x: Any, y: Any) -> list[Any]:
-    """``(1/B) sum_i min(1, C / ||g_i||) g_i`` of every parameter, each ``g_i`` from a one-sample backward."""
-    import torch
-    import torch.nn.functional as F
-
-    params = list(model.parameters())
-    total = [torch.zeros_like(p) for p in params]
-    for i in range(x.shape[0]):
-        grads = torch.autograd.grad(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), params)
-        norm = torch.sqrt(sum(g.square().sum() for g in grads))
-        for t, g in zip(total, grads, strict=True):
-            t += g * min(1.0, BOUND / float(norm)) / x.shape[0]
-    return total
-
-
-def plain(model: Any, x: Any, y: Any) -> Callable[[], None]:
-    import torch.nn.functional as F
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-
-    return step
+BOUND = bench.CLIP_NORM
 
 
 def floor(model: Any, x: Any, y: Any, compiled: bool) -> Callable[[], None]:
@@ -120,23 +94,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = model.double()
         x = x.double()
         if reference is None:
-            reference = clipped_grads(model, x, y)
+            reference = bench.clipped_mean(bench.per_sample_reference64(model, x, y))
         if compile_model:
             model.forward = torch.compile(model.forward)
-        step = plain(model, x, y) if kind == "plain" else floor(model, x, y, kind == "floor compiled")
+        step = bench.setup("plain", model, x, y)[0] if kind == "plain" else floor(model, x, y, kind == "floor compiled")
         for _ in range(args.warmup):
             step()
         if kind != "plain":
-            for p, want in zip(model.parameters(), reference, strict=True):
-                torch.testing.assert_close(p.grad, want, rtol=1e-10, atol=1e-12)
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, reference[name], rtol=1e-10, atol=1e-12)
         steps[label] = step
-    cpu: dict[str, list[float]] = {m: [] for m in steps}
-    for r in range(args.rounds):
-        for label, step in list(steps.items()) if r % 2 == 0 else reversed(list(steps.items())):
-            start = time.process_time()
-            for _ in range(args.steps):
-                step()
-            cpu[label].append((time.process_time() - start) / args.steps)
+    cpu = hostcost.interleaved(steps, args.rounds, args.steps)[0]
     base = statistics.median(cpu["plain"])
     rows = [
         {
@@ -146,14 +114,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         for m, t in cpu.items()
     ]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
     return {
-        "command": " ".join(["python", "benchmarks/hostfloor.py", *args.argv]),
-        "commit": commit.stdout.strip() or None,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.processor() or platform.machine(),
-        "threads": 1,
+        **hostcost.header("hostfloor.py", args.argv),
         "rounds": args.rounds,
         "steps_per_round": args.steps,
         "rows": rows,
