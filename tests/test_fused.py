@@ -34,12 +34,11 @@ def expected_statistics(ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     g = flat.mean(0)
     g2 = g.square().sum()
     p = flat @ g
+    trace = {"trace_variance": (flat.square().mean(0) - g.square()).sum()}
     if b < 2:  # the tests' sample variances (over B - 1) are undefined for one sample: pergrad reports NaN
         nan = torch.tensor(float("nan"), dtype=flat.dtype)
-        undefined = dict.fromkeys(("norm_test", "inner_product_test", "orthogonality_test"), nan)
-        return {"trace_variance": (flat.square().mean(0) - g.square()).sum(), **undefined}
-    return {
-        "trace_variance": (flat.square().mean(0) - g.square()).sum(),
+        return trace | dict.fromkeys(("norm_test", "inner_product_test", "orthogonality_test"), nan)
+    return trace | {
         "norm_test": ((flat - g).square().sum() / (b - 1) / (b * g2)).sqrt(),
         "inner_product_test": (((p - g2).square().sum() / (b - 1)) / (b * g2.square())).sqrt(),
         "orthogonality_test": (((flat - (p / g2).unsqueeze(1) * g).square().sum() / (b - 1)) / (b * g2)).sqrt(),
