@@ -869,7 +869,9 @@ def test_dpsgd_refuses_a_regulariser_on_an_attached_weight_before_any_step() -> 
 
 
 def lightning_net(regulariser: bool = False) -> Any:
+    """``(lit, net)``: ``tests/test_lightning.py`` (its ``trainer`` and ``data``) and the network below."""
     pl = pytest.importorskip("lightning.pytorch")
+    from tests import test_lightning as lit
 
     class Net(pl.LightningModule):
         """Small Linears (attached at the library threshold); records each optimizer step's parameters,
@@ -904,27 +906,7 @@ def lightning_net(regulariser: bool = False) -> Any:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.5)
 
-    return pl, Net()
-
-
-def class_data(n: int, seed: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    return TensorDataset(3 * torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g))
-
-
-def lightning_trainer(pl: Any, tmp_path: Path, **kwargs: Any) -> Any:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "enable_progress_bar": False,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_model_summary": False,
-        "default_root_dir": tmp_path,
-        "num_sanity_val_steps": 0,
-    }
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    return lit, Net()
 
 
 def at_params(model: nn.Module, params: dict[str, Tensor]) -> nn.Module:
@@ -944,12 +926,17 @@ def test_lightning_thirty_steps_with_validation_and_accumulation(tmp_path: Path)
     validation loop every 4 batches: every optimizer step's ``.grad`` is ``(1/2) sum_m mean_{i in m} clip(g_i)``."""
     from pergrad.integrations.lightning import PerSample
 
-    pl, net = lightning_net()
+    lit, net = lightning_net()
     callback = PerSample("model", transforms={"": transforms.clip_norm(BOUND)})
-    train = DataLoader(class_data(27, 1), batch_size=5)  # 6 batches per epoch: 3 steps
-    val = DataLoader(class_data(6, 2), batch_size=3)
-    trainer = lightning_trainer(
-        pl, tmp_path, callbacks=[callback], max_epochs=10, accumulate_grad_batches=2, val_check_interval=4
+    train = DataLoader(lit.data(27, seed=1), batch_size=5)  # 6 batches per epoch: 3 steps
+    val = DataLoader(lit.data(6, seed=2), batch_size=3)
+    trainer = lit.trainer(
+        tmp_path,
+        num_sanity_val_steps=0,
+        callbacks=[callback],
+        max_epochs=10,
+        accumulate_grad_batches=2,
+        val_check_interval=4,
     )
     trainer.fit(net, train, val)
     assert len(net.records) == 30 and net.validated > 0
@@ -969,11 +956,11 @@ def test_lightning_regulariser_in_the_training_step_is_refused_and_unwraps(tmp_p
     optimizer moves anything, and the network is left without pergrad's hooks."""
     from pergrad.integrations.lightning import PerSample
 
-    pl, net = lightning_net(regulariser=True)
+    lit, net = lightning_net(regulariser=True)
     callback = PerSample("model", transforms={"": transforms.clip_norm(BOUND)})
     with pytest.raises(HookStateError, match=re.escape("parameter '2.weight'") + ".*" + re.escape(REACHED)):
-        lightning_trainer(pl, tmp_path, callbacks=[callback], max_epochs=3).fit(
-            net, DataLoader(class_data(20, 3), batch_size=4)
+        lit.trainer(tmp_path, num_sanity_val_steps=0, callbacks=[callback], max_epochs=3).fit(
+            net, DataLoader(lit.data(20, seed=3), batch_size=4)
         )
     assert len(net.records) == 3
     for m in net.model.modules():
@@ -986,12 +973,14 @@ def test_lightning_dpsgd_without_noise_every_step(tmp_path: Path) -> None:
     ``.grad = sum_i clip(g_i) / (q N)`` over the step's micro-batches, empty ones included."""
     from pergrad.integrations.lightning import DPSGD, poisson_loader
 
-    pl, net = lightning_net()
+    lit, net = lightning_net()
     net.train_dataloader = lambda: poisson_loader(  # type: ignore[method-assign]
-        class_data(16, 4), 0.25, trainer=net.trainer, generator=torch.Generator().manual_seed(5)
+        lit.data(16, seed=4), 0.25, trainer=net.trainer, generator=torch.Generator().manual_seed(5)
     )
     callback = DPSGD("model", max_grad_norm=BOUND, noise_multiplier=0.0, delta=1e-5, log_epsilon=None)
-    lightning_trainer(pl, tmp_path, callbacks=[callback], max_epochs=4, accumulate_grad_batches=2).fit(net)
+    lit.trainer(tmp_path, num_sanity_val_steps=0, callbacks=[callback], max_epochs=4, accumulate_grad_batches=2).fit(
+        net
+    )
     assert len(net.records) == 16
     sizes = []
     for step, record in enumerate(net.records):
