@@ -870,25 +870,19 @@ def test_dpsgd_refuses_a_regulariser_on_an_attached_weight_before_any_step() -> 
 
 def lightning_net(regulariser: bool = False) -> Any:
     """``(lit, net)``: ``tests/test_lightning.py`` (its ``trainer`` and ``data``) and the network below."""
-    pl = pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("lightning.pytorch")
     from tests import test_lightning as lit
 
-    class Net(pl.LightningModule):
-        """Small Linears (attached at the library threshold); records each optimizer step's parameters,
-        micro-batches and ``.grad``; a validation step under Lightning's no_grad."""
+    class Net(lit.Net):
+        """``test_lightning``'s recording MLP (small Linears: attached at the library threshold), with a validation
+        step under Lightning's no_grad and a regulariser at step 3 where asked."""
 
         def __init__(self) -> None:
             super().__init__()
-            torch.manual_seed(0)
-            self.model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
-            self.micro: list[tuple[Tensor, Tensor]] = []
-            self.records: list[dict[str, Any]] = []
             self.validated = 0
 
         def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-            x, y = batch
-            self.micro.append((x.clone(), y.clone()))
-            loss = F.cross_entropy(self.model(x), y)
+            loss = super().training_step(batch, batch_idx)
             if regulariser and self.global_step == 3:
                 loss = loss + 0.01 * self.model[2].weight.square().sum()
             return loss
@@ -896,15 +890,6 @@ def lightning_net(regulariser: bool = False) -> Any:
         def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
             self.validated += 1
             self.log("val", F.cross_entropy(self.model(batch[0]), batch[1]))
-
-        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-            params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-            grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()}
-            self.records.append({"params": params, "micro": self.micro, "grad": grads})
-            self.micro = []
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.5)
 
     return lit, Net()
 
