@@ -26,6 +26,7 @@ from pergrad._core.consumers.grad_sample import Holder
 from pergrad._core.loss_scale import GradScalerLike, LossScaleLike, factor_reader, loss_scale_reader
 from pergrad._core.options import Options
 from pergrad._core.parallel.distributed import DataParallel, running_ddp, world_for
+from pergrad._core.shortcuts.followed import eager_hook
 
 from .errors import (
     NormNotComputedError,
@@ -380,6 +381,7 @@ class PerSampleModule:
         # autograd is one Python's collector cannot follow, so a dropped wrapper would never be collected
         engine = weakref.ref(self._engine)
 
+        @eager_hook
         def hook(grads: tuple[Tensor | None, ...]) -> tuple[Tensor, ...] | None:
             found = engine()
             new = None if found is None else found.on_accumulate(param, grads[0])

@@ -199,18 +199,51 @@ def test_the_compiled_autograd_flag_with_an_eager_backward_is_exact_on_every_ste
         train(model, psm, torch.compile(model, backend="aot_eager"), steps=2 * len(SHAPES))
 
 
-def test_compiled_autograd_raises_and_writes_nothing() -> None:
-    """Compiled autograd on around the forward and its backward (as torch asks) traces pergrad's hooks, which run
-    eagerly: torch raises when it meets them, before any ``.grad`` is written, and without it the next steps are
-    exact. (A limit, not a refusal of pergrad's: the flag alone is also on during a compiled forward whose
-    backward runs eagerly, which works, so pergrad cannot tell the two apart at the forward.)"""
+@pytest.mark.parametrize(
+    ("backend", "compiled_autograd"),
+    [("aot_eager", False), ("aot_eager", True), ("inductor", False)],
+    ids=["aot_eager", "aot_eager-compiled-autograd-flag", "inductor"],
+)
+def test_a_compiled_training_step_with_its_backward_and_optimizer_inside_is_exact_on_every_step(
+    backend: str, compiled_autograd: bool
+) -> None:
+    """``torch.compile`` of a whole training step (forward, ``loss.backward()``, ``optimizer.step()``): the backward
+    runs with Dynamo's frame callback set, and pergrad's backward hooks run eagerly under it."""
+    model, psm = wrapped()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+
+    @torch.compile(backend=backend)
+    def step(x: Tensor, y: Tensor) -> Tensor:
+        optimizer.zero_grad()
+        value = loss(psm(x), y)
+        value.backward()
+        optimizer.step()
+        return value
+
+    with torch._dynamo.config.patch(compiled_autograd=compiled_autograd):
+        for k in range(2 * len(SHAPES)):
+            x, y = batch(k)
+            expected = clipped_mean(reference, x, y)
+            step(x, y)
+            with torch.no_grad():
+                for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+                    torch.testing.assert_close(p.grad, expected[name], rtol=1e-10, atol=1e-12, msg=f"{name} {k}")
+                    torch.testing.assert_close(p, q - 0.5 * expected[name], rtol=1e-10, atol=1e-12)
+                    q.copy_(p)
+
+
+def test_compiled_autograd_is_refused_naming_it_and_writes_nothing() -> None:
+    """Compiled autograd on around the forward and its backward (as torch asks) traces the backward's hooks into a
+    graph; pergrad's end of a backward needs autograd's own engine. Refused at the backward's first hook, naming
+    compiled autograd and the fix, before any ``.grad`` is written; without it the next steps are exact."""
     from torch._dynamo import compiled_autograd
 
     model, psm = wrapped()
     x, y = batch(0)
     psm.zero_grad()
     with (
-        pytest.raises(AssertionError, match="queue_callback"),
+        pytest.raises(HookStateError, match=r"runs under compiled autograd .* Run this backward without compiled"),
         compiled_autograd._enable(torch.compile(backend="aot_eager")),
     ):
         loss(psm(x), y).backward()

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pergrad._core.capture.hooks import CALL_WATCHERS
+from pergrad._core.shortcuts.followed import eager_hook
 from pergrad.errors import TokenLossWarning
 
 IGNORE_INDEX = -100  # the label HuggingFace's losses skip (padding, prompt tokens)
@@ -109,6 +110,7 @@ def watch(labels: Tensor, output: Any, warn: Callable[[str], None]) -> None:
         return
     counts = (labels != IGNORE_INDEX).flatten(1).sum(1)
 
+    @eager_hook
     def check(grad_outputs: tuple[Tensor | None, ...]) -> None:
         if counts.numel() > 1 and bool(counts.min() != counts.max()):
             warn(

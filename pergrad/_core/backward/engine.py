@@ -78,8 +78,9 @@ from pergrad._core.memory.pool import BufferPool
 from pergrad._core.options import Options
 from pergrad._core.parallel.world import World
 from pergrad._core.shortcuts.detach import Detacher
+from pergrad._core.shortcuts.followed import eager_hook
 from pergrad._core.shortcuts.reach import Taps, Unhooked
-from pergrad.errors import BatchSizeError, HookStateError, SecondOrderError, module_label
+from pergrad.errors import BatchSizeError, HookStateError, PergradError, SecondOrderError, module_label
 from pergrad.statistics import needs
 
 
@@ -264,7 +265,7 @@ class Engine:
         it): the backward stops there and its end never runs, so every ``.grad`` that was None before it is
         None again (``Writer.abandon``)."""
         if not self.closed:
-            self.writer.abandon(self.backwards.state())
+            self._abandon()
 
     def on_output_grad(self, kept: Kept, d: Tensor, part: int | None = None) -> None:
         """The gradient ``d`` of a layer call's output (of its output tensor number ``part``, for a rule
@@ -290,8 +291,17 @@ class Engine:
             with no_autocast(d.device.type):
                 self._arrived(kept, d, part)
         except Exception:  # the backward stops here: its end never runs
-            self.writer.abandon(self.backwards.state())
+            self._abandon()
             raise
+
+    def _abandon(self) -> None:
+        """Undo what the failed running backward wrote (``Writer.abandon``); one refused at its start
+        (``_start`` raised) wrote nothing."""
+        try:
+            state = self.backwards.state()
+        except PergradError:
+            return
+        self.writer.abandon(state)
 
     def _arrived(self, kept: Kept, d: Tensor, part: int | None) -> None:
         state = self.backwards.state()
@@ -428,6 +438,7 @@ class Engine:
         returns it (the input is one of its inputs)."""
         layer = kept.layer
 
+        @eager_hook
         def caught(grad: Tensor) -> None:
             if grad.grad_fn is None:
                 return
@@ -626,6 +637,7 @@ class Engine:
 
     def _start(self, task: int) -> Backward:
         """A new backward pass (a previous one that failed midway may have left its state: dropped)."""
+        _refuse_compiled_autograd()
         self.writer.restore_hooks()
         if self.on_stale is not None and any_replaced(self.accumulators.items()):
             self.on_stale()  # new data since the wrapper last bound (a conversion there and back): hooked again
@@ -803,3 +815,20 @@ class Engine:
             self.verify_backwards -= 1
             state.verified = True
             check_first(batch, self.options.loss_reduction, self.canonical)
+
+
+def _refuse_compiled_autograd() -> None:
+    """Refuse a backward that compiled autograd traces (``torch._dynamo.compiled_autograd``): it runs the
+    hooks of the backward while it traces them into a graph, and pergrad's end of a backward needs
+    autograd's own engine (its callbacks, its graph task), which torch refuses there."""
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    if compiled_autograd is None or not compiled_autograd.in_compiled_autograd_region:
+        return
+    raise HookStateError(
+        "this backward runs under compiled autograd (torch._dynamo.compiled_autograd, turned on around it with "
+        "compiled_autograd._enable(...)). Compiled autograd traces the backward's hooks into a graph, and "
+        "pergrad's per-sample work at the end of the backward needs autograd's own engine, which compiled "
+        "autograd replaces. Nothing was written into .grad. Run this backward without compiled autograd (outside "
+        "compiled_autograd._enable): torch.compile of the model, or of a whole training step with loss.backward() "
+        "inside it, works with pergrad, whose hooks run eagerly in autograd's engine."
+    )

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from pergrad._core.capture.calls import Call, Detached, Kept
 from pergrad._core.loss_scale import on_device
+from pergrad._core.shortcuts.followed import eager_hook
 from pergrad.registry import LayerCall
 
 
@@ -186,7 +187,7 @@ class Backwards:
 
 def queue_at_end(callback: Callable[[], Any]) -> None:
     """Run ``callback`` when the running backward's graph has run (after callbacks queued before it)."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
+    torch.autograd.Variable._execution_engine.queue_callback(eager_hook(callback))
 
 
 _SAVED: dict[type, tuple[str, ...]] = {}  # by type of autograd node: the attributes that hold its saved tensors

@@ -41,6 +41,7 @@ from pergrad._core.shortcuts.followed import (
     Lean,
     Outputs,
     dynamo_callback,
+    eager_hook,
     elementwise_from_outputs,
     kind_of,
     never_traced,
@@ -447,6 +448,7 @@ def _catch(
     taken: dict[int, Tensor] = {}  # per backward pass (graph task): what the layer's own nodes sent
 
     def take(position: int) -> Callable[[tuple[Tensor | None, ...], tuple[Tensor | None, ...]], None]:
+        @eager_hook
         def hook(grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
             g = grad_inputs[position]
             if g is not None and not pulling():
@@ -458,6 +460,7 @@ def _catch(
     for consumer, position in inside:
         consumer.register_hook(take(position))
 
+    @eager_hook
     def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
         d, inner = grad_outputs[index], taken.pop(torch._C._current_graph_task_id(), None)
         taken.clear()  # left by a backward pass that failed midway
@@ -720,6 +723,7 @@ class LayerHooks:
         generation, on_input_grad, batch_first = self.generation, self._on_input_grad, self._batch_first
         assert view.grad_fn is not None
 
+        @eager_hook
         def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
             if grad_outputs[0] is not None and not pulling():
                 on_input_grad(generation, batch_to_front(grad_outputs[0], batch_first))
@@ -1035,6 +1039,7 @@ class LayerHooks:
             node, index, turn = produced.grad_fn, produced.output_nr, 0 if kept.packed else dim
             assert node is not None
 
+            @eager_hook
             def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
                 d = grad_outputs[index]
                 if d is not None and not pulling():
@@ -1199,6 +1204,7 @@ class LayerHooks:
         # An origin gone by the time its output's gradient arrives was met by no op of this graph.
         delivered_to = weakref.ref(origin)
 
+        @eager_hook
         def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
             d = grad_outputs[index]
             if d is None or pulling():

@@ -79,6 +79,7 @@ from torch.utils.hooks import RemovableHandle
 
 from pergrad._core.backward.state import Backward
 from pergrad._core.parallel.world import Host, World
+from pergrad._core.shortcuts.followed import eager_hook
 from pergrad.errors import PergradError
 
 REDUCE_SCATTER_BYTES = 25 * 2**20  # the most of pergrad's gradients one FSDP2 reduce-scatter carries
@@ -430,10 +431,12 @@ class Sharded(World):
         engine = self.engine
         node = get_gradient_edge(unsharded).node  # held: autograd caches it weakly
 
+        @eager_hook
         def before(grads: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
             new = engine.on_accumulate(sharded, grads[0])
             return None if new is None else (new,)
 
+        @eager_hook
         def after(p: Tensor) -> None:
             if not engine.closed and sharded in engine.transformed:
                 p.grad = None  # pergrad sends this gradient: FSDP2 skips a parameter without one

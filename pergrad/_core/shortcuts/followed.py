@@ -29,11 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import CodeType
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
+from torch._C._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.decorators import skip
+from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -264,6 +267,22 @@ def never_traced(fn: F) -> F:
     ``fullgraph=True`` quotes (``EAGER``)."""
     skip(fn)
     fn._torchdynamo_disable_msg = EAGER  # type: ignore[attr-defined]
+    return fn
+
+
+_EAGER_ALL = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)  # this frame and every frame it calls
+_EAGER_CODE: set[CodeType] = set()  # the code objects marked so (a mark outlives ``torch._dynamo.reset()``)
+
+
+def eager_hook(fn: F) -> F:
+    """``fn``, a hook or callback autograd calls in a backward, run eagerly with every frame it calls: a backward
+    called from code Dynamo compiled (``loss.backward()`` inside a compiled training step) runs its hooks with
+    Dynamo's frame callback still set, which would trace and compile pergrad's frames. Free at each call: the
+    code object is marked once, at the first hook made from it."""
+    code = getattr(fn, "__func__", fn).__code__
+    if code not in _EAGER_CODE:
+        set_code_exec_strategy(code, _EAGER_ALL)
+        _EAGER_CODE.add(code)
     return fn
 
 

@@ -37,6 +37,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from pergrad._core.shortcuts.followed import eager_hook
+
 
 def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
     """``method`` (bound) holding its object weakly, for a hook that autograd keeps (on a tensor or a node of
@@ -44,6 +46,7 @@ def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
     dropped wrapper alive for good."""
     ref = weakref.WeakMethod(method)
 
+    @eager_hook
     def call(*args: Any) -> Any:
         found = ref()
         return None if found is None else found(*args)
@@ -72,7 +75,7 @@ class Taps:
             on_grad = weakref.WeakMethod(self._on_grad)  # (autograd holds the hook: see ``weakly``; inline, per step)
             # on the tap's node, which gets the gradient of the tap alone (cheaper than a hook on the tensor)
             found.grad_fn.register_prehook(
-                lambda grads: None if (seen := on_grad()) is None or grads[0] is None else seen(p, grads[0])
+                eager_hook(lambda grads: None if (seen := on_grad()) is None or grads[0] is None else seen(p, grads[0]))
             )
         return found
 

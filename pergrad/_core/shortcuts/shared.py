@@ -69,7 +69,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
 from pergrad._core.capture.dims import LOST, attribute_dim, carries, folded, result_dims, torch_functions, written
-from pergrad._core.shortcuts.followed import Stepped, dynamo_callback, never_traced, without_dynamo
+from pergrad._core.shortcuts.followed import Stepped, dynamo_callback, eager_hook, never_traced, without_dynamo
 from pergrad.errors import EAGER, BatchSizeError, SharedInputError
 
 
@@ -603,6 +603,7 @@ def _expanded(
     # x as it is at this meeting (an in-place op on x later moves its own edge past the op)
     source, direct = get_gradient_edge(x), len(origins) == 1 and origins[0].untouched(x)
 
+    @eager_hook
     def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
         g = grad_outputs[0]
         if g is None or pulling() or not all(group.state == "batched" for group in when):
