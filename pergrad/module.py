@@ -26,7 +26,7 @@ from pergrad._core.consumers.grad_sample import Holder
 from pergrad._core.loss_scale import GradScalerLike, LossScaleLike, factor_reader, loss_scale_reader
 from pergrad._core.options import Options
 from pergrad._core.parallel.distributed import DataParallel, running_ddp, world_for
-from pergrad._core.shortcuts.followed import eager_hook
+from pergrad._core.shortcuts.followed import dynamo_callback, eager_hook, never_traced, without_dynamo
 
 from .errors import (
     NormNotComputedError,
@@ -436,8 +436,12 @@ class PerSampleModule:
     def eval(self) -> PerSampleModule:
         return self.train(False)
 
+    @never_traced  # pergrad's state changes (``grad_sample`` dropped) run eagerly, also in a compiled step
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``model.zero_grad`` and drop every ``grad_sample``."""
+        if dynamo_callback() is not None:  # called from code Dynamo compiled: nothing called from here may be
+            without_dynamo(self.zero_grad, set_to_none)
+            return
         self.module.zero_grad(set_to_none)
         if self._engine.options.keep_grad_sample:  # otherwise pergrad sets none
             self._clear_grad_sample()

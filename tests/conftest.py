@@ -64,6 +64,7 @@ SLOW_FILES: dict[str, str] = {
     "test_attack_loops.py": "long: users' loops of 20 to 100 steps (Lightning, transformers, opacus), one-sample references",
     "test_second_order_shared.py": "long: second order through outputs shared by the batch",
     "test_attack_39.py": "long: an adversarial review's whole models (checkpointing, compile, ViT)",
+    "test_attack_compiled_step.py": "long: compiled training steps (aot_eager, inductor, max-autotune), one-sample references",
     "test_sweep3_hooks.py": "long: a review's sweep of users' hooks",
     "test_sweep3_shared.py": "long: a review's sweep of outputs shared by the batch",
     "test_sweep3_misc.py": "long: a review's sweep",

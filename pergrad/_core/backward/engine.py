@@ -242,7 +242,15 @@ class Engine:
     # -- arrivals, during the backward -----------------------------------------------------------
 
     def on_forward(self) -> None:
-        """A forward of the model starts."""
+        """A forward of the model starts. A backward still running by pergrad's count, outside every backward,
+        was stopped by an error raised outside pergrad's hooks (the user's ``autograd.Function``, hook or NaN
+        check): its end never ran, and every ``.grad`` that was None before it is None again (as after a
+        failed hook of pergrad's: ``on_failed_hook``), so autograd's own sum of a parameter pergrad was to
+        write does not stay in ``.grad`` for the next backward to add to."""
+        failed = self.backwards.current
+        if failed is not None and torch._C._current_graph_task_id() == -1:
+            self.writer.abandon(failed)
+            self.backwards.ended(failed)
         self.backwards.forward()
         self._second_order_nodes.clear()
         self._input_gradient_nodes.clear()
@@ -818,17 +826,21 @@ class Engine:
 
 
 def _refuse_compiled_autograd() -> None:
-    """Refuse a backward that compiled autograd traces (``torch._dynamo.compiled_autograd``): it runs the
+    """Refuse a backward that compiled autograd traces (``torch._dynamo.compiled_autograd``, which every call of a
+    function compiled with ``torch._dynamo.config.compiled_autograd`` on turns on around itself): it runs the
     hooks of the backward while it traces them into a graph, and pergrad's end of a backward needs
     autograd's own engine (its callbacks, its graph task), which torch refuses there."""
     compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
     if compiled_autograd is None or not compiled_autograd.in_compiled_autograd_region:
         return
     raise HookStateError(
-        "this backward runs under compiled autograd (torch._dynamo.compiled_autograd, turned on around it with "
+        "this backward runs under compiled autograd (torch._dynamo.compiled_autograd: turned on around every call "
+        "of a function compiled while torch._dynamo.config.compiled_autograd was True, or around code with "
         "compiled_autograd._enable(...)). Compiled autograd traces the backward's hooks into a graph, and "
         "pergrad's per-sample work at the end of the backward needs autograd's own engine, which compiled "
-        "autograd replaces. Nothing was written into .grad. Run this backward without compiled autograd (outside "
-        "compiled_autograd._enable): torch.compile of the model, or of a whole training step with loss.backward() "
-        "inside it, works with pergrad, whose hooks run eagerly in autograd's engine."
+        "autograd replaces. Nothing was written into .grad. Run this backward without compiled autograd: set "
+        "torch._dynamo.config.compiled_autograd = False before torch.compile(...) of the function that calls "
+        "loss.backward() (then compile it again), or call it outside compiled_autograd._enable. torch.compile of "
+        "the model, or of a whole training step with loss.backward() inside it, works with pergrad, whose hooks "
+        "run eagerly in autograd's engine."
     )
