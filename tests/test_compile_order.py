@@ -199,16 +199,12 @@ def test_the_compiled_autograd_flag_with_an_eager_backward_is_exact_on_every_ste
         train(model, psm, torch.compile(model, backend="aot_eager"), steps=2 * len(SHAPES))
 
 
-@pytest.mark.parametrize(
-    ("backend", "compiled_autograd"),
-    [("aot_eager", False), ("aot_eager", True), ("inductor", False)],
-    ids=["aot_eager", "aot_eager-compiled-autograd-flag", "inductor"],
-)
-def test_a_compiled_training_step_with_its_backward_and_optimizer_inside_is_exact_on_every_step(
-    backend: str, compiled_autograd: bool
-) -> None:
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_training_step_with_its_backward_and_optimizer_inside_is_exact_on_every_step(backend: str) -> None:
     """``torch.compile`` of a whole training step (forward, ``loss.backward()``, ``optimizer.step()``): the backward
-    runs with Dynamo's frame callback set, and pergrad's backward hooks run eagerly under it."""
+    runs with Dynamo's frame callback set, and pergrad's backward hooks run eagerly under it. (With
+    ``torch._dynamo.config.compiled_autograd`` on when the step is compiled, its backward is refused:
+    ``tests/test_attack_compiled_step.py``.)"""
     model, psm = wrapped()
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -221,16 +217,15 @@ def test_a_compiled_training_step_with_its_backward_and_optimizer_inside_is_exac
         optimizer.step()
         return value
 
-    with torch._dynamo.config.patch(compiled_autograd=compiled_autograd):
-        for k in range(2 * len(SHAPES)):
-            x, y = batch(k)
-            expected = clipped_mean(reference, x, y)
-            step(x, y)
-            with torch.no_grad():
-                for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-                    torch.testing.assert_close(p.grad, expected[name], rtol=1e-10, atol=1e-12, msg=f"{name} {k}")
-                    torch.testing.assert_close(p, q - 0.5 * expected[name], rtol=1e-10, atol=1e-12)
-                    q.copy_(p)
+    for k in range(2 * len(SHAPES)):
+        x, y = batch(k)
+        expected = clipped_mean(reference, x, y)
+        step(x, y)
+        with torch.no_grad():
+            for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, expected[name], rtol=1e-10, atol=1e-12, msg=f"{name} {k}")
+                torch.testing.assert_close(p, q - 0.5 * expected[name], rtol=1e-10, atol=1e-12)
+                q.copy_(p)
 
 
 def test_compiled_autograd_is_refused_naming_it_and_writes_nothing() -> None:
