@@ -735,10 +735,15 @@ class PerSampleModule:
             elif target in parameters:
                 target = parameters[target]
             else:
-                raise TargetError(
-                    f"no module or parameter named {target!r} in the wrapped model; qualified names look like "
-                    f"{list(parameters)[:3]} (use '' for the whole model)"
+                compiled = f"_orig_mod.{target}"  # torch.compile's OptimizedModule holds the network as _orig_mod
+                hint = (
+                    f": the wrapped model is compiled (torch.compile's OptimizedModule holds the network as "
+                    f"'_orig_mod'), so it is named {compiled!r}; pass {compiled!r}, or wrap the network before "
+                    "compiling it"
+                    if compiled in modules or compiled in parameters
+                    else f"; qualified names look like {list(parameters)[:3]} (use '' for the whole model)"
                 )
+                raise TargetError(f"no module or parameter named {target!r} in the wrapped model{hint}")
         if isinstance(target, nn.Parameter):
             name = next((n for n, p in parameters.items() if p is target), None)
             if name is None:

@@ -43,6 +43,8 @@ SLOW_FILES: dict[str, str] = {
     "test_benchmarks.py": "runs the benchmark scripts",
     "test_captum.py": "captum",
     "test_lightning.py": "lightning",
+    "test_attack_lightning_compile.py": 'lightning under torch.compile; a strategy="ddp" launch of 2 processes',
+    "test_attack_ddp_compile.py": "two gloo processes compiling training steps",
     "test_opacus_route.py": "opacus and transformers",
     "test_hf_models.py": "transformers",
     "test_hf_rules.py": "transformers",
