@@ -645,7 +645,8 @@ class Engine:
 
     def _start(self, task: int) -> Backward:
         """A new backward pass (a previous one that failed midway may have left its state: dropped)."""
-        _refuse_compiled_autograd()
+        if _under_compiled_autograd():
+            raise HookStateError(COMPILED_AUTOGRAD)
         self.writer.restore_hooks()
         if self.on_stale is not None and any_replaced(self.accumulators.items()):
             self.on_stale()  # new data since the wrapper last bound (a conversion there and back): hooked again
@@ -825,22 +826,23 @@ class Engine:
             check_first(batch, self.options.loss_reduction, self.canonical)
 
 
-def _refuse_compiled_autograd() -> None:
-    """Refuse a backward that compiled autograd traces (``torch._dynamo.compiled_autograd``, which every call of a
-    function compiled with ``torch._dynamo.config.compiled_autograd`` on turns on around itself): it runs the
-    hooks of the backward while it traces them into a graph, and pergrad's end of a backward needs
-    autograd's own engine (its callbacks, its graph task), which torch refuses there."""
+def _under_compiled_autograd() -> bool:
+    """Whether compiled autograd traces the running backward (``torch._dynamo.compiled_autograd``, which every call
+    of a function compiled with ``torch._dynamo.config.compiled_autograd`` on turns on around itself): it runs the
+    hooks of the backward while it traces them into a graph, and pergrad's end of a backward needs autograd's own
+    engine (its callbacks, its graph task), which torch refuses there (``COMPILED_AUTOGRAD``)."""
     compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
-    if compiled_autograd is None or not compiled_autograd.in_compiled_autograd_region:
-        return
-    raise HookStateError(
-        "this backward runs under compiled autograd (torch._dynamo.compiled_autograd: turned on around every call "
-        "of a function compiled while torch._dynamo.config.compiled_autograd was True, or around code with "
-        "compiled_autograd._enable(...)). Compiled autograd traces the backward's hooks into a graph, and "
-        "pergrad's per-sample work at the end of the backward needs autograd's own engine, which compiled "
-        "autograd replaces. Nothing was written into .grad. Run this backward without compiled autograd: set "
-        "torch._dynamo.config.compiled_autograd = False before torch.compile(...) of the function that calls "
-        "loss.backward() (then compile it again), or call it outside compiled_autograd._enable. torch.compile of "
-        "the model, or of a whole training step with loss.backward() inside it, works with pergrad, whose hooks "
-        "run eagerly in autograd's engine."
-    )
+    return compiled_autograd is not None and bool(compiled_autograd.in_compiled_autograd_region)
+
+
+COMPILED_AUTOGRAD = (
+    "this backward runs under compiled autograd (torch._dynamo.compiled_autograd: turned on around every call "
+    "of a function compiled while torch._dynamo.config.compiled_autograd was True, or around code with "
+    "compiled_autograd._enable(...)). Compiled autograd traces the backward's hooks into a graph, and "
+    "pergrad's per-sample work at the end of the backward needs autograd's own engine, which compiled "
+    "autograd replaces. Nothing was written into .grad. Run this backward without compiled autograd: set "
+    "torch._dynamo.config.compiled_autograd = False before torch.compile(...) of the function that calls "
+    "loss.backward() (then compile it again), or call it outside compiled_autograd._enable. torch.compile of "
+    "the model, or of a whole training step with loss.backward() inside it, works with pergrad, whose hooks "
+    "run eagerly in autograd's engine."
+)
