@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,21 +20,15 @@ from torch.utils.checkpoint import checkpoint
 from pergrad import PerSampleModule, transforms
 from pergrad.errors import HookStateError
 from tests.reference import assert_close, clipped, clipped_mean
+from tests.test_compile_order import (
+    fresh,  # noqa: F401 -- autouse: a reset Dynamo and float64 for each test
+    sgd_step,
+)
 
 BOUND = 0.5
 LR = 0.5
 SHAPES = [(4, 15), (4, 16), (4, 17), (4, 4), (3, 16), (5, 15)]  # both sides of 16, T == B, other batch sizes
 Loss = Callable[[Tensor, Tensor], Tensor]
-
-
-@pytest.fixture(autouse=True)
-def fresh() -> Iterator[None]:
-    torch._dynamo.reset()
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
-    torch._dynamo.reset()
 
 
 class Net(nn.Module):
@@ -82,19 +76,6 @@ def wrapped(model: nn.Module | None = None, **options: Any) -> tuple[nn.Module, 
     psm = PerSampleModule(model, **options)
     psm.register_transform(model, transforms.clip_norm(BOUND))
     return model, psm, reference
-
-
-def sgd_step(psm: PerSampleModule, optimizer: torch.optim.Optimizer, loss: Loss = ce) -> Callable[..., Tensor]:
-    """The training step a user writes, uncompiled: zero the gradients, forward, backward, update."""
-
-    def step(x: Tensor, y: Tensor) -> Tensor:
-        optimizer.zero_grad()
-        value = loss(psm(x), y)
-        value.backward()
-        optimizer.step()
-        return value
-
-    return step
 
 
 def check(

@@ -24,6 +24,7 @@ from pergrad import PerSampleModule, transforms
 from pergrad.errors import TargetError
 from pergrad.integrations.lightning import DPSGD, PerSample, per_sample_module
 from tests.reference import assert_close, clipped
+from tests.test_attack_ddp_compile import one_at_a_time
 from tests.test_lightning import assert_unwrapped, trainer
 
 BOUND = 0.3
@@ -92,19 +93,6 @@ class SeqNet(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR)
-
-
-def one_at_a_time(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-    """``{name: [B, *shape]}``: each sample's gradient of its own loss, by autograd on ``model``."""
-    grads: dict[str, list[Tensor]] = {n: [] for n, _ in model.named_parameters()}
-    for i in range(x.shape[0]):
-        model.zero_grad(set_to_none=True)
-        ce(model(x[i : i + 1]), y[i : i + 1]).backward()
-        for n, p in model.named_parameters():
-            assert p.grad is not None
-            grads[n].append(p.grad.clone())
-    model.zero_grad(set_to_none=True)
-    return {n: torch.stack(g) for n, g in grads.items()}
 
 
 def expected_grad(

@@ -69,6 +69,21 @@ def clipped_mean(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
     return out
 
 
+def sgd_step(
+    psm: PerSampleModule, optimizer: torch.optim.Optimizer, loss: Callable[[Tensor, Tensor], Tensor] = loss
+) -> Callable[[Tensor, Tensor], Tensor]:
+    """The training step a user writes, uncompiled: zero the gradients, forward, backward, update."""
+
+    def step(x: Tensor, y: Tensor) -> Tensor:
+        optimizer.zero_grad()
+        value = loss(psm(x), y)
+        value.backward()
+        optimizer.step()
+        return value
+
+    return step
+
+
 def run_plain_compiled() -> None:
     """A plain copy of the model class compiled and trained one step: Dynamo caches its code."""
     torch.manual_seed(1)
@@ -207,16 +222,7 @@ def test_a_compiled_training_step_with_its_backward_and_optimizer_inside_is_exac
     ``tests/test_attack_compiled_step.py``.)"""
     model, psm = wrapped()
     reference = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-
-    @torch.compile(backend=backend)
-    def step(x: Tensor, y: Tensor) -> Tensor:
-        optimizer.zero_grad()
-        value = loss(psm(x), y)
-        value.backward()
-        optimizer.step()
-        return value
-
+    step = torch.compile(sgd_step(psm, torch.optim.SGD(model.parameters(), lr=0.5)), backend=backend)
     for k in range(2 * len(SHAPES)):
         x, y = batch(k)
         expected = clipped_mean(reference, x, y)
