@@ -95,14 +95,26 @@ class SeqNet(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
+def at_step(reference: nn.Module, record: dict[str, Any]) -> nn.Module:
+    """``reference`` holding the parameters the recorded step started from."""
+    with torch.no_grad():
+        for n, p in reference.named_parameters():
+            p.copy_(record["params"][n])
+    return reference
+
+
+def per_sample_at(reference: nn.Module, record: dict[str, Any]) -> dict[str, Tensor]:
+    """Each sample's own gradient of the recorded step's first micro-batch, at the step's parameters."""
+    x, y = record["micro"][0]
+    return one_at_a_time(at_step(reference, record), x, y)
+
+
 def expected_grad(
     reference: nn.Module, record: dict[str, Any], k: int, *, dp_batch: float | None = None
 ) -> dict[str, Tensor]:
     """The step's ``.grad``: ``(1/k) sum_m mean_{i in m} clip(g_i)`` (Lightning divides each micro-batch's loss by
     k), or with ``dp_batch`` ``sum_i clip(g_i) / dp_batch`` (DPSGD, sigma = 0), at the step's parameters."""
-    with torch.no_grad():
-        for n, p in reference.named_parameters():
-            p.copy_(record["params"][n])
+    at_step(reference, record)
     total = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
     for x, y in record["micro"]:
         if not len(x):
@@ -286,11 +298,7 @@ def test_per_layer_transforms_on_a_network_compiled_in_init(tmp_path: Path) -> N
     reference = net.reference[0]
     assert len(net.records) == len(SHAPES)
     for t, record in enumerate(net.records):
-        with torch.no_grad():
-            for n, p in reference.named_parameters():
-                p.copy_(record["params"][n])
-        (x, y) = record["micro"][0]
-        per_sample = one_at_a_time(reference, x, y)
+        per_sample = per_sample_at(reference, record)
         for layer in ("0", "2"):
             part = clipped({n: g for n, g in per_sample.items() if n.startswith(layer + ".")}, BOUND)
             for n, g in part.items():
@@ -331,11 +339,7 @@ def test_manual_optimisation_in_the_compiled_training_step(tmp_path: Path) -> No
     check_steps(net, steps=2 * len(SHAPES))
     reference = net.reference[0]
     for t, (record, norms) in enumerate(zip(net.records, net.norms, strict=True)):
-        with torch.no_grad():
-            for n, p in reference.named_parameters():
-                p.copy_(record["params"][n])
-        (x, y) = record["micro"][0]
-        for n, g in one_at_a_time(reference, x, y).items():
+        for n, g in per_sample_at(reference, record).items():
             assert_close(norms[n], g.flatten(1).norm(dim=1), f"step {t}: norm of {n}")
 
 
@@ -361,11 +365,7 @@ def test_keep_grad_sample_under_compile(tmp_path: Path, where: str) -> None:
     check_steps(net, steps=len(SHAPES))
     reference = net.reference[0]
     for t, (record, kept) in enumerate(zip(net.records, net.grad_samples, strict=True)):
-        with torch.no_grad():
-            for n, p in reference.named_parameters():
-                p.copy_(record["params"][n])
-        (x, y) = record["micro"][0]
-        for n, g in one_at_a_time(reference, x, y).items():
+        for n, g in per_sample_at(reference, record).items():
             assert_close(kept[n], g, f"step {t}: grad_sample of {n}")
 
 
