@@ -38,7 +38,7 @@ import functools
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 from torch import Tensor, nn
@@ -48,6 +48,7 @@ from pergrad._core.backward.grads import GradWriter
 from pergrad._core.backward.removal import AfterRemoval
 from pergrad._core.backward.sources import Fused, Materialized, in_parameter_dtype, no_autocast, no_grad, run_rule
 from pergrad._core.backward.state import (
+    Arrivals,
     Backward,
     Backwards,
     Unchecked,
@@ -66,7 +67,7 @@ from pergrad._core.backward.verify import (
     check_taps,
     unattributable,
 )
-from pergrad._core.capture.calls import Call, HookedLayer, Kept
+from pergrad._core.capture.calls import Call, Detached, HookedLayer, Kept
 from pergrad._core.consumers import Batch, Consumer
 from pergrad._core.consumers.grad_sample import GradSample, Holding
 from pergrad._core.consumers.norms import Norms
@@ -86,6 +87,50 @@ from pergrad.statistics import needs
 
 def _shape(a: object) -> object:
     return tuple(a.shape) if isinstance(a, Tensor) else "several inputs"
+
+
+def _keep_output(arrived: Arrivals, kept: Kept, d: Tensor, part: int) -> None:
+    """Add ``d``, the gradient of output ``part`` of ``kept``'s call, to those its rule takes: it runs once per
+    call with every output's gradient, at the end of the backward, as they may arrive at different nodes
+    (``Engine._flush_outputs``)."""
+    _, grads = arrived.outputs.setdefault(id(kept), (kept, [None] * len(kept.a.output_dims)))
+    previous = grads[part]
+    grads[part] = d if previous is None else previous + d
+
+
+def _refuse_freed_graph(kept: Kept) -> NoReturn:
+    raise HookStateError(
+        f"the output gradient of {kept.layer.label} arrived in a backward through a graph an earlier "
+        "backward had already run and freed (it ran without retain_graph=True): pergrad let go of the "
+        "layer's input then, as autograd let go of what it saved. Pass retain_graph=True to every backward "
+        "but the last through the same graph, or run a new forward."
+    )
+
+
+def _refuse_two_forwards(name: str) -> NoReturn:
+    raise HookStateError(
+        f"one backward pass reached {module_label(name)} through two different forward calls of the model; "
+        "per-sample gradients would mix samples of different batches. Run backward once per forward, "
+        "or concatenate the batches into one forward. (Layers called directly, outside a call of the "
+        "wrapped model, make one forward until one of them is called again: to call a layer twice in one "
+        "forward, call it in the wrapped model's forward, or wrap the module whose forward calls it twice.)"
+    )
+
+
+def _refuse_batch_sizes(kept: Kept, state: Backward) -> NoReturn:
+    raise BatchSizeError(
+        f"{kept.layer.label} saw a batch of {kept.batch_size} samples "
+        f"(input shape {_shape(kept.a)}), but {module_label(state.first_layer)} saw {state.batch_size} "
+        "in the same forward. Every hooked layer must see the batch on the same dim "
+        "(check reshapes that fold the batch into other dims, and batch_first)."
+    )
+
+
+def _refuse_output_batch(kept: Kept, d: Tensor) -> NoReturn:
+    raise BatchSizeError(
+        f"{kept.layer.label}: output gradient of shape {tuple(d.shape)} does not match the "
+        f"batch of {kept.batch_size} samples of its input"
+    )
 
 
 @dataclass(frozen=True)
@@ -279,12 +324,7 @@ class Engine:
         """The gradient ``d`` of a layer call's output (of its output tensor number ``part``, for a rule
         that takes every output: see ``RuleSpec.output_dims``), batch on dim 0."""
         if kept.a is None:  # let go after a backward that freed the call's node (``Arrivals.let_go``)
-            raise HookStateError(
-                f"the output gradient of {kept.layer.label} arrived in a backward through a graph an earlier "
-                "backward had already run and freed (it ran without retain_graph=True): pergrad let go of the "
-                "layer's input then, as autograd let go of what it saved. Pass retain_graph=True to every backward "
-                "but the last through the same graph, or run a new forward."
-            )
+            _refuse_freed_graph(kept)
         if self.closed:
             if kept.detached is not None and part is None:
                 self.after_removal.on_output_grad(kept, d)
@@ -293,11 +333,9 @@ class Engine:
         try:
             if not (computes or torch.is_grad_enabled()):  # records (a, d) only: nothing to compute
                 self._arrived(kept, d, part)
-                return
-            # rules compute in the parameters' dtype; they build a graph only in a backward with
-            # create_graph=True (grad mode is on in its hooks), where per-sample gradients are differentiable
-            with no_autocast(d.device.type):
-                self._arrived(kept, d, part)
+            else:  # rules compute in the parameters' dtype, with a graph only under create_graph=True (grad mode on)
+                with no_autocast(d.device.type):
+                    self._arrived(kept, d, part)
         except Exception:  # the backward stops here: its end never runs
             self._abandon()
             raise
@@ -326,21 +364,12 @@ class Engine:
             return
         self._check_batch(state, kept, d, part)
         if state.create_graph:
-            accumulates = self._accumulates(kept.layer)
-            self._check_second_order(kept, accumulates)
-            if d.grad_fn is not None and accumulates:
-                self._second_order_nodes.append(d.grad_fn)
-            elif d.grad_fn is not None:
-                self._input_gradient_nodes.append((d.grad_fn, kept.layer))
-            if not kept.shared:
-                self._catch_input_gradients(kept, accumulates)
+            self._record_second_order(kept, d)
         layer = kept.layer
         # each sample's own output gradient is scale * d: the loss averaged over the batch
         scale = float(kept.batch_size) if self.options.loss_reduction == "mean" else 1.0
         if layer.dtype is not None and d.dtype != layer.dtype:  # autocast: compute in the parameters' dtype
-            kept, d = in_parameter_dtype(kept, d)
-            if state.loss_scale is not None:  # unscale after the cast: no underflow in float16
-                d.div_(on_device(state.loss_scale, d))  # our own copy
+            kept, d = in_parameter_dtype(kept, d, state.loss_scale)
         else:
             d = state.to_sample_units(d)
         arrived = state.arrived
@@ -348,21 +377,32 @@ class Engine:
             arrived.activation_grads[kept.key if not part else f"{kept.key}[{part}]"] = d * scale
         if kept.detached is not None:
             arrived.detached.append(kept.detached)
-        if part is not None:
-            # the rule runs once per call with every output's gradient, at the end of the backward:
-            # they may arrive at different nodes (``_flush_outputs``)
-            _, grads = arrived.outputs.setdefault(id(kept), (kept, [None] * len(kept.a.output_dims)))
-            previous = grads[part]
-            grads[part] = d if previous is None else previous + d
-            return
-        self._use(state, kept, d, scale)
+        if part is None:
+            self._use(state, kept, d, scale)
+        else:
+            _keep_output(arrived, kept, d, part)
+
+    def _record_second_order(self, kept: Kept, d: Tensor) -> None:
+        """In a backward with ``create_graph=True``: refuse a call whose weight ran detached, and record the
+        autograd nodes of ``d`` and of the call's inputs' gradients, which a later backward may differentiate
+        through (``_start``)."""
+        accumulates = self._accumulates(kept.layer)
+        self._check_second_order(kept, accumulates)
+        if d.grad_fn is not None and accumulates:
+            self._second_order_nodes.append(d.grad_fn)
+        elif d.grad_fn is not None:
+            self._input_gradient_nodes.append((d.grad_fn, kept.layer))
+        if not kept.shared:
+            self._catch_input_gradients(kept, accumulates)
 
     def _check_batch(self, state: Backward, kept: Kept, d: Tensor, part: int | None) -> None:
         """The first arrival of a backward fixes its forward and batch size; every later one must match."""
         layer = kept.layer
         if state.generation is None:
             state.generation, state.batch_size, state.first_layer = kept.generation, kept.batch_size, layer.name
-            self._refuse_transforming_twice(kept.generation)
+            held = [p for p in self.targets.nonlinear if self.writer.holds(p, kept.generation)]
+            if held:
+                self._refuse_transforming_twice(held)
             for check in integration_checks():
                 if check.begin is not None:
                     check.begin(self, kept.generation)
@@ -370,34 +410,19 @@ class Engine:
                 self.grad_sample.drop_stale(kept.generation)
             self.pool.begin()
         elif kept.generation != state.generation:
-            raise HookStateError(
-                f"one backward pass reached {module_label(layer.name)} through two different forward calls of the model; "
-                "per-sample gradients would mix samples of different batches. Run backward once per forward, "
-                "or concatenate the batches into one forward. (Layers called directly, outside a call of the "
-                "wrapped model, make one forward until one of them is called again: to call a layer twice in one "
-                "forward, call it in the wrapped model's forward, or wrap the module whose forward calls it twice.)"
-            )
+            _refuse_two_forwards(layer.name)
         elif kept.batch_size != state.batch_size:
-            raise BatchSizeError(
-                f"{layer.label} saw a batch of {kept.batch_size} samples "
-                f"(input shape {_shape(kept.a)}), but {module_label(state.first_layer)} saw {state.batch_size} "
-                "in the same forward. Every hooked layer must see the batch on the same dim "
-                "(check reshapes that fold the batch into other dims, and batch_first)."
-            )
+            _refuse_batch_sizes(kept, state)
         batched = not kept.packed if part is None else kept.a.output_dims[part] is not None
         if batched and d.shape[0] != kept.batch_size:
-            raise BatchSizeError(
-                f"{layer.label}: output gradient of shape {tuple(d.shape)} does not match the "
-                f"batch of {kept.batch_size} samples of its input"
-            )
+            _refuse_output_batch(kept, d)
 
-    def _refuse_transforming_twice(self, generation: int) -> None:
+    def _refuse_transforming_twice(self, held: list[nn.Parameter]) -> None:
         """A backward through a forward that an earlier backward already ran through (``retain_graph=True``)
-        may not reach a parameter whose ``.grad`` holds that backward's transformed reduction, for a
-        transform that is not additive: each sample's gradient of the forward is ``g1_i + g2_i``, and
+        may not reach a parameter whose ``.grad`` holds that backward's transformed reduction (``held``), for
+        a transform that is not additive: each sample's gradient of the forward is ``g1_i + g2_i``, and
         ``T(g1_i) + T(g2_i)`` is not ``T(g1_i + g2_i)``. Raised at the backward's first arrival, before any
         ``.grad`` changes."""
-        held = [p for p in self.targets.nonlinear if self.writer.holds(p, generation)]
         nodes = [self.accumulators.get(p) for p in held]
         reached = [p for p, node in zip(held, nodes, strict=True) if node is not None and will_accumulate([node])]
         if not reached:
@@ -473,26 +498,33 @@ class Engine:
         return contextlib.nullcontext() if state.create_graph else allocating_from(self.pool.take)
 
     def _use(self, state: Backward, kept: Kept, d: Any, scale: float) -> None:
-        """Turn one call's output gradient into per-sample gradients (or keep it for the end)."""
-        layer, arrived = kept.layer, state.arrived
-        if not self.options.keep_grad_sample:
-            readers = (consumer for consumer in self.consumers if consumer.reads(kept))
-            reader = next(readers, None)
-            if reader is None and not (self.verify_backwards > 0 or layer.spec.parametrized):  # no one reads
-                arrived.passed.update((self.canonical(p), None) for _, p in layer.trainable())
-                return
-            built = None
-            if layer.spec.parametrized and kept.batch_size > 0:  # it needs the forward's graph: now, not at the end
-                with self._buffers(state):
-                    built = run_rule(layer, kept.a, d, scale)
-            call = Call(layer, kept.a, d, scale, built)
-            if reader is not None and reader.takes_now and self._takes_now(state, kept, call, reader, readers):
-                arrived.passed.update((self.canonical(p), None) for _, p in layer.trainable())
-                return
-            arrived.calls.append(call)
-            if self.verify_backwards > 0:
-                self._check_as_it_runs(state, call, read=reader is not None)
+        """Keep one call's ``(a, d)`` for the end of the backward, have a consumer take it now, or let it go where
+        no one reads it; with ``keep_grad_sample``, build its per-sample gradients now (``_build``)."""
+        if self.options.keep_grad_sample:
+            self._build(state, kept, d, scale)
             return
+        layer, arrived = kept.layer, state.arrived
+        readers = (consumer for consumer in self.consumers if consumer.reads(kept))
+        reader = next(readers, None)
+        if reader is None and not (self.verify_backwards > 0 or layer.spec.parametrized):  # no one reads
+            arrived.passed.update((self.canonical(p), None) for _, p in layer.trainable())
+            return
+        built = None
+        if layer.spec.parametrized and kept.batch_size > 0:  # it needs the forward's graph: now, not at the end
+            with self._buffers(state):
+                built = run_rule(layer, kept.a, d, scale)
+        call = Call(layer, kept.a, d, scale, built)
+        if reader is not None and reader.takes_now and self._takes_now(state, kept, call, reader, readers):
+            arrived.passed.update((self.canonical(p), None) for _, p in layer.trainable())
+            return
+        arrived.calls.append(call)
+        if self.verify_backwards > 0:
+            self._check_as_it_runs(state, call, read=reader is not None)
+
+    def _build(self, state: Backward, kept: Kept, d: Any, scale: float) -> None:
+        """``keep_grad_sample``: run the call's rule now and add its per-sample gradients to the backward's,
+        summed per parameter over every call that feeds it."""
+        layer, arrived = kept.layer, state.arrived
         if kept.batch_size == 0:  # an empty batch: no rule needs to run
             like = d if isinstance(d, Tensor) else next(g for g in d if g is not None)
             per_sample = {n: like.new_zeros((0, *p.shape)) for n, p in layer.trainable()}
@@ -590,12 +622,7 @@ class Engine:
             return self.writer.autograd_part(param, grad, state)
         # .grad is written at the end of the backward
         if detached and not self.detacher.is_touch_zero(summed) and bool(summed.any()):  # (rare: a sync is fine)
-            self.writer.abandon(state)
-            raise HookStateError(
-                unattributable(
-                    self.param_names[param], "it arrived although every call of its layer ran with the weight detached"
-                )
-            )
+            self._refuse_detached_gradient(state, param)
         if grad is not summed:  # a hook of the user's returned another tensor: compared at the end
             seen.rehooked.setdefault(param, []).append((summed, grad))
         if summed is seen.tapped.get(param):  # the tap's very tensor, unless another term reached it
@@ -603,6 +630,16 @@ class Engine:
         else:
             seen.untapped.setdefault(param, []).append(summed)
         return self.writer.hold(param, grad, state)
+
+    def _refuse_detached_gradient(self, state: Backward, param: nn.Parameter) -> NoReturn:
+        """A gradient reached ``param``'s ``AccumulateGrad`` although its weight ran detached in every call:
+        nothing of the backward is written."""
+        self.writer.abandon(state)
+        raise HookStateError(
+            unattributable(
+                self.param_names[param], "it arrived although every call of its layer ran with the weight detached"
+            )
+        )
 
     def _autograd_part(self, state: Backward, param: nn.Parameter, part: Tensor) -> None:
         """Autograd's sum for ``param`` in this backward (``part``, in the samples' units): compared at once by
@@ -770,7 +807,7 @@ class Engine:
     def _collect(self, state: Backward) -> Batch:
         """The backward's per-sample gradients as one source, with every parameter it reached."""
         self._flush_outputs(state)
-        owned = self._reach_detached(state)
+        owned = self._reach_detached(state) if state.arrived.detached else []
         source: Materialized | Fused = (
             Materialized(state.arrived.grads)
             if self.options.keep_grad_sample
@@ -799,15 +836,20 @@ class Engine:
             if touched:  # reached in the backward passes that run their AccumulateGrad
                 params = [p for p in detached.params if p in reached]
             else:  # reached in the backward passes that reach their anchor
-                anchor = (
-                    state.autograd.probed
-                    if detached.probe
-                    else self.canonical(cast(nn.Parameter, detached.anchor)) in reached
-                )
-                params = list(detached.params) if anchor else []
+                params = self._reached_by_anchor(state, detached)
             reached.update(dict.fromkeys(params))
             owned.update(dict.fromkeys(p for p in params if p not in self.transformed and p not in gradless))
         return list(owned)
+
+    def _reached_by_anchor(self, state: Backward, detached: Detached) -> list[nn.Parameter]:
+        """``detached``'s weights where the backward reached its anchor (its probe's hook ran, or autograd
+        reached the anchor parameter), else none: where their ``AccumulateGrad`` does not run (FSDP2)."""
+        anchor = (
+            state.autograd.probed
+            if detached.probe
+            else self.canonical(cast(nn.Parameter, detached.anchor)) in state.autograd.reached
+        )
+        return list(detached.params) if anchor else []
 
     def _check(self, batch: Batch) -> None:
         """What every backward is checked for, and the first backward's sums (``pergrad._core.backward.verify``)."""
@@ -815,8 +857,10 @@ class Engine:
         known = state.arrived.grads if isinstance(source, Materialized) else source.uses
         check_reached(state, known, self.param_names, self.layers, self.canonical)
         check_partial(state, self.targets, known, self.layers, self.canonical)
-        check_hooked(state, self.param_names)
-        check_taps(state, self.detacher.current, self.param_names)
+        if state.autograd.rehooked:
+            check_hooked(state, self.param_names)
+        if state.autograd.untapped:
+            check_taps(state, self.detacher.current, self.param_names)
         for check in integration_checks():
             if check.end is not None:
                 check.end(self, batch)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from pergrad._core.capture.calls import Call, HookedLayer, Kept
+from pergrad._core.loss_scale import on_device
 from pergrad._core.memory.layout import new_buffer, recorded, recording_buffers
 from pergrad.errors import SecondOrderError, UnsupportedLayerError
 from pergrad.registry import FusedRule, OutputGrads
@@ -42,14 +43,18 @@ def no_grad() -> contextlib.AbstractContextManager[Any]:
     return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
 
 
-def in_parameter_dtype(kept: Kept, d: Tensor) -> tuple[Kept, Tensor]:
-    """``kept`` and ``d`` in the dtype of the layer's parameters (they differ under autocast)."""
+def in_parameter_dtype(kept: Kept, d: Tensor, loss_scale: Tensor | None = None) -> tuple[Kept, Tensor]:
+    """``kept`` and ``d`` in the dtype of the layer's parameters (they differ under autocast); ``d`` divided by
+    ``loss_scale`` after the cast (no underflow in float16)."""
     dtype = kept.layer.dtype
     if dtype is None or d.dtype == dtype:
         return kept, d
     if isinstance(kept.a, Tensor) and kept.a.is_floating_point() and kept.a.dtype != dtype:
         kept = replace(kept, a=kept.a.to(dtype))
-    return kept, d.to(dtype)
+    d = d.to(dtype)
+    if loss_scale is not None:
+        d.div_(on_device(loss_scale, d))  # our own copy
+    return kept, d
 
 
 def _weighted(d: Tensor, weights: Tensor, drop: Tensor | None = None) -> Tensor:
@@ -62,6 +67,15 @@ def _weighted(d: Tensor, weights: Tensor, drop: Tensor | None = None) -> Tensor:
 def _per_sample_rows(g: Tensor) -> Tensor:
     """``[B, *shape] -> [B, numel]`` (also for a scalar parameter's ``[B]``)."""
     return g.reshape(g.shape[0], -1)
+
+
+def _without_rows(a: Any, d: Tensor, drop: Tensor) -> tuple[Any, Tensor]:
+    """A call's ``a`` and ``d`` with the rows of the samples in ``drop`` zeroed: either may hold the NaN (``d``
+    alone where ``a`` holds ids)."""
+    d = _zero_rows(d, drop)
+    if isinstance(a, Tensor) and a.is_floating_point():
+        a = _zero_rows(a, drop)
+    return a, d
 
 
 def _zero_rows(t: Tensor, drop: Tensor) -> Tensor:
@@ -321,10 +335,8 @@ class Fused:
                 per_call = Materialized(grads).summed(grads, weights, drop)
             else:
                 a, d, w = call.a, call.d, weights * call.scale
-                if drop is not None:  # either may hold the NaN (d alone where a holds ids)
-                    d = _zero_rows(d, drop)
-                    if isinstance(a, Tensor) and a.is_floating_point():
-                        a = _zero_rows(a, drop)
+                if drop is not None:
+                    a, d = _without_rows(a, d, drop)
                 bias = getattr(module, "bias", None)
                 no_bias = not (isinstance(bias, Tensor) and bias.requires_grad)  # sum_i w_i d_i needs weighted d
                 if fused.bilinear and no_bias and a.numel() < d.numel():  # weight the smaller of the two

@@ -156,17 +156,22 @@ class Backwards:
         end-of-backward work, when the outer backward ends."""
         task = torch._C._current_graph_task_id()
         current = self.current
-        if current is not None and current.task_id != task:
-            if current.task_id == self._recomputing:
-                self._nested[task] = current
-                current.nested = True
-            nested = self._nested.get(task)
+        if current is not None:
+            if current.task_id == task:
+                return current
+            nested = self._nested_in(current, task)
             if nested is not None:
                 return nested
-        if current is not None and current.task_id == task:
-            return current
         self.current = self._start(task)
         return self.current
+
+    def _nested_in(self, current: Backward, task: int) -> Backward | None:
+        """The state of the ``current`` backward where graph task ``task`` is nested in it (it started while
+        ``current`` recomputed a segment), else None."""
+        if current.task_id == self._recomputing:
+            self._nested[task] = current
+            current.nested = True
+        return self._nested.get(task)
 
     def recomputing(self) -> None:
         """A hooked layer is called inside the running backward (activation checkpointing computes a
@@ -203,8 +208,7 @@ def holds_saved(node: Any) -> bool:
     kind = type(node)
     names = _SAVED.get(kind)
     if names is None:
-        names = tuple(name for name in dir(kind) if name.startswith("_raw_saved_"))
-        _SAVED[kind] = names
+        names = _SAVED[kind] = tuple(name for name in dir(kind) if name.startswith("_raw_saved_"))
     for name in names:
         try:
             found = getattr(node, name)

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from pergrad._core.backward.sources import Fused, Materialized
 from pergrad._core.backward.state import Backward, Unchecked
-from pergrad._core.backward.targets import Targets
+from pergrad._core.backward.targets import Target, Targets
 from pergrad._core.capture.calls import Call, HookedLayer
 from pergrad._core.consumers import Batch
 from pergrad.errors import RECOMPUTED, HookStateError, TransformError
@@ -244,20 +244,28 @@ def check_partial(
             continue
         left = {p: n for n, p in target.params.items() if p in known and p not in reached}
         if left:
-            in_graph = {
-                canonical(p)
-                for layer in layers
-                if not (layer.spec.subtree or layer.spec.all_inputs or layer.spec.parametrized)
-                for _, p in layer.trainable()
-            }
-            named = [n for p, n in left.items() if p in in_graph]
-            if named:
-                raise TransformError(
-                    f"this backward accumulates into some of the parameters the transform registered for "
-                    f"{target.label} covers, but not into {named} (backward(inputs=...) names part of them), "
-                    "although their per-sample gradients flowed: the transform of each sample's gradient "
-                    "needs all of them. Name every parameter the target covers in inputs, or none."
-                )
+            _refuse_partial(target, left, layers, canonical)
+
+
+def _refuse_partial(
+    target: Target, left: dict[nn.Parameter, str], layers: list[HookedLayer], canonical: Canonical
+) -> None:
+    """Raise where a parameter of ``target`` the backward did not accumulate into although its per-sample
+    gradients were computed (``left``, by name) is of a layer whose rule computes one op on its parameters."""
+    in_graph = {
+        canonical(p)
+        for layer in layers
+        if not (layer.spec.subtree or layer.spec.all_inputs or layer.spec.parametrized)
+        for _, p in layer.trainable()
+    }
+    named = [n for p, n in left.items() if p in in_graph]
+    if named:
+        raise TransformError(
+            f"this backward accumulates into some of the parameters the transform registered for "
+            f"{target.label} covers, but not into {named} (backward(inputs=...) names part of them), "
+            "although their per-sample gradients flowed: the transform of each sample's gradient "
+            "needs all of them. Name every parameter the target covers in inputs, or none."
+        )
 
 
 def check_taps(state: Backward, detached: Collection[nn.Parameter], names: dict[nn.Parameter, str]) -> None:
