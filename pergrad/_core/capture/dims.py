@@ -151,18 +151,24 @@ def _moved(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], k: int, ran
         )
         return _permuted([_index(d, rank) for d in _ints(dims)], k)
     if func in _MOVEDIM:
-        sources = [_index(d, rank) for d in _ints(_arg(args, kwargs, 1, "source"))]
-        targets = [_index(d, rank) for d in _ints(_arg(args, kwargs, 2, "destination"))]
-        order: list[int | None] = [None] * rank
-        for s, t in zip(sources, targets, strict=True):
-            order[t] = s
-        rest = iter(d for d in range(rank) if d not in sources)
-        return _permuted([next(rest) if o is None else o for o in order], k)
+        return _movedim(args, kwargs, k, rank)
     if func in _T:
         return 1 - k if rank == 2 else k
     if func in _ADJOINT:
         return rank - 1 - (k - rank + 2) if k >= rank - 2 else k
     return None
+
+
+def _movedim(args: tuple[Any, ...], kwargs: dict[str, Any], k: int, rank: int) -> int | None:
+    """The batch dim after ``movedim(source, destination)``: the moved dims at their destinations, the
+    others in their order in the dims left."""
+    sources = [_index(d, rank) for d in _ints(_arg(args, kwargs, 1, "source"))]
+    targets = [_index(d, rank) for d in _ints(_arg(args, kwargs, 2, "destination"))]
+    order: list[int | None] = [None] * rank
+    for s, t in zip(sources, targets, strict=True):
+        order[t] = s
+    rest = iter(d for d in range(rank) if d not in sources)
+    return _permuted([next(rest) if o is None else o for o in order], k)
 
 
 def attribute_dim(func: Any, rank: int, k: int) -> int:
@@ -504,8 +510,7 @@ def result_dims(
     if kind == _LAYOUT:
         return _laid_out(func, args, carried, len(results))
     if len(carried) == 1 and len(results) == 1 and kind == _KEEP:  # (most ops: elementwise, layers)
-        t, k = carried[0]
-        r = results[0]
+        (t, k), r = carried[0], results[0]
         if k >= 0 and r.dim() == t.dim():
             return [k if r.shape[k] == size else LOST]
     if any(k == LOST for _, k in carried):

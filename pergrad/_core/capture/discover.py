@@ -68,14 +68,12 @@ def _inside(name: str, parent: str) -> bool:
 
 
 def layout_of(modules: list[nn.Module], canonical: Callable[[nn.Parameter], nn.Parameter]) -> tuple[object, ...]:
-    """What the wrapper was built for: every module's children and parameters (by identity and
-    name: ``prune.remove`` puts ``weight_orig`` back as ``weight``), whether each parameter
-    requires grad (and is materialised), and its dtype, device and tensor: ``model.to(...)``,
-    ``.double()``, ``.half()`` keep the ``Parameter`` objects but give them new data, and with it a
-    new ``AccumulateGrad`` node that the wrapper's hooks are not on (``torch.utils.swap_tensors``, which
-    conversions use when ``torch.__future__.set_swap_module_params_on_conversion(True)``, swaps the
-    tensor itself). Compared at every forward: one flat tuple, each module's entries after its type
-    (a lazy module becomes its ``cls_to_become`` in its first forward), built without a call per module."""
+    """What the wrapper was built for, compared at every forward: each module's type (a lazy module becomes
+    its ``cls_to_become``), then its children and parameters by identity and name (``prune.remove`` puts
+    ``weight_orig`` back as ``weight``), each with whether it requires grad (and is materialised), its dtype,
+    device and tensor (``model.to(...)``, ``.double()`` keep the ``Parameter`` but give it new data and a new
+    ``AccumulateGrad`` node the hooks are not on; ``torch.utils.swap_tensors``, which conversions use under
+    ``set_swap_module_params_on_conversion(True)``, swaps the tensor). One flat tuple, no call per module."""
     found: list[object] = []
     for m in modules:
         found.append(type(m))

@@ -124,6 +124,9 @@ class ModuleHook:
 
     def __init__(self, owner: LayerHooks, fn: Callable[..., Any], aside: bool = False, first: bool = False) -> None:
         self.owner, self.fn, self.aside = owner, fn, aside
+        # removed while its module's call was running: torch runs the hooks it listed when the call began (a lazy
+        # root materialised in its own pre-hook, then rebound by the model's) and no longer knows which took keyword
+        # arguments; the hook then does nothing, and the hooks installed in its place run from the next call on
         self.removed = False
         self.first = first  # a layer's forward hook: run ahead of the global forward hooks (``Ahead``)
         # the ``args`` of the running calls it ran for already from ``Ahead`` (innermost last): the module's own
@@ -137,11 +140,7 @@ class ModuleHook:
         if self.ahead and args[1] is self.ahead[-1]:
             self.ahead.pop()
             return None
-        if self.removed:
-            # removed while its module's call was running: torch runs the hooks it listed when the call
-            # began (a lazy root materialised in its own pre-hook, then rebound by the model's) and no
-            # longer knows which took keyword arguments; the hooks installed in its place run from the
-            # next call on
+        if self.removed:  # (see ``__init__``)
             return None
         try:
             if self.aside:  # a layer's hook: pergrad's own ops are not the model's (``Provenance.aside``)
@@ -227,15 +226,9 @@ def _producer(output: Tensor) -> Tensor:
     runs; the base's original node still does, with the gradient of the pre-in-place values.
     """
     base = output._base if output._is_view() else None
-    if (
-        base is not None
-        and base.grad_fn is not None
-        and base.numel() == output.numel()
-        and base.is_contiguous()
-        and output.is_contiguous()
-    ):
-        return base
-    return output
+    if base is None or base.grad_fn is None or base.numel() != output.numel():
+        return output
+    return base if base.is_contiguous() and output.is_contiguous() else output
 
 
 def _output_dims(layer: HookedLayer, returned: Any, batch_dim: int) -> tuple[int | None, ...]:
@@ -270,38 +263,88 @@ def _check_layout(module: nn.Module, first: Any, dim: int, label: str, known: bo
         )
 
 
-def _place_outputs(returned: Any, dims: tuple[int | None, ...], size: int) -> None:
-    """Tell the running forward's ``Provenance`` that the tensors a batched layer call returned have the
-    batch where its rule takes their gradients' batch (``dims``: the input's batch dim for one output),
-    whatever ops the layer ran inside (HuggingFace's ``Conv1D`` folds it: ``x.view(-1, D)``)."""
+def _place_outputs(tensors: tuple[Tensor, ...], dims: tuple[int | None, ...], size: int) -> None:
+    """Tell the running forward's ``Provenance`` that the tensors a batched layer call returned have the batch
+    where its rule takes their gradients' batch (``dims``: the input's batch dim for one output), whatever ops
+    the layer ran inside (HuggingFace's ``Conv1D`` folds it: ``x.view(-1, D)``)."""
     found = provenance()
     if found is None:
         return
-    for t, dim in zip(output_tensors(returned), dims, strict=False):
+    for t, dim in zip(tensors, dims, strict=False):
         if dim is not None and t.dim() > dim and t.shape[dim] == size:
             found.mark(t, dim)
 
 
-def _first_tensor(output: Any, nested: bool) -> Tensor | None:
-    """The first tensor a layer returned: the first item of a tuple or list that is one, or, for a rule
-    that takes every output (``nested``), the first of ``output_tensors`` (dicts and nesting walked)."""
+def _behind_global_hook(label: str) -> HookStateError:
+    """The error for a global forward hook registered during a hooked call (``Ahead.behind``)."""
+    return HookStateError(
+        f"{label}: a forward hook registered for every module (register_module_forward_hook) "
+        "during this call of the layer, after pergrad's pre-hook of it ran, runs before pergrad's own "
+        "forward hook, so pergrad cannot tell the layer's own output from what that hook returned. "
+        "Register the global hook before the call (pergrad then runs its own ahead of it), or register "
+        "it on the modules themselves with register_forward_hook."
+    )
+
+
+def _unsplit(label: str, shared: bool, a_shape: tuple[int, ...], size: int, dim: int, again: bool) -> SharedInputError:
+    """The error for the output gradient of a call whose input is shared by the batch (``shared``) or may be,
+    that reached the loss without meeting the batch in an op that splits it per sample (``again``: the call
+    was computed again inside the backward)."""
+    if shared and again:
+        return SharedInputError(
+            f"{label}, computed again inside the backward, took its input (shape {a_shape}) for one "
+            "shared by the batch, and its output's gradient reached the loss without meeting the batch in "
+            "an op that splits it per sample." + RECOMPUTED
+        )
+    if shared:
+        return SharedInputError(
+            f"the output of {label} is shared by the batch (its input has no batch dim: shape "
+            f"{a_shape}), but its gradient reached the loss without meeting the batch in an op that "
+            "broadcasts it over the samples, so it cannot be split per sample. If the layer's input folds "
+            "the batch into another dim, keep the batch on its own dim."
+        )
+    return SharedInputError(
+        f"{label} got an input of shape {a_shape} created inside the forward (not computed "
+        f"from the model's inputs) with {size} on the batch dim {dim}, and its output reached the loss "
+        "without meeting a tensor computed from the model's inputs in an op that shows whether that dim "
+        "is the batch. If that input is the same for every sample, give it a batch dim of size 1 "
+        "(ids[None]); if it is one row per sample, pass it to the model as an argument." + (RECOMPUTED if again else "")
+    )
+
+
+def _main_output(output: Any, nested: bool) -> tuple[int | None, Tensor | None]:
+    """The tensor whose gradient is caught, of a call that returned more than one (a layer whose rule takes
+    the whole call), with the batch size where it is a ``PackedSequence``'s data (a recurrent layer, packed;
+    else None): the first tensor of a tuple or list, or, for a rule that takes every output (``nested``), the
+    first of ``output_tensors`` (dicts and nesting walked)."""
+    if isinstance(output, tuple | list) and output and isinstance(output[0], PackedSequence):
+        return int(output[0].batch_sizes[0]), output[0].data
     if nested:
         tensors = output_tensors(output)
     else:
         tensors = tuple(o for o in output if isinstance(o, Tensor)) if isinstance(output, tuple | list) else ()
-    return tensors[0] if tensors else None
+    return None, tensors[0] if tensors else None
 
 
-def _run_first(module: nn.Module, handles: list[RemovableHandle]) -> None:
-    """Run the forward hooks of ``module`` among ``handles`` before every other forward hook of it, in
+def _no_batch_dim(label: str, batched: Tensor, dim: int, batch_first: bool) -> BatchSizeError:
+    """The error for a layer called on a tensor without the batch dim ``dim``."""
+    return BatchSizeError(
+        f"{label} got input of shape {tuple(batched.shape)}, which has "
+        f"no batch dim {dim}; pergrad needs batched inputs"
+        + ("" if batch_first else " (batch_first=False puts the batch on dim 1)")
+    )
+
+
+def _run_first(module: nn.Module, ids: list[int]) -> None:
+    """Run the forward hooks of ``module`` of these handle ``ids`` before every other forward hook of it, in
     their order (as ``prepend=True`` would): pergrad's run before the user's, whenever those were
     registered, so that the output kept is the layer's own; a hook of the user's that rescales or
     replaces it (``out * s``, ``out.mul_(s)``: a schedule, stochastic depth) is then an op of the model
     after the layer, like any other."""
     hooks = cast(OrderedDict[int, Callable[..., Any]], module._forward_hooks)  # (an OrderedDict, typed as a dict)
-    for handle in reversed(handles):
-        if handle.id in hooks:
-            hooks.move_to_end(handle.id, last=False)
+    for found in reversed(ids):
+        if found in hooks:
+            hooks.move_to_end(found, last=False)
 
 
 class Ahead:
@@ -571,7 +614,7 @@ class LayerHooks:
                 self._capture(layer)
             post = ModuleHook(self, self._after_call(layer, detach, tap), aside=True, first=True)
             self._handles.append(layer.module.register_forward_hook(post, with_kwargs=True, always_call=True))
-            _run_first(layer.module, self._handles[mine:])
+            _run_first(layer.module, [h.id for h in self._handles[mine:]])
             firsts.extend(h.id for h in self._handles[mine:] if h.id in layer.module._forward_hooks)
         for module, own in raw.items():
             enter = ModuleHook(self, self._direct_call([layer.name for layer in own], 0 if self._batch_first else 1))
@@ -610,14 +653,12 @@ class LayerHooks:
                 tapper(module, args)
 
         def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            hooks = cast(OrderedDict[int, Callable[..., Any]], module._forward_hooks)
-            if own and next(iter(hooks), own[0]) != own[0]:  # (torch reads the hooks after the forward)
-                for found in reversed(own):
-                    if found in hooks:
-                        hooks.move_to_end(found, last=False)
+            if own and next(iter(module._forward_hooks), own[0]) != own[0]:  # (torch reads them after the forward)
+                _run_first(module, own)
             if nn.modules.module._global_forward_hooks:
                 Ahead.check()
-            enter(module, args, kwargs)
+            if not self._in_model:  # (a call outside the model's)
+                enter(module, args, kwargs)
             if refuse is not None:
                 refuse(module, args)
             if detacher is None and tapper is None:
@@ -632,32 +673,25 @@ class LayerHooks:
 
     def _after_call(self, layer: HookedLayer, detach: bool, tap: bool) -> Callable[..., Tensor | None]:
         """The one forward hook of a hooked layer (run first among its forward hooks, also when the forward
-        raised): the real parameters back in place (``_reattacher``, ``_untapper``), then, for a call that
+        raised): the real parameters back in place (``_reattach``, ``_untapper``), then, for a call that
         returned, its input kept and its output gradient caught (``_keeper``), on the output with the
         probe added where the weights ran detached."""
-        reattach = self._reattacher(layer) if detach else None
+        name, detached = layer.name, self._detached
         untap = self._untapper if tap else None
         keep = self._keeper(layer)
 
         def after(module: nn.Module, args: tuple[Any, ...], *rest: Any) -> Tensor | None:
             # (module, args, kwargs, output); the output is None where the forward raised
             output = returned = rest[-1]
-            if reattach is not None:
-                anchored = reattach(module, args, output)
-                if anchored is not None:
-                    output = anchored
+            found = detached.get(name) if detach else None
+            if found is not None:
+                output = self._reattach(module, name, found, output)
             if untap is not None:
                 untap(module, args, output)
             if returned is None:
                 return None
             if nn.modules.module._global_forward_hooks and Ahead.behind():
-                raise HookStateError(
-                    f"{layer.label}: a forward hook registered for every module (register_module_forward_hook) "
-                    "during this call of the layer, after pergrad's pre-hook of it ran, runs before pergrad's own "
-                    "forward hook, so pergrad cannot tell the layer's own output from what that hook returned. "
-                    "Register the global hook before the call (pergrad then runs its own ahead of it), or register "
-                    "it on the modules themselves with register_forward_hook."
-                )
+                raise _behind_global_hook(layer.label)
             kept = keep(module, args, rest[0], output)
             if kept is not None:
                 return kept
@@ -706,22 +740,28 @@ class LayerHooks:
     def _next_generation(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The model's first forward pre-hook: a forward starts (its generation and batch, ``_new_forward``) and
+        is followed (``_follow``); the call's arguments, its input's gradient caught where asked."""
         self._in_model += 1  # (back down in ``_forward_done``, also when this raises)
         installs = self._installs
         if self._on_model_call is not None:
             self._on_model_call()  # (may wrap the model again as it is now: ``install``)
         self._direct = False
         self._new_forward(args, kwargs, 0 if self._batch_first else 1)
-        x = args[0] if args else None
-        if self._on_input_grad is None or not (torch.is_grad_enabled() and isinstance(x, Tensor) and x.requires_grad):
-            self._follow(args, kwargs)
-            if self._installs != installs:
-                self._missed(module, args, kwargs)
-            return None
-        # a view of the input is a fresh node of this forward: its pre-hook sees d loss / d input
+        given, x = args, args[0] if args else None
+        if self._on_input_grad is not None and torch.is_grad_enabled() and isinstance(x, Tensor) and x.requires_grad:
+            args = (self._input_caught(x), *args[1:])
+        self._follow(args, kwargs)
+        if self._installs != installs:
+            self._missed(module, args, kwargs)
+        return None if args is given else (args, kwargs)
+
+    def _input_caught(self, x: Tensor) -> Tensor:
+        """A view of the model's input ``x`` (a fresh node of this forward) for the forward to go on with, whose
+        node's pre-hook hands d loss / d input (batch first) to ``on_input_grad``."""
         view = x.view_as(x)
         generation, on_input_grad, batch_first = self.generation, self._on_input_grad, self._batch_first
-        assert view.grad_fn is not None
+        assert view.grad_fn is not None and on_input_grad is not None
 
         @eager_hook
         def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
@@ -729,10 +769,7 @@ class LayerHooks:
                 on_input_grad(generation, batch_to_front(grad_outputs[0], batch_first))
 
         view.grad_fn.register_prehook(catch)
-        self._follow((view, *args[1:]), kwargs)
-        if self._installs != installs:
-            self._missed(module, (view, *args[1:]), kwargs)
-        return (view, *args[1:]), kwargs
+        return view
 
     def _missed(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Run the forward pre-hooks that ``install`` just put on the model itself (a module with raw
@@ -761,27 +798,33 @@ class LayerHooks:
         batch = self.batch
         if batch is None:
             return
-        if not kwargs and all(isinstance(a, Tensor) for a in args):
-            tensors: Any = args
-        else:
+        tensors: Any = args
+        packed: list[PackedSequence] = []
+        if kwargs or not all(isinstance(a, Tensor) for a in args):
             tensors = tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, PackedSequence))[0]
-        dim, size = batch.dim, batch.size
+            packed = [t for t in tensors if isinstance(t, PackedSequence)]
         if self._in_model > 1:
             self.followed.off = True  # a call of the model inside its own forward: followed from now on
-        packed = [t for t in tensors if isinstance(t, PackedSequence)]
-        if not self.followed.off:  # (``lean_forwards=True``)
-            kind = None if packed else kind_of(args, kwargs, size, dim, self._model.training)
-            if self.followed.start(kind):
-                lean = Lean()
-                lean.__enter__()
-                self._provenance.append(lean)
-                return
+        if not self.followed.off and self._went_lean(args, kwargs, batch, bool(packed)):  # (``lean_forwards=True``)
+            return
+        dim, size = batch.dim, batch.size
         seeds = [(t, dim) for t in tensors if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == size]
-        seeds += [(t.data, LOST) for t in packed if int(t.batch_sizes[0]) == size]
-        seen = [t for t in tensors if isinstance(t, Tensor)]
-        found = Provenance(seeds, seen, size)
+        if packed:  # (a PackedSequence's data holds no batch dim)
+            seeds += [(t.data, LOST) for t in packed if int(t.batch_sizes[0]) == size]
+        found = Provenance(seeds, [t for t in tensors if isinstance(t, Tensor)], size)
         found.__enter__()
         self._provenance.append(found)
+
+    def _went_lean(self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: BatchInfo, packed: bool) -> bool:
+        """Whether this forward runs lean (``pergrad._core.shortcuts.followed``: a forward of a kind already
+        recorded, whose calls are only checked against the record): then in ``Lean`` mode, following nothing."""
+        kind = None if packed else kind_of(args, kwargs, batch.size, batch.dim, self._model.training)
+        if not self.followed.start(kind):
+            return False
+        lean = Lean()
+        lean.__enter__()
+        self._provenance.append(lean)
+        return True
 
     def _forward_done(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """Forward hook of the root (also when the forward raised): stop following the batch."""
@@ -877,33 +920,27 @@ class LayerHooks:
 
         return detach
 
-    def _reattacher(self, layer: HookedLayer) -> Callable[..., Any]:
-        """Forward hook that runs even when the forward raised: put the real parameters back (and
-        add the probe to the output, for an anchor on the output)."""
-
-        def reattach(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            found = self._detached.get(layer.name)
-            if found is None:
-                return None
-            for name, original, replacement in found.swaps:
-                if module._parameters.get(name) is replacement:  # (FSDP2 may have put its shard back)
-                    module._parameters[name] = original  # type: ignore[assignment]
-            if not isinstance(output, Tensor):  # the forward raised: the keeper will not run
-                self._detached.pop(layer.name)
-                return None
-            if not found.on_output:
-                return None
-            anchored = anchor_output(output, found.anchor)  # (aside from the forward's Provenance: marked here)
-            following = self._provenance[-1] if self._provenance else None
-            if anchored is not output and isinstance(following, Provenance):
-                at = following.where(output)
-                if carries(at):
-                    following.mark(anchored, at)
-                elif at == SEEN:
-                    following.see(anchored)
-            return anchored
-
-        return reattach
+    def _reattach(self, module: nn.Module, layer: str, found: Detached, output: Any) -> Any:
+        """In the forward hook of a call of ``layer`` that ran with detached parameters (``_detacher``; also when
+        the forward raised): put the real parameters back; the output to go on with (the probe added to it, for
+        an anchor on the output)."""
+        for name, original, replacement in found.swaps:
+            if module._parameters.get(name) is replacement:  # (FSDP2 may have put its shard back)
+                module._parameters[name] = original  # type: ignore[assignment]
+        if not isinstance(output, Tensor):  # the forward raised: the keeper will not run
+            self._detached.pop(layer)
+            return output
+        if not found.on_output:
+            return output
+        anchored = anchor_output(output, found.anchor)  # (aside from the forward's Provenance: marked here)
+        following = self._provenance[-1] if self._provenance else None
+        if anchored is not output and isinstance(following, Provenance):
+            at = following.where(output)
+            if carries(at):
+                following.mark(anchored, at)
+            elif at == SEEN:
+                following.see(anchored)
+        return anchored
 
     def _tapper(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Forward pre-hook: the call reads the parameters pergrad checks through their taps."""
@@ -928,6 +965,8 @@ class LayerHooks:
                 module._parameters[name] = p  # type: ignore[assignment]
 
     def _keeper(self, layer: HookedLayer) -> Callable[..., Tensor | None]:
+        """The part of a hooked layer's forward hook that keeps a call's input (batch on dim 0) in a ``Kept`` and
+        registers, on the node that produced its output, the pre-hook that hands ``(kept, d)`` to the engine."""
         # fixed for the layer: looked up once here, not at every call (this runs at every forward)
         name, spec = layer.name, layer.spec
         all_inputs, every = spec.all_inputs, spec.output_dims is not None  # every: the rule takes every output
@@ -938,28 +977,15 @@ class LayerHooks:
 
         def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Tensor | None:
             detached = detached_calls.pop(name, None) if detached_calls else None
-            returned = output
-            packed_batch = None
+            returned, packed = output, None  # packed: the batch size of a recurrent layer's packed output
             if all_inputs and not isinstance(output, Tensor):
-                if isinstance(output, tuple | list) and output and isinstance(output[0], PackedSequence):
-                    packed_batch, output = int(output[0].batch_sizes[0]), output[0].data  # a recurrent layer, packed
-                else:
-                    output = _first_tensor(output, every)
+                packed, output = _main_output(output, every)
             if not (grad_enabled() and isinstance(output, Tensor)):
                 if self.batch is not None and self._provenance and not grad_enabled():
-                    first = _first_input(args, kwargs)  # (a reentrant checkpoint's segment, say)
-                    if self.followed.lean:
-                        self._unmatched(layer.label, first, first, batch_dim)
-                        self._placed.setdefault(name, set()).add(batch_dim)
-                    else:
-                        self.followed.not_plain()
-                        self._place(name, first)
+                    self._place(layer, _first_input(args, kwargs), batch_dim)  # (a reentrant checkpoint's segment)
                 return None
-            if every:
-                if not any(t.grad_fn is not None for t in output_tensors(returned)):
-                    return None  # nothing will flow back through this call: keep nothing
-            elif output.grad_fn is None:
-                return None
+            if not any(t.grad_fn is not None for t in output_tensors(returned)) if every else output.grad_fn is None:
+                return None  # nothing will flow back through this call: keep nothing
             if transforming():
                 return None  # torch.func is differentiating the model itself (vmap/grad): not ours to track
             capture = captures.get(name) if captures else None
@@ -968,70 +994,44 @@ class LayerHooks:
             dim = batch_dim  # where the batch is in this call's input (the forward may have moved it)
             if self.batch is not None:
                 if provenance() is None and torch._C._current_graph_task_id() != -1:  # computed again (checkpoint)
-                    dim = self._placed_before(name, first, batch_dim, layer.label)
-                    if all_inputs and dim != batch_dim:
-                        _check_layout(module, first, dim, layer.label, known=True)
+                    dim = self._placed_again(module, layer, first, batch_dim)
                 elif self.followed.lean:
-                    if not self.followed.matches(self._next_key(name), self._signature(first, output)):
-                        self._unmatched(layer.label, first, output, batch_dim)
-                    self._placed.setdefault(name, set()).add(dim)
+                    self._check_lean(layer, first, output, dim)
                 else:
                     dim = located(first, batch_dim, self.batch.size, layer.label, spec.batch_dim_fixed)
                     if all_inputs:
                         _check_layout(module, first, dim, layer.label)
                     if self._provenance:
                         self._placed.setdefault(name, set()).add(dim)
-            a = LayerCall(args, kwargs, dim) if all_inputs else first
-            batched = output if all_inputs else a
             dims = _output_dims(layer, returned, dim) if every else ()
-            reduced = bool(dims) and all(dim is None for dim in dims)
-            if reduced:  # it returns no batch (a loss reduced over it): the batch is its first input's
-                batched = _first_input(args, kwargs)
+            reduced = bool(dims) and all(dim is None for dim in dims)  # it returns no batch (a loss reduced over it)
+            batched = output if all_inputs and not reduced else first  # (reduced: the batch is its first input's)
             if not isinstance(batched, Tensor):
                 raise TypeError(f"pergrad: {layer.label} was called without a tensor input")
             if self.batch is not None and not self.followed.lean:
-                group = None if all_inputs else classify(a, output, dim, self.batch, layer.label)
+                group = None if all_inputs else classify(first, output, dim, self.batch, layer.label)
                 if self.followed.recording:
-                    plain = group is None and dim == batch_dim and packed_batch is None
-                    own = isinstance(first, Tensor) and self.batch.from_inputs(first)
-                    plain = plain and told(first, self.batch.size, dim, own)
-                    self.followed.note(self._next_key(name), self._signature(first, output), plain)
+                    self._record(name, first, output, group is None and dim == batch_dim and packed is None, dim)
                 if group is not None:
-                    assert isinstance(a, Tensor)
-                    self._refuse_direct(layer.label, f"on an input shared by the batch (shape {tuple(a.shape)})")
-                    return self._keep_shared(layer, a, output, dim, group, detached, computed)
+                    return self._keep_shared(layer, first, output, dim, group, detached, computed)
             shape = output.shape
-            if packed_batch is None and (batched.dim() <= dim or (len(shape) <= dim and not reduced)):
-                raise BatchSizeError(
-                    f"{layer.label} got input of shape {tuple(batched.shape)}, which has "
-                    f"no batch dim {dim}; pergrad needs batched inputs"
-                    + ("" if batch_first else " (batch_first=False puts the batch on dim 1)")
-                )
-            batch_size = batched.shape[dim] if packed_batch is None else packed_batch
-            if isinstance(a, LayerCall) and every:
-                a = replace(a, output_dims=dims, batch_size=batch_size)
+            if packed is None and (batched.dim() <= dim or (len(shape) <= dim and not reduced)):
+                raise _no_batch_dim(layer.label, batched, dim, batch_first)
+            batch_size = batched.shape[dim] if packed is None else packed
+            a = LayerCall(args, kwargs, dim, dims, batch_size if every else None) if all_inputs else first
             kept_input: Any = a if isinstance(a, LayerCall) or dim == 0 else a.movedim(dim, 0)
             given = a if isinstance(a, Tensor) and kept_input is not a else None  # (the rule reads a view of it)
             if computed is not None:
                 kept_input = Computed(kept_input, computed)
+            key, task = self._key(name), self._recomputed()
             kept = Kept(
-                layer,
-                kept_input,
-                self.generation,
-                batch_size,
-                self._key(name),
-                packed_batch is not None,
-                detached,
-                self._recomputed(),
-                given=given,
+                layer, kept_input, self.generation, batch_size, key, packed is not None, detached, task, given=given
             )
-            if self.batch is not None and packed_batch is None:
-                _place_outputs(returned if every else output, dims if every else (dim,), batch_size)
+            outs, out_dims = (output_tensors(returned), dims) if every else ((output,), (dim,))
+            if self.batch is not None and packed is None:
+                _place_outputs(outs, out_dims, batch_size)
             if self.followed.recording or self.followed.lean:
-                outs = zip(output_tensors(returned), dims, strict=False) if every else ((output, dim),)
-                for t, at in outs:
-                    if t.grad_fn is not None:
-                        self._outputs[t.grad_fn] = (kept.key, t.dim(), at)
+                self._note(kept.key, outs, out_dims)
             if isinstance(a, LayerCall) and a.output_dims:  # the rule takes every output's gradient
                 _catch_outputs(kept, returned, (args, kwargs), on_output_grad)
                 return None
@@ -1059,14 +1059,53 @@ class LayerHooks:
         if self._on_failed is not None and torch._C._current_graph_task_id() != -1:
             self._on_failed()
 
-    def _place(self, name: str, a: Any) -> None:
-        """Note where the running forward has the batch in the input ``a`` of a call of layer ``name`` that
-        keeps nothing (grad mode off: a reentrant checkpoint's segment runs so in the forward)."""
+    def _place(self, layer: HookedLayer, a: Any, dim: int) -> None:
+        """Note where the running forward has the batch in the input ``a`` of a call of ``layer`` that keeps
+        nothing (grad mode off: a reentrant checkpoint's segment runs so in the forward), for the calls computed
+        again (``_placed_before``): as ``Provenance`` follows it, or, in a lean forward, on ``dim`` where
+        ``_unmatched`` accepts that."""
+        if self.followed.lean:
+            self._unmatched(layer.label, a, a, dim)
+            self._placed.setdefault(layer.name, set()).add(dim)
+            return
+        self.followed.not_plain()
         found = provenance()
         if found is not None and isinstance(a, Tensor) and not isinstance(a, Shared):
             at = found.where(a)
             if at >= 0 or at == LOST:
-                self._placed.setdefault(name, set()).add(at)
+                self._placed.setdefault(layer.name, set()).add(at)
+
+    def _check_lean(self, layer: HookedLayer, a: Any, output: Tensor, dim: int) -> None:
+        """A call of a lean forward (``pergrad._core.shortcuts.followed``): checked against its kind's record,
+        else answered by ``_unmatched``; its batch dim ``dim`` noted for the calls computed again."""
+        call = self._calls.get(layer.name, 0)  # (``_next_key``, written out: this runs at every lean call)
+        key = layer.name if call == 0 else f"{layer.name}:{call}"
+        if not self.followed.matches(key, self._signature(a, output)):
+            self._unmatched(layer.label, a, output, dim)
+        self._placed.setdefault(layer.name, set()).add(dim)
+
+    def _record(self, name: str, a: Any, output: Tensor, plain: bool, dim: int) -> None:
+        """Note a call of a forward that is recorded for its kind (``Followed.note``): plain where ``plain`` (kept
+        as an ordinary call on the wrapper's batch dim) and its input's batch dim ``dim`` told by its shape."""
+        assert self.batch is not None
+        own = isinstance(a, Tensor) and self.batch.from_inputs(a)
+        plain = plain and told(a, self.batch.size, dim, own)
+        self.followed.note(self._next_key(name), self._signature(a, output), plain)
+
+    def _note(self, key: str, outputs: tuple[Tensor, ...], dims: tuple[int | None, ...]) -> None:
+        """Note the autograd nodes of the outputs of call ``key`` of a recorded or lean forward, with their ranks
+        and batch dims ``dims``: ``signature`` reads them for the calls after it."""
+        for t, at in zip(outputs, dims, strict=False):
+            if t.grad_fn is not None:
+                self._outputs[t.grad_fn] = (key, t.dim(), at)
+
+    def _placed_again(self, module: nn.Module, layer: HookedLayer, a: Any, dim: int) -> int:
+        """``_placed_before`` for a call of ``layer`` computed again inside the backward, the layer's own
+        layout checked against it (``_check_layout``)."""
+        found = self._placed_before(layer.name, a, dim, layer.label)
+        if layer.spec.all_inputs and found != dim:
+            _check_layout(module, a, found, layer.label, known=True)
+        return found
 
     def _placed_before(self, name: str, a: Any, dim: int, label: str) -> int:
         """The batch dim of the input ``a`` of a call of layer ``name`` computed again inside the backward
@@ -1155,7 +1194,7 @@ class LayerHooks:
     def _keep_shared(
         self,
         layer: HookedLayer,
-        a: Tensor,
+        a: Any,
         output: Tensor,
         dim: int,
         group: Group,
@@ -1165,6 +1204,8 @@ class LayerHooks:
         """A call whose output is (or may be) shared by the batch (see ``pergrad._core.shortcuts.shared``): the model
         goes on with a tracked alias of the output, whose meetings with the batch deliver each
         sample's output gradient; the gradient autograd sums over the batch is then not used."""
+        assert isinstance(a, Tensor)
+        self._refuse_direct(layer.label, f"on an input shared by the batch (shape {tuple(a.shape)})")
         with torch._C.DisableTorchFunctionSubclass():
             plain = a.view_as(a)  # a plain tensor, with a's graph (second order differentiates through it)
         size = group.batch
@@ -1185,18 +1226,7 @@ class LayerHooks:
         produced = _producer(output)
         origin.aliased(alias, produced)  # (where the output gradient arrives, as ``catch`` below reads it)
         # the batched reading of the same call, for a group that turns out batched after all
-        batched = None
-        if group.state == "maybe":
-            batched = Kept(
-                layer,
-                kept_input(batch_to_front(plain, dim == 0)),
-                self.generation,
-                size,
-                key,
-                detached=detached,
-                task=task,
-                shared=True,
-            )
+        batched = replace(shared, a=kept_input(batch_to_front(plain, dim == 0))) if group.state == "maybe" else None
         node, index, shape, a_shape = produced.grad_fn, produced.output_nr, output.shape, tuple(a.shape)
         assert node is not None
         # The hook holds the origin weakly: the origin holds the alias, whose graph holds ``node``, and a
@@ -1214,29 +1244,9 @@ class LayerHooks:
                 if met is not None and met.delivered:
                     met.delivered = 0
                     return
-                self.failed()  # (each branch below raises)
-                if task is not None:
-                    raise SharedInputError(
-                        f"{layer.label}, computed again inside the backward, took its input (shape {a_shape}) for one "
-                        "shared by the batch, and its output's gradient reached the loss without meeting the batch in "
-                        "an op that splits it per sample." + RECOMPUTED
-                    )
-                raise SharedInputError(
-                    f"the output of {layer.label} is shared by the batch (its input has no batch dim: shape "
-                    f"{a_shape}), but its gradient reached the loss without meeting the batch in an op that "
-                    "broadcasts it over the samples, so it cannot be split per sample. If the layer's input folds "
-                    "the batch into another dim, keep the batch on its own dim."
-                )
-            if group.state == "maybe":
+            if group.state in ("shared", "maybe"):  # (its gradient met no op that splits it per sample)
                 self.failed()
-                raise SharedInputError(
-                    f"{layer.label} got an input of shape {a_shape} created inside the forward (not computed "
-                    f"from the model's inputs) with {size} on the batch dim {dim}, and its output reached the loss "
-                    "without meeting a tensor computed from the model's inputs in an op that shows whether that dim "
-                    "is the batch. If that input is the same for every sample, give it a batch dim of size 1 "
-                    "(ids[None]); if it is one row per sample, pass it to the model as an argument."
-                    + (RECOMPUTED if task is not None else "")
-                )
+                raise _unsplit(layer.label, group.state == "shared", a_shape, size, dim, task is not None)
             assert batched is not None, "only a group that may be batched turns out batched"
             on_output_grad(batched, batch_to_front(d.reshape(shape), dim == 0))
 
