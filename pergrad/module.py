@@ -331,32 +331,42 @@ class PerSampleModule:
                 del node.metadata[_HOLDER]
 
     def _sync(self) -> None:
-        """At every call of the model: if its parameters are no longer the ones the wrapper was built
-        for (replaced by ``load_state_dict(assign=True)``, a module swapped in, ``requires_grad``
-        switched), wrap the model as it is now -- the registered transforms included -- and check the
-        next backward against autograd again (``verify``). And if DDP was applied after wrapping (to the
-        model or a parent of it) and this is its forward, carry pergrad's gradients in its buckets from
-        now on (``pergrad._core.parallel.distributed``)."""
-        if self._engine.world is None and not self._engine.closed and dist.is_available() and dist.is_initialized():
-            ddp = running_ddp(self.module)  # (DDP needs a process group)
-            if ddp is not None:
-                world = DataParallel(ddp, self._engine, late=True)
-                world.install()
-                self._engine.world = world
-        self._engine.on_forward()
-        if not self._engine.closed and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        """At every call of the model: take up DDP applied since wrapping (``_late_ddp``), run the
+        integrations' forward checks, hook the new ``AccumulateGrad`` nodes a conversion there and back left,
+        and wrap the model again if its parameters are no longer the ones it was wrapped with (``_rewrap``)."""
+        engine = self._engine
+        if engine.world is None and not engine.closed and dist.is_available() and dist.is_initialized():
+            self._late_ddp()
+        engine.on_forward()
+        if not engine.closed and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             for check in integration_checks():
                 if check.forward is not None:
                     check.forward(self)
-        if self._engine.closed:
+        if engine.closed:
             return
-        if layout_of(self._submodules, self._canonical) == self._layout:
-            # a conversion there and back (model.float().double()) since the last forward: the parameters have
-            # new AccumulateGrad nodes, hooked now, before a backward whose first node may be one of them
-            tracking = torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
-            if tracking and any_replaced(self._engine.accumulators.items()):
-                self._rehook()
+        if layout_of(self._submodules, self._canonical) != self._layout:
+            self._rewrap()
             return
+        # a conversion there and back (model.float().double()) since the last forward: the parameters have
+        # new AccumulateGrad nodes, hooked now, before a backward whose first node may be one of them
+        tracking = torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+        if tracking and any_replaced(engine.accumulators.items()):
+            self._rehook()
+
+    def _late_ddp(self) -> None:
+        """If DDP was applied after wrapping (to the model or a parent of it) and this is its forward, carry
+        pergrad's gradients in its buckets from now on (``pergrad._core.parallel.distributed``)."""
+        ddp = running_ddp(self.module)  # (DDP needs a process group)
+        if ddp is not None:
+            world = DataParallel(ddp, self._engine, late=True)
+            world.install()
+            self._engine.world = world
+
+    def _rewrap(self) -> None:
+        """The model's parameters are no longer the ones the wrapper was built for (replaced by
+        ``load_state_dict(assign=True)``, a module swapped in, ``requires_grad`` switched): wrap the model as it
+        is now -- the registered transforms included -- and check the next backward against autograd again
+        (``verify``)."""
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
             return  # torch.func or the compiler runs the model with parameters of its own
         if any(not isinstance(p, nn.Parameter) for _, p in self.module.named_parameters(remove_duplicate=False)):

@@ -97,37 +97,52 @@ class GradWriter:
 
     def add(self, param: nn.Parameter, reduced: Tensor, state: Backward) -> None:
         """Add this batch's reduction (in ``.grad``'s units) to ``.grad`` (with ``accumulate="samples"``,
-        fold it into the running mean over every sample since ``.grad`` was cleared).
-
-        Several processes: FSDP2 takes the reduction for its reduce-scatter; under DDP it goes where
-        ``.grad`` would, but into the parameter's place in DDP's bucket (the bucket holds ``.grad`` as
-        autograd left it), which is all-reduced once it is complete."""
+        fold it into the running mean over every sample since ``.grad`` was cleared: ``_fold``; several
+        processes: ``_across``)."""
         state.written.params[param] = None
         grad = param.grad
         overwrite = param in state.autograd.overwrite
-        prior = state.written.prior
-        if self.options.running_mean and param not in prior:  # no AccumulateGrad ran (a detached weight)
+        if self.options.running_mean and param not in state.written.prior:  # no AccumulateGrad ran (a detached weight)
             self._note(param, state)
         if self.world is not None:
-            reduced = self.world.contribution(reduced)
-            if self.world.take(param, reduced, state):
+            found = self._across(param, grad, overwrite, reduced, state)
+            if found is None:
                 return
-            slot = self.world.slot(param, state)
-            if slot is not None:
-                if grad is None or overwrite:
-                    slot.copy_(reduced)
-                    return
-                grad = slot
+            grad, reduced = found
         if grad is None or overwrite:
             param.grad = reduced.to(param.dtype)
         elif self.options.running_mean:
-            n, b = prior[param], state.batch_size or 0
-            if param in state.written.again:
-                grad.add_(reduced, alpha=b / n)
-            else:
-                grad.mul_(n / (n + b)).add_(reduced, alpha=b / (n + b))
+            self._fold(param, grad, reduced, state)
         else:
             grad.add_(reduced)
+
+    def _across(
+        self, param: nn.Parameter, grad: Tensor | None, overwrite: bool, reduced: Tensor, state: Backward
+    ) -> tuple[Tensor | None, Tensor] | None:
+        """Several processes: FSDP2 takes the reduction for its reduce-scatter; under DDP it goes where
+        ``.grad`` would, but into the parameter's place in DDP's bucket (the bucket holds ``.grad`` as
+        autograd left it), which is all-reduced once it is complete. Returns what ``add`` adds this rank's
+        contribution to and the contribution, or None where it is delivered already."""
+        assert self.world is not None
+        reduced = self.world.contribution(reduced)
+        if self.world.take(param, reduced, state):
+            return None
+        slot = self.world.slot(param, state)
+        if slot is None:
+            return grad, reduced
+        if grad is None or overwrite:
+            slot.copy_(reduced)
+            return None
+        return slot, reduced
+
+    def _fold(self, param: nn.Parameter, grad: Tensor, reduced: Tensor, state: Backward) -> None:
+        """``accumulate="samples"``: ``.grad := (n .grad + b R) / (n + b)``, or ``.grad + (b / n) R`` for the
+        same samples again (see the module docstring)."""
+        n, b = state.written.prior[param], state.batch_size or 0
+        if param in state.written.again:
+            grad.add_(reduced, alpha=b / n)
+        else:
+            grad.mul_(n / (n + b)).add_(reduced, alpha=b / (n + b))
 
     def abandon(self, state: Backward) -> None:
         """A backward failed (an error raised in it, or at its end): every ``.grad`` that was None before it
@@ -149,21 +164,22 @@ class GradWriter:
         return seen[0]
 
     def count_samples(self, state: Backward) -> None:
-        """Once ``.grad`` is final (under DDP: after DDP wrote it, averaged over every rank's samples), record
-        which forward's backward wrote each ``.grad`` it reached and, with ``accumulate="samples"``, how many
-        samples each now averages."""
+        """Once ``.grad`` is final (under DDP: after DDP wrote it), record which forward's backward wrote
+        each ``.grad`` it reached and, with ``accumulate="samples"``, how many samples each averages."""
         if state.batch_size is None:
             return
-        written = state.written
+        written, mean = state.written, self.options.running_mean
         for p in dict.fromkeys([*written.prior, *written.params, *state.autograd.ran]):
-            if p.grad is None:
-                continue
-            count = 0.0
-            if self.options.running_mean and p in written.prior:
-                count = written.prior[p] + (0.0 if p in written.again else state.batch_size)
-                if self.world is not None:
-                    count = self.world.samples(p, count, state)
-            self._seen[p] = (count, id(p.grad), p.grad._version, state.generation)
+            if p.grad is not None:
+                count = self._count(p, state) if mean and p in written.prior else 0.0
+                self._seen[p] = (count, id(p.grad), p.grad._version, state.generation)
+
+    def _count(self, param: nn.Parameter, state: Backward) -> float:
+        """How many samples ``param.grad``'s running mean holds after this backward (under DDP: averaged
+        over every rank's samples)."""
+        assert state.batch_size is not None
+        count = state.written.prior[param] + (0.0 if param in state.written.again else state.batch_size)
+        return count if self.world is None else self.world.samples(param, count, state)
 
     # -- post-accumulate-grad hooks of the parameters whose .grad pergrad writes -----------------
 

@@ -70,19 +70,23 @@ class Reduction(Consumer):
 
     def consume(self, batch: Batch) -> None:
         self.last_dropped = {}
-        state = batch.state
         if batch.size == 0:
-            # every sum over samples is 0: .grad gets nothing added (autograd's own sum is 0 too);
-            # a detached weight gets what autograd would have stored
-            for p in (p for call in state.arrived.detached for p in call.params if p not in batch.unwritten):
-                state.written.params[p] = None
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+            self._empty(batch)
             return
         for target in self.targets:
             self._reduce(target, batch)
         if batch.owned:
             self._plain(batch)
+
+    @staticmethod
+    def _empty(batch: Batch) -> None:
+        """A batch of no samples: every sum over samples is 0, so ``.grad`` gets nothing added (autograd's
+        own sum is 0 too); a detached weight gets what autograd would have stored."""
+        state = batch.state
+        for p in (p for call in state.arrived.detached for p in call.params if p not in batch.unwritten):
+            state.written.params[p] = None
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     def _plain(self, batch: Batch) -> None:
         """The weights that ran detached with no transform: ``.grad`` gets the plain reduction."""
@@ -98,40 +102,46 @@ class Reduction(Consumer):
             batch.write(param, reduced)
 
     def _reduce(self, target: Target, batch: Batch) -> None:
+        """``T(g_i) = c_i g_i`` (a ``Scaling``): add ``sum_i c_i g_i`` to ``.grad`` without building ``g_i``
+        where the source allows it (any other ``T``: ``_apply``). A parameter of the target that this
+        backward did not reach has ``g_i = 0``: it adds 0. The norms are those of the samples' own losses
+        (unscaled): a bound means the same under a scaler."""
         state, size = batch.state, batch.size
         params = [p for p in target.params.values() if p in state.autograd.reached]
         if not params:
             return
         transform = target.transform
-        if isinstance(transform, Scaling):
-            # T(g_i) = c_i g_i: sum_i c_i g_i without building g_i where the source allows it.
-            # A parameter of the target that this backward did not reach has g_i = 0: it adds 0.
-            # The norms are those of the samples' own losses (unscaled): a bound means the same under a scaler.
-            norms = None
-            if transform.needs_norms:
-                norms = torch.stack(list(batch.norms(params).values())).sum(0).sqrt()
-            factors = transform.factors(norms, size, params[0].detach())
-            drop = overflow = None
-            if norms is not None:
-                # a sample whose gradient holds NaN or Inf has no finite clipped/normalised value:
-                # it contributes nothing (on the device: no branch on its values), and is reported by
-                # dropped_samples(). Under loss scaling it is an overflow, which must reach .grad so
-                # that the scaler skips the step and lowers its scale: the sample's factor is NaN
-                bad = ~torch.isfinite(norms)
-                factors = factors.masked_fill(bad, 0)
-                if state.amp:
-                    overflow = bad
-                else:
-                    self.last_dropped[target.label] = bad
-                    drop = bad if may_hold_true(bad) else None
-            if not transform.finite_factors and not bool(torch.isfinite(factors).all()):  # a host sync
-                raise TransformError(f"the transform registered for {target.label} produced non-finite scale factors")
-            if overflow is not None:
-                factors = factors.masked_fill(overflow, torch.nan)
-            weights = state.to_grad_units(factors / size if self.reduction == "mean" else factors)
-            for param, reduced in batch.source.summed(params, weights, drop).items():
-                batch.write(param, reduced)
+        if not isinstance(transform, Scaling):
+            self._apply(target, batch, params)
             return
+        norms = None
+        if transform.needs_norms:
+            norms = torch.stack(list(batch.norms(params).values())).sum(0).sqrt()
+        factors = transform.factors(norms, size, params[0].detach())
+        drop = overflow = None
+        if norms is not None:
+            # a sample whose gradient holds NaN or Inf contributes nothing (no branch on its values) and is
+            # reported by dropped_samples(); under loss scaling it is an overflow that must reach .grad (so
+            # that the scaler skips the step): its factor is NaN
+            bad = ~torch.isfinite(norms)
+            factors = factors.masked_fill(bad, 0)
+            if state.amp:
+                overflow = bad
+            else:
+                self.last_dropped[target.label] = bad
+                drop = bad if may_hold_true(bad) else None
+        if not transform.finite_factors and not bool(torch.isfinite(factors).all()):  # a host sync
+            raise TransformError(f"the transform registered for {target.label} produced non-finite scale factors")
+        if overflow is not None:
+            factors = factors.masked_fill(overflow, torch.nan)
+        weights = state.to_grad_units(factors / size if self.reduction == "mean" else factors)
+        for param, reduced in batch.source.summed(params, weights, drop).items():
+            batch.write(param, reduced)
+
+    def _apply(self, target: Target, batch: Batch, params: list[nn.Parameter]) -> None:
+        """Any other ``T``: built on the target's ``g_i`` (zeros for a parameter this backward did not
+        reach), checked, and ``T(g_i)`` reduced into the ``.grad`` of each parameter it reached."""
+        state = batch.state
         grads = batch.source.per_sample(params)
         first = grads[params[0]]
         per_sample = {
@@ -139,7 +149,7 @@ class Reduction(Consumer):
             for key, p in target.params.items()
         }
         versions = {key: g._version for key, g in per_sample.items()}
-        result = transform.apply(per_sample)
+        result = target.transform.apply(per_sample)
         check_output(target.label, per_sample, result)
         if state.create_graph:
             _check_differentiable(target.label, per_sample, result)

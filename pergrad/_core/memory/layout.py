@@ -59,12 +59,9 @@ def recorded() -> bool:
 
 
 def new_buffer(shape: tuple[int, ...], like: Tensor) -> Tensor:
-    """An uninitialised tensor for a rule's result (``like``'s dtype and device).
-
-    Rules write per-sample gradients into it with ``out=``. Inside ``allocating_from`` it may be
-    a recycled buffer of an earlier step: writing into memory the process already holds is several
-    times faster than into fresh pages, which the kernel must fault in and zero first.
-    """
+    """An uninitialised tensor (``like``'s dtype and device) a rule writes its result into with ``out=``;
+    inside ``allocating_from`` a recycled buffer of an earlier step: writing into memory the process already
+    holds is several times faster than into fresh pages, which the kernel must fault in and zero first."""
     alloc = _allocator.get()
     out = fresh_buffer(shape, like) if alloc is None else alloc(shape, like)
     made = _made.get()
@@ -103,12 +100,9 @@ READ_FREELY = frozenset({"cpu"})  # devices whose tensors the host reads without
 
 
 def may_hold_true(mask: Tensor) -> bool:
-    """Whether the boolean ``mask`` may hold a True, for a branch that saves a copy when it does not.
-
-    On the CPU the mask is read (ops run when called: nothing to wait for). On an accelerator,
-    reading it would make the host wait for every queued kernel (a host sync), so the answer is
-    yes there, and the caller takes the path that is exact whatever the mask holds.
-    """
+    """Whether the boolean ``mask`` may hold a True, for a branch that saves a copy when it does not: read
+    on the CPU (nothing to wait for); yes on an accelerator, where reading it would wait for every queued
+    kernel (a host sync), and the caller takes the path that is exact whatever the mask holds."""
     return mask.device.type not in READ_FREELY or bool(mask.any())
 
 

@@ -95,11 +95,17 @@ class BufferPool:
         return block.data[:n].view(shape)
 
     def _pick(self, n: int, dtype: torch.dtype, device: torch.device, slot: int) -> _Block | None:
+        """The block for the ``slot``-th request of this pass, or None (see the module: 1., then ``_search``)."""
         own = self._slots.get(slot)
         if own is not None and own.free and own.data.dtype == dtype and own.data.device == device:
             if own.data.numel() >= n:
                 return own
             self._release(own)  # outgrown: its memory goes before a larger block is allocated
+        return self._search(n, dtype, device, slot)
+
+    def _search(self, n: int, dtype: torch.dtype, device: torch.device, slot: int) -> _Block | None:
+        """The smallest free block of ``n`` to ``SLACK * n`` elements that no later request of the pass had
+        the previous time, or None (see the module: 2.)."""
         best: _Block | None = None
         for block in self._blocks:
             data = block.data
@@ -129,9 +135,8 @@ class BufferPool:
         self._settle(forget=True)
 
     def _settle(self, forget: bool) -> None:
-        """Take back the blocks nothing else refers to (``forget``: let go of those others still
-        hold from an earlier pass), then release free ones, least recently used first, until the
-        free ones and those serving this pass hold at most ``limit`` bytes."""
+        """Take back the blocks nothing else refers to (``forget``: let go of those others still hold from
+        an earlier pass), then keep the free ones and those serving this pass within ``limit`` (``_trim``)."""
         for block in list(self._blocks):
             if not block.free:
                 if not _in_use(block):
@@ -139,6 +144,11 @@ class BufferPool:
                 elif forget and block.round != self._round:
                     self._release(block)
         excess = sum(b.data.nbytes for b in self._blocks if b.free or b.round == self._round) - self.limit
+        if excess > 0:
+            self._trim(excess)
+
+    def _trim(self, excess: int) -> None:
+        """Release free blocks, least recently used first, until ``excess`` bytes are gone."""
         for block in sorted((b for b in self._blocks if b.free), key=lambda b: (b.round, b.slot)):
             if excess <= 0:
                 break

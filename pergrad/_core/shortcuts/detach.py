@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import torch
 from torch import Tensor, nn
@@ -85,9 +85,12 @@ class _Guard:
         self.sentinel, self.nodes = get_gradient_edge(sentinel).node, [get_gradient_edge(p).node for p in params]
 
     def check(self) -> None:
+        if not torch._C._will_engine_execute_node(self.sentinel):
+            self._refuse_if_asked()
+
+    def _refuse_if_asked(self) -> None:
+        """The sentinel's ``AccumulateGrad`` does not run in this backward: refuse it if a weight's does."""
         will_run = torch._C._will_engine_execute_node
-        if will_run(self.sentinel):
-            return
         try:
             asked = any(will_run(node) for node in self.nodes)
         except RuntimeError:  # asked of a leaf that torch.autograd.grad captures: the weight is asked for
@@ -190,7 +193,22 @@ class Wrapper(Protocol):
 
 
 class Detacher:
-    """Decides, for each call of a hooked layer, whether its weight runs detached."""
+    """Decides, for each call of a hooked layer, whether its weight runs detached (``for_call``).
+
+    The first call of a layer in a forward decides for every later one: detached where pergrad writes the
+    weight's ``.grad`` at less cost than autograd's weight gradient (``_owned``) --
+
+    - a transform covers the weight: pergrad computes ``.grad`` from ``(a, d)`` anyway;
+    - ``grad_sample`` is built (or second moments tracked) and the layer sees many positions per
+      sample (a convolution, a Linear on sequences): ``.grad`` (the mean) is then the sum of
+      the built ``g_i``, one read of ``B x |W|`` values, where autograd spends ``2 B L |W|``
+      flops on L positions;
+    - norms of a convolution are tracked (they build its ``g_i``: see ``conv_builds``);
+    - a projection registered with ``grads=False`` covers the weight (one process): its ``.grad``
+      is not needed, and pergrad leaves it unwritten;
+
+    and, in one process with ``verify=True``, where autograd's weight gradient of a Linear costs at least
+    ``FEW_FLOPS``: below it, the host's work of running detached costs more than the matmul saved."""
 
     def __init__(self, engine: Wrapper) -> None:
         self.engine = engine
@@ -231,17 +249,18 @@ class Detacher:
 
     def _owned(self, module: nn.Module, key: nn.Parameter, many: bool, few: bool = False) -> bool:
         """Whether pergrad writes the ``.grad`` of ``module``'s weight ``key`` itself when the call
-        applies it at ``many`` positions per sample, its weight gradient costing ``few`` flops (see ``for_call``)."""
+        applies it at ``many`` positions per sample, its weight gradient costing ``few`` flops (see the class)."""
         engine = self.engine
-        if engine.world is None and key in engine.gradless:
+        world = engine.world
+        if world is None and key in engine.gradless:
             return True  # its .grad is not needed: autograd's weight gradient is pure cost
-        if engine.world is not None and not engine.world.touches:
+        if world is not None and not world.touches:
             # FSDP2 reduce-scatters what has a gradient: detach alike on every rank, whatever
             # its batch (an empty one has "few" positions), so only the weights a transform covers
             return key in engine.transformed
         # (DDP: every rank alike, whatever its batch; verify=False: no tap would check what else reaches an
         # attached weight, where a detached one's guard refuses it)
-        if few and engine.world is None and engine.options.verify:
+        if few and world is None and engine.options.verify:
             return False
         # with second moments, the mean of a detached weight comes from its built g_i (many positions)
         owned = (
@@ -258,67 +277,62 @@ class Detacher:
         """The parameters have new ``AccumulateGrad`` nodes: each layer's guard is made again at its next call."""
         self._guards = {}
 
-    def _ok(self, p: Any) -> bool:
+    def _ok(self, p: Any) -> TypeGuard[nn.Parameter]:
         if not (isinstance(p, nn.Parameter) and p.requires_grad):
             return False
         return self.engine.canonical(p) in self.single and not has_tensor_hooks(p)
 
     def for_call(self, layer: HookedLayer, a: Any, batch_dim: int, generation: int) -> Detached | None:
-        """The parameters this call of ``layer`` on input ``a`` runs detached, or None.
-
-        The first call of a layer in a forward decides for every later one: detached where
-        pergrad writes the weight's ``.grad`` at less cost than autograd's weight gradient --
-
-        - a transform covers the weight: pergrad computes ``.grad`` from ``(a, d)`` anyway;
-        - ``grad_sample`` is built (or second moments tracked) and the layer sees many positions per
-          sample (a convolution, a Linear on sequences): ``.grad`` (the mean) is then the sum of
-          the built ``g_i``, one read of ``B x |W|`` values, where autograd spends ``2 B L |W|``
-          flops on L positions;
-        - norms of a convolution are tracked (they build its ``g_i``: see ``conv_builds``);
-        - a projection registered with ``grads=False`` covers the weight (one process): its ``.grad``
-          is not needed, and pergrad leaves it unwritten;
-
-        and, in one process with ``verify=True``, where autograd's weight gradient of a Linear costs at least
-        ``FEW_FLOPS``: below it, the host's work of running detached costs more than the matmul saved.
-        """
+        """The parameters this call of ``layer`` on input ``a`` runs detached, or None; the first call of a
+        layer in a forward decides for every later one (see the class)."""
         engine = self.engine
         if generation != self._generation:
             self._generation, self._decided, self.current = generation, {}, set()
         if not engine.detach_transformed or engine.closed or engine.verify_backwards > 0:
             return None
-        if engine.world is not None and not engine.world.detaches:
+        world = engine.world
+        if world is not None and not world.detaches:
             return None
         first = self._decided.get(layer.name)
         # no weight runs detached in the forwards after a backward with create_graph=True; a segment that
         # activation checkpointing computes again inside that backward runs as its forward did
-        if engine.second_order and not first:
+        if first is False or (engine.second_order and first is None):
             return None
-        found = self._detach(layer, a, batch_dim, decided=first)
-        if found is not None and engine.world is None:
-            found = self._touched(found, self._guard(layer, found.params), generation)
-        elif found is not None and engine.world is not None:
-            if engine.world.touches:  # DDP: its reducer waits for every parameter
-                found = self._touched(found, None, generation)
-            found = replace(found, params=tuple(map(self.engine.canonical, found.params)))
+        module = layer.module
+        # (read where the swap writes; a plain attribute named weight is not a parameter to detach)
+        weight, bias = module._parameters.get("weight"), module._parameters.get("bias", "absent")
+        found = None
+        if self._ok(weight):
+            owned = first is not None  # (the layer's first call in this forward detached)
+            if not owned:
+                count = positions(module, a, batch_dim)
+                owned = self._owned(
+                    module, engine.canonical(weight), count >= MANY, few_flops(module, a, batch_dim, count)
+                )
+            if owned:
+                found = self._detach(module, weight, bias)
+        if found is not None:
+            if world is None:
+                found = self._touched(found, self._guard(layer, found.params), generation)
+            else:
+                found = self._across(found, world, generation)
         if first is None:
             self._decided[layer.name] = found is not None
         if found is not None:
             self.current.update(found.params)
         return found
 
-    def _detach(self, layer: HookedLayer, a: Any, batch_dim: int, decided: bool | None) -> Detached | None:
-        if decided is False:
-            return None
-        engine, module = self.engine, layer.module
-        # (read where the swap writes; a plain attribute named weight is not a parameter to detach)
-        weight, bias = module._parameters.get("weight"), module._parameters.get("bias", "absent")
-        if not self._ok(weight):
-            return None
-        assert isinstance(weight, nn.Parameter)
-        if decided is None:
-            count = positions(module, a, batch_dim)
-            if not self._owned(module, engine.canonical(weight), count >= MANY, few_flops(module, a, batch_dim, count)):
-                return None
+    def _across(self, found: Detached, world: World, generation: int) -> Detached:
+        """Several processes: ``found`` touched where the world's reducer waits for every parameter (DDP),
+        its parameters the ones the world keys gradients by."""
+        if world.touches:
+            found = self._touched(found, None, generation)
+        return replace(found, params=tuple(map(self.engine.canonical, found.params)))
+
+    def _detach(self, module: nn.Module, weight: nn.Parameter, bias: Any) -> Detached | None:
+        """What a call of ``module`` runs with its ``weight`` detached: the swaps and the anchor (see
+        ``Detached``), or None where no anchor is found."""
+        engine = self.engine
         swaps: list[tuple[str, Tensor | None, Tensor]] = [("weight", weight, weight.detach())]
         trainable_bias = isinstance(bias, nn.Parameter) and bias.requires_grad
         if isinstance(module, nn.modules.conv._ConvNd):

@@ -136,24 +136,28 @@ class Unhooked:
         those left with none."""
         for p in params:
             hooks, key = p._backward_hooks, self._keys.get(p)
-            if not hooks:
-                if key is not None:
-                    del self._keys[p]
-                continue
-            if key is not None and key in hooks:
-                if len(hooks) == 1:  # the user's are gone
-                    del hooks[key], self._keys[p]
-                    continue
-                if next(iter(hooks)) == key:
-                    continue
-                ours = hooks.pop(key)
-            else:
-                ours, key = _First(p, self._on_grad), RemovableHandle(hooks).id  # (a key no handle will take)
-            theirs = list(hooks.items())
-            hooks.clear()
-            hooks[key] = ours
-            hooks.update(theirs)
-            self._keys[p] = key
+            if hooks:
+                self._first(p, hooks, key)
+            elif key is not None:
+                del self._keys[p]
+
+    def _first(self, p: nn.Parameter, hooks: dict[int, Any], key: int | None) -> None:
+        """Put pergrad's hook (under ``key``, None: not yet made) first among ``p``'s ``hooks``, or take it
+        off where the user's are gone."""
+        if key is not None and key in hooks:
+            if len(hooks) == 1:  # the user's are gone
+                del hooks[key], self._keys[p]
+                return
+            if next(iter(hooks)) == key:
+                return
+            ours = hooks.pop(key)
+        else:
+            ours, key = _First(p, self._on_grad), RemovableHandle(hooks).id  # (a key no handle will take)
+        theirs = list(hooks.items())
+        hooks.clear()
+        hooks[key] = ours
+        hooks.update(theirs)
+        self._keys[p] = key
 
     def clear(self) -> None:
         """Take pergrad's hooks off every parameter (the user's stay, in their order)."""

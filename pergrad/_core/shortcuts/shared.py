@@ -174,7 +174,18 @@ def _storage(t: Tensor) -> int:
 def batch_of_call(
     args: tuple[Any, ...], kwargs: dict[str, Any], dim: int, buffers: Callable[[], frozenset[int]]
 ) -> BatchInfo | None:
-    """The batch of a model call (None: no tensor argument has a batch dim ``dim``).
+    """The batch of a model call (None: no tensor argument has a batch dim ``dim``): that of the model's
+    input, its first positional argument, where all are tensors and it has the batch dim (the common call,
+    without pytree's walk), else ``_batch_of_leaves``'s."""
+    if not kwargs and args and all(isinstance(a, Tensor) for a in args) and args[0].dim() > dim:
+        return BatchInfo(args[0].shape[dim], dim, frozenset(_storage(t) for t in args), buffers)
+    return _batch_of_leaves(args, kwargs, dim, buffers)
+
+
+def _batch_of_leaves(
+    args: tuple[Any, ...], kwargs: dict[str, Any], dim: int, buffers: Callable[[], frozenset[int]]
+) -> BatchInfo | None:
+    """The batch of a model call, from every tensor in its arguments.
 
     The model's input, its first positional argument (``forward(input, ...)``), gives the batch size
     where it has the batch dim: the others may be shared by the samples (a mask ``[T, T]``, an
@@ -183,9 +194,7 @@ def batch_of_call(
     size of 1 broadcasts over the batch, like ``position_ids`` of shape ``[1, T]``) must agree, or
     the call is refused. A ``PackedSequence``'s batch size is its ``batch_sizes[0]``.
     """
-    if not kwargs and args and all(isinstance(a, Tensor) for a in args):  # the common call, without pytree's walk
-        if args[0].dim() > dim:
-            return BatchInfo(args[0].shape[dim], dim, frozenset(_storage(t) for t in args), buffers)
+    if not kwargs and args and all(isinstance(a, Tensor) for a in args):
         leaves = list(args)
     else:
         leaves = tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, PackedSequence))[0]
@@ -249,25 +258,36 @@ def located(a: Any, dim: int, size: int, where: str, fixed: bool) -> int:
     if at == UNSEEN and a.grad_fn is not None:
         raise BatchSizeError(f"{where} got an input of shape {tuple(a.shape)} " + UNTRACKED + ".")
     if at == LOST:  # an op pergrad could not follow: where the shape cannot tell either, an error
-        same = [j for j, s in enumerate(a.shape) if s == size]
-        if size > 1 and len(same) > 1 and dim in same:
-            after = found.lost_by(a)
-            raise BatchSizeError(
-                f"{where} got an input of shape {tuple(a.shape)} computed from the batch, but pergrad lost track of "
-                f"where the batch is in it{f' at the op {after}' if after else ''}, and its dims {same} all have the "
-                f"batch's size {size}. Move the batch with ops pergrad follows (transpose, permute, movedim, view, "
-                "reshape, basic indexing), or keep it on its own dim"
-            )
+        _refuse_lost(found, a, dim, size, where)
         return dim
     if at < 0 or at == dim:
         return dim
     if fixed:
-        raise BatchSizeError(
-            f"{where} takes the batch on dim {dim} of its input, but the model's forward moved it to dim {at} "
-            f"(input shape {tuple(a.shape)}, e.g. by x.transpose(0, 1)): the layer would mix the samples. Move the "
-            f"batch back before calling it (x.movedim({at}, {dim}))"
-        )
+        raise _moved(a, dim, at, where)
     return at
+
+
+def _moved(a: Tensor, dim: int, at: int, where: str) -> BatchSizeError:
+    """The error for a layer that takes the batch on ``dim`` only, called with it on dim ``at``."""
+    return BatchSizeError(
+        f"{where} takes the batch on dim {dim} of its input, but the model's forward moved it to dim {at} "
+        f"(input shape {tuple(a.shape)}, e.g. by x.transpose(0, 1)): the layer would mix the samples. Move the "
+        f"batch back before calling it (x.movedim({at}, {dim}))"
+    )
+
+
+def _refuse_lost(found: Provenance, a: Tensor, dim: int, size: int, where: str) -> None:
+    """``a`` carries the batch on a dim pergrad did not follow: refused where its shape cannot tell either
+    (several dims of the batch's size, ``dim`` among them)."""
+    same = [j for j, s in enumerate(a.shape) if s == size]
+    if size > 1 and len(same) > 1 and dim in same:
+        after = found.lost_by(a)
+        raise BatchSizeError(
+            f"{where} got an input of shape {tuple(a.shape)} computed from the batch, but pergrad lost track of "
+            f"where the batch is in it{f' at the op {after}' if after else ''}, and its dims {same} all have the "
+            f"batch's size {size}. Move the batch with ops pergrad follows (transpose, permute, movedim, view, "
+            "reshape, basic indexing), or keep it on its own dim"
+        )
 
 
 def classify(a: Any, output: Tensor, dim: int, batch: BatchInfo, where: str) -> Group | None:
@@ -284,19 +304,7 @@ def classify(a: Any, output: Tensor, dim: int, batch: BatchInfo, where: str) -> 
     carried = a.grad_fn is not None if found is None else found.carries(a)  # outside the forward: by its history
     if carried:
         if not has_batch and not (size == 1 and len(out_shape) > dim and out_shape[dim] == 1):
-            after = "" if found is None else found.lost_by(a)
-            raise BatchSizeError(
-                f"{where} got input of shape {tuple(a.shape)} computed from the batch, but the model was called with "
-                f"a batch of {size} samples on dim {dim}: keep the batch on its own dim (a reshape that folds it into "
-                "another dim, or indexing that picks samples out of it, mixes samples for pergrad)"
-                + (
-                    f"; pergrad lost track of the batch at the op {after}, which folded it, picked samples out of it, "
-                    "or moved it in a way pergrad does not follow (move it with transpose, permute, movedim, view "
-                    "or reshape)"
-                    if after
-                    else ""
-                )
-            )
+            raise _folded(a, size, dim, where, found)
         return None
     if not has_batch or (isinstance(a, torch.nn.Parameter) and not batch.from_inputs(a)):
         return Group("shared", size, dim)
@@ -533,16 +541,7 @@ def _meet(
     if func in _MATMUL and dim == rank - 2:
         left, right = (args[1], args[0]) if func is Tensor.__rmatmul__ else (args[0], args[1])
         if isinstance(right, Shared) and isinstance(left, Tensor) and not isinstance(left, Shared) and left.dim() >= 2:
-            # the batch is the rows of the left operand ([T, B, r] @ [r, D], [B, r] @ [r, D]): make each
-            # row a matrix of its own, so the batch is a broadcast dim the shared operand expands along
-            with DisableTorchFunctionSubclass():
-                rows = left.unsqueeze(-2)
-            found = provenance()
-            if found is not None:  # (ops inside an op the mode sees are not seen again)
-                found.mark(rows, found.where(left))
-            out_rows = torch.matmul(rows, right)
-            with DisableTorchFunctionSubclass():
-                return out_rows.squeeze(-2)
+            return _row_matmul(left, right)
 
     def replace(x: Any) -> Any:
         if not isinstance(x, Shared):
@@ -555,32 +554,52 @@ def _meet(
             for o in live:
                 o.group.state = "shared"
             return _expanded(x, _roots(live), rank, dim)
-        direct = [o for o in live if not o.unless]  # (stand-ins: broadcast along this dim, see _defer)
-        maybe = [o for o in direct if o.group.state == "maybe"]
-        if maybe and len(maybe) == len(direct):  # aligned with the batch of an operand that carries it
-            for o in maybe:
-                o.group.state = "batched"
-                for spread in o.group.then_shared:
-                    if spread.state == "maybe":
-                        spread.state = "shared"
-            if not any(o.live() for o in live):
-                return x
-        if maybe:
-            raise SharedInputError(
-                f"{_label([o for o in live if o.live() and o not in maybe])} is shared by the batch, and it was "
-                f"combined with {_label(maybe)}, whose input was created inside the forward (not computed from the "
-                f"model's inputs) with {group.batch} on the batch dim, before either met the batch: pergrad cannot "
-                "tell whether that dim is the batch. If that input is the same for every sample, give it a batch "
-                "dim of size 1 (ids[None]); if it is one row per sample, pass it to the model as an argument."
-            )
-        raise SharedInputError(
-            f"{_label(live)} is shared by the batch (its input or parameter has no batch dim), but {func.__name__} "
-            f"combines its dim {k} of size {x.shape[k]} with the batch dim of the other operands: pergrad cannot "
-            "tell samples from positions there. Give the shared tensor a batch dim of size 1 (e.g. ids[None]) "
-            "so that it broadcasts over the batch."
-        )
+        return _aligned_with_batch(x, live, k, func, group)
 
     return _plain(func, tree_map(replace, args), tree_map(replace, kwargs))
+
+
+def _row_matmul(left: Tensor, right: Shared) -> Tensor:
+    """``left @ right`` where the batch is the rows of the left operand ([T, B, r] @ [r, D], [B, r] @ [r, D]):
+    each row made a matrix of its own, so the batch is a broadcast dim the shared operand expands along."""
+    with DisableTorchFunctionSubclass():
+        rows = left.unsqueeze(-2)
+    found = provenance()
+    if found is not None:  # (ops inside an op the mode sees are not seen again)
+        found.mark(rows, found.where(left))
+    out_rows = torch.matmul(rows, right)
+    with DisableTorchFunctionSubclass():
+        return out_rows.squeeze(-2)
+
+
+def _aligned_with_batch(x: Shared, live: list[Origin], k: int, func: Callable[..., Any], group: Group) -> Any:
+    """A tracked operand ``x`` whose dim ``k`` lines up with the batch dim of an operand that carries the
+    batch: its ``"maybe"`` groups turn out batched (``x`` itself then, untracked where no origin is left);
+    any other is refused."""
+    direct = [o for o in live if not o.unless]  # (stand-ins: broadcast along this dim, see _defer)
+    maybe = [o for o in direct if o.group.state == "maybe"]
+    if maybe and len(maybe) == len(direct):  # aligned with the batch of an operand that carries it
+        for o in maybe:
+            o.group.state = "batched"
+            for spread in o.group.then_shared:
+                if spread.state == "maybe":
+                    spread.state = "shared"
+        if not any(o.live() for o in live):
+            return x
+    if maybe:
+        raise SharedInputError(
+            f"{_label([o for o in live if o.live() and o not in maybe])} is shared by the batch, and it was "
+            f"combined with {_label(maybe)}, whose input was created inside the forward (not computed from the "
+            f"model's inputs) with {group.batch} on the batch dim, before either met the batch: pergrad cannot "
+            "tell whether that dim is the batch. If that input is the same for every sample, give it a batch "
+            "dim of size 1 (ids[None]); if it is one row per sample, pass it to the model as an argument."
+        )
+    raise SharedInputError(
+        f"{_label(live)} is shared by the batch (its input or parameter has no batch dim), but {func.__name__} "
+        f"combines its dim {k} of size {x.shape[k]} with the batch dim of the other operands: pergrad cannot "
+        "tell samples from positions there. Give the shared tensor a batch dim of size 1 (e.g. ids[None]) "
+        "so that it broadcasts over the batch."
+    )
 
 
 def _expanded(
@@ -615,26 +634,31 @@ def _expanded(
     return expanded
 
 
+def _through_graph(
+    source: GradientEdge, origins: list[Origin], grads: Tensor, second: bool
+) -> tuple[Tensor | None, ...]:
+    """Each origin's per-sample gradient, ``grads`` carried back from ``source`` to the origins' aliases
+    through the ops between them (in one batched ``torch.autograd.grad``)."""
+    ends = [o.edge for o in origins if o.edge is not None]
+    assert len(ends) == len(origins), "every origin's alias is made by ``Origin.aliased``"
+    with pulling_back(), DisableTorchFunctionSubclass():
+        return torch.autograd.grad(
+            [source],
+            ends,
+            [grads],
+            retain_graph=True,
+            create_graph=second,
+            allow_unused=True,
+            is_grads_batched=True,
+        )
+
+
 def _pull_back(source: GradientEdge, direct: bool, origins: list[Origin], grads: Tensor) -> None:
     """Hand every origin its per-sample gradient, from ``grads`` = d f_i / d x, with ``source`` the
     gradient edge of the shared operand x where it met the batch (``direct``: x is the one origin's
     untouched alias), differentiable in a backward with ``create_graph=True`` (grad mode on)."""
     second = torch.is_grad_enabled()
-    if direct:
-        found: tuple[Tensor | None, ...] = (grads,)
-    else:
-        ends = [o.edge for o in origins if o.edge is not None]
-        assert len(ends) == len(origins), "every origin's alias is made by ``Origin.aliased``"
-        with pulling_back(), DisableTorchFunctionSubclass():
-            found = torch.autograd.grad(
-                [source],
-                ends,
-                [grads],
-                retain_graph=True,
-                create_graph=second,
-                allow_unused=True,
-                is_grads_batched=True,
-            )
+    found = (grads,) if direct else _through_graph(source, origins, grads, second)
     for origin, g in zip(origins, found, strict=True):
         if g is not None:
             if g.shape[1:] != origin.tensor.shape:  # the edge of the base the layer's output is a view of
@@ -710,25 +734,34 @@ def _unknown(
     if func in _LAYER_OPS:  # weights never carry the batch: only the layer's input can
         candidates = [args[0]] if args else []
     if _batch_evidence(candidates, group, lambda t: None):
-        if func is _F.embedding and len(args) > 1 and isinstance(args[1], Shared) and not isinstance(args[0], Shared):
-            return _embedding(args, kwargs, origins)
-        name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
-        maybe = [o for o in origins if o.group.state == "maybe"]
-        if maybe:
-            raise SharedInputError(
-                f"{_label(maybe)} got an input created inside the forward (not computed from the model's inputs) "
-                f"with {group.batch} on the batch dim, and its output meets the batch in {name}, which does not "
-                "show whether that dim is the batch. Write that op as a broadcasting one (+, *, matmul, where, "
-                "expand: h @ pos.mT for einsum('btd,sd->bts', h, pos)), or, if that input is one row per sample, "
-                "pass it to the model as an argument."
-            )
-        raise SharedInputError(
-            f"{_label(origins)} is shared by the batch (it has no batch dim), and it meets the batch in {name}, "
-            "which pergrad cannot split per sample (it splits broadcasting ops: +, *, matmul, where, expand, "
-            "attention masks). Register a rule for the module that does this (pergrad.register_rule), or pass "
-            "fallback=True to PerSampleModule."
-        )
+        return _unknown_meets_batch(func, args, kwargs, origins)
     return _wrap(_plain(func, args, kwargs), origins)
+
+
+def _unknown_meets_batch(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], origins: list[Origin]
+) -> Any:
+    """An op ``_unknown`` met with the batch: ``F.embedding`` of batched ids in a shared weight is split per
+    sample (``_embedding``); any other is refused."""
+    if func is _F.embedding and len(args) > 1 and isinstance(args[1], Shared) and not isinstance(args[0], Shared):
+        return _embedding(args, kwargs, origins)
+    group = origins[0].group
+    name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+    maybe = [o for o in origins if o.group.state == "maybe"]
+    if maybe:
+        raise SharedInputError(
+            f"{_label(maybe)} got an input created inside the forward (not computed from the model's inputs) "
+            f"with {group.batch} on the batch dim, and its output meets the batch in {name}, which does not "
+            "show whether that dim is the batch. Write that op as a broadcasting one (+, *, matmul, where, "
+            "expand: h @ pos.mT for einsum('btd,sd->bts', h, pos)), or, if that input is one row per sample, "
+            "pass it to the model as an argument."
+        )
+    raise SharedInputError(
+        f"{_label(origins)} is shared by the batch (it has no batch dim), and it meets the batch in {name}, "
+        "which pergrad cannot split per sample (it splits broadcasting ops: +, *, matmul, where, expand, "
+        "attention masks). Register a rule for the module that does this (pergrad.register_rule), or pass "
+        "fallback=True to PerSampleModule."
+    )
 
 
 # -- which tensors carry the batch ----------------------------------------------------------------
@@ -850,11 +883,7 @@ class Provenance(Stepped):
         name = getattr(func, "__name__", "")
         if name == "__get__":  # an attribute: x.T, x.data, x.shape (the last not a tensor)
             if isinstance(result, Tensor) and args and isinstance(args[0], Tensor):
-                found = self._where_base(args[0])
-                if carries(found):
-                    self.mark(result, attribute_dim(func, args[0].dim(), found))
-                else:
-                    self.see(result)
+                self._attribute(func, args[0], result)
             return result
         operands = args[1:] if func in _NEW else args  # x.new_zeros(n): nothing of x's values
         carried = []
@@ -879,6 +908,14 @@ class Provenance(Stepped):
             else:
                 self.mark(t, dim)
         return result
+
+    def _attribute(self, func: Callable[..., Any], base: Tensor, result: Tensor) -> None:
+        """Mark ``result``, the tensor attribute ``func`` read of ``base`` (``x.T``, ``x.data``)."""
+        found = self._where_base(base)
+        if carries(found):
+            self.mark(result, attribute_dim(func, base.dim(), found))
+        else:
+            self.see(result)
 
     def _written(self, name: str, args: tuple[Any, ...], carried: list[tuple[Tensor, int]]) -> None:
         """Mark ``args[0]``, which did not carry the batch, and the tensor it is a view of, as carrying it
@@ -906,6 +943,23 @@ class Provenance(Stepped):
     def __exit__(self, *exc: object) -> None:
         _local.provenance = self._before
         super().__exit__(*exc)
+
+
+def _folded(a: Tensor, size: int, dim: int, where: str, found: Provenance | None) -> BatchSizeError:
+    """The error for a layer input computed from the batch that has not the batch's size on ``dim``."""
+    after = "" if found is None else found.lost_by(a)
+    return BatchSizeError(
+        f"{where} got input of shape {tuple(a.shape)} computed from the batch, but the model was called with "
+        f"a batch of {size} samples on dim {dim}: keep the batch on its own dim (a reshape that folds it into "
+        "another dim, or indexing that picks samples out of it, mixes samples for pergrad)"
+        + (
+            f"; pergrad lost track of the batch at the op {after}, which folded it, picked samples out of it, "
+            "or moved it in a way pergrad does not follow (move it with transpose, permute, movedim, view "
+            "or reshape)"
+            if after
+            else ""
+        )
+    )
 
 
 def provenance() -> Provenance | None:
