@@ -312,6 +312,16 @@ def _unsplit(label: str, shared: bool, a_shape: tuple[int, ...], size: int, dim:
     )
 
 
+def _outside_model(label: str, what: str) -> SharedInputError:
+    """The error for a call ``what`` (on an input shared by the batch) in a direct forward (``_refuse_direct``)."""
+    return SharedInputError(
+        f"{label} was called {what} outside a call of the wrapped model (a submodule called directly); "
+        "pergrad follows which tensors carry the batch through the model's forward only, so it cannot "
+        "split this call's gradient per sample. Call it through the wrapped model (a forward that makes "
+        "these calls), or wrap the module you call (PerSampleModule(model.backbone)) instead of the model."
+    )
+
+
 def _main_output(output: Any, nested: bool) -> tuple[int | None, Tensor | None]:
     """The tensor whose gradient is caught, of a call that returned more than one (a layer whose rule takes
     the whole call), with the batch size where it is a ``PackedSequence``'s data (a recurrent layer, packed;
@@ -875,12 +885,7 @@ class LayerHooks:
         """Refuse a call in a direct forward (``_direct_call``) that needs the batch followed through
         the forward (``pergrad._core.shortcuts.shared.Provenance``, active in a call of the model only)."""
         if self._direct and not self._in_model and torch._C._current_graph_task_id() == -1:
-            raise SharedInputError(
-                f"{label} was called {what} outside a call of the wrapped model (a submodule called directly); "
-                "pergrad follows which tensors carry the batch through the model's forward only, so it cannot "
-                "split this call's gradient per sample. Call it through the wrapped model (a forward that makes "
-                "these calls), or wrap the module you call (PerSampleModule(model.backbone)) instead of the model."
-            )
+            raise _outside_model(label, what)
 
     def _reaching(self, on_output_grad: OnOutputGrad) -> OnOutputGrad:
         """``on_output_grad``, noting which forward a backward has reached (see ``_direct_call``)."""

@@ -313,7 +313,7 @@ class Detacher:
                 found = self._detach(module, weight, bias)
         if found is not None:
             if world is None:
-                found = self._touched(found, self._guard(layer, found.params), generation)
+                found = self._touched(found, *self._guard(layer, found.params), None, generation)
             else:
                 found = self._across(found, world, generation)
         if first is None:
@@ -326,7 +326,7 @@ class Detacher:
         """Several processes: ``found`` touched where the world's reducer waits for every parameter (DDP),
         its parameters the ones the world keys gradients by."""
         if world.touches:
-            found = self._touched(found, None, generation)
+            found = self._touched(found, None, found.params, self._zero(found.params[0]), generation)
         return replace(found, params=tuple(map(self.engine.canonical, found.params)))
 
     def _detach(self, module: nn.Module, weight: nn.Parameter, bias: Any) -> Detached | None:
@@ -369,20 +369,16 @@ class Detacher:
             found = self._guards[layer.name] = _Guard(layer.label, sentinel, params)
         return found, (sentinel, *params)
 
-    def _touched(self, found: Detached, guarded: tuple[_Guard, tuple[Tensor, ...]] | None, generation: int) -> Detached:
-        """``found`` with its anchor touched by the detached parameters: where the anchor stands in as
-        the bias, the swapped-in bias; where it is added to the output, the anchor itself.
+    def _touched(
+        self, found: Detached, guard: _Guard | None, params: tuple[Tensor, ...], zero: Tensor | None, generation: int
+    ) -> Detached:
+        """``found`` with its anchor touched by the detached ``params`` (see ``touch``): where the anchor stands in
+        as the bias, the swapped-in bias; where it is added to the output, the anchor itself.
 
-        Under DDP (``guarded`` None) their ``AccumulateGrad`` gets a zero (its reducer waits for every
+        Under DDP (no ``guard``) their ``AccumulateGrad`` gets ``zero`` (its reducer waits for every
         parameter); in one process no gradient, so that their ``AccumulateGrad`` tells which backward
         passes reach them, and the guard refuses a backward that asks autograd for them. A bias that is the
         anchor is read through its tap (``pergrad._core.shortcuts.reach``): the layer's tapper sees the touched view."""
-        params: tuple[Tensor, ...]
-        if guarded is None:
-            zero: Tensor | None = self._zero(found.params[0])
-            guard, params = None, found.params
-        else:
-            zero, (guard, params) = None, guarded
 
         def tied(x: Tensor) -> Tensor:
             return touch(x, params, zero, guard)

@@ -308,9 +308,16 @@ def classify(a: Any, output: Tensor, dim: int, batch: BatchInfo, where: str) -> 
         return None
     if not has_batch or (isinstance(a, torch.nn.Parameter) and not batch.from_inputs(a)):
         return Group("shared", size, dim)
+    return _maybe(a, dim, batch, found is None)
+
+
+def _maybe(a: Tensor, dim: int, batch: BatchInfo, unfollowed: bool) -> Group | None:
+    """``classify``'s group for an input ``a`` with the batch's size on ``dim`` that carries no batch
+    (``unfollowed``: outside the model's forward): "maybe" batched, or None (an ordinary batched call)."""
+    size = batch.size
     if size == 1 or batch.from_inputs(a) or a.stride(dim) == 0:
         return None
-    if found is None and a.is_floating_point() and _storage(a) not in batch.buffers():
+    if unfollowed and a.is_floating_point() and _storage(a) not in batch.buffers():
         return None
     return Group("maybe", size, dim)
 
