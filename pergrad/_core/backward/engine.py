@@ -98,8 +98,9 @@ def _keep_output(arrived: Arrivals, kept: Kept, d: Tensor, part: int) -> None:
     grads[part] = d if previous is None else previous + d
 
 
-def _refuse_freed_graph(kept: Kept) -> NoReturn:
-    raise HookStateError(
+def _freed_graph(kept: Kept) -> HookStateError:
+    """The error for an output gradient that arrived after its call's graph was freed."""
+    return HookStateError(
         f"the output gradient of {kept.layer.label} arrived in a backward through a graph an earlier "
         "backward had already run and freed (it ran without retain_graph=True): pergrad let go of the "
         "layer's input then, as autograd let go of what it saved. Pass retain_graph=True to every backward "
@@ -107,8 +108,9 @@ def _refuse_freed_graph(kept: Kept) -> NoReturn:
     )
 
 
-def _refuse_two_forwards(name: str) -> NoReturn:
-    raise HookStateError(
+def _two_forwards(name: str) -> HookStateError:
+    """The error for a backward that reached layer ``name`` through two forwards."""
+    return HookStateError(
         f"one backward pass reached {module_label(name)} through two different forward calls of the model; "
         "per-sample gradients would mix samples of different batches. Run backward once per forward, "
         "or concatenate the batches into one forward. (Layers called directly, outside a call of the "
@@ -117,8 +119,9 @@ def _refuse_two_forwards(name: str) -> NoReturn:
     )
 
 
-def _refuse_batch_sizes(kept: Kept, state: Backward) -> NoReturn:
-    raise BatchSizeError(
+def _batch_sizes(kept: Kept, state: Backward) -> BatchSizeError:
+    """The error for a call whose batch size differs from the first call's of the same forward."""
+    return BatchSizeError(
         f"{kept.layer.label} saw a batch of {kept.batch_size} samples "
         f"(input shape {_shape(kept.a)}), but {module_label(state.first_layer)} saw {state.batch_size} "
         "in the same forward. Every hooked layer must see the batch on the same dim "
@@ -126,8 +129,9 @@ def _refuse_batch_sizes(kept: Kept, state: Backward) -> NoReturn:
     )
 
 
-def _refuse_output_batch(kept: Kept, d: Tensor) -> NoReturn:
-    raise BatchSizeError(
+def _output_batch(kept: Kept, d: Tensor) -> BatchSizeError:
+    """The error for an output gradient whose batch differs from the call's input's."""
+    return BatchSizeError(
         f"{kept.layer.label}: output gradient of shape {tuple(d.shape)} does not match the "
         f"batch of {kept.batch_size} samples of its input"
     )
@@ -324,7 +328,7 @@ class Engine:
         """The gradient ``d`` of a layer call's output (of its output tensor number ``part``, for a rule
         that takes every output: see ``RuleSpec.output_dims``), batch on dim 0."""
         if kept.a is None:  # let go after a backward that freed the call's node (``Arrivals.let_go``)
-            _refuse_freed_graph(kept)
+            raise _freed_graph(kept)
         if self.closed:
             if kept.detached is not None and part is None:
                 self.after_removal.on_output_grad(kept, d)
@@ -410,12 +414,12 @@ class Engine:
                 self.grad_sample.drop_stale(kept.generation)
             self.pool.begin()
         elif kept.generation != state.generation:
-            _refuse_two_forwards(layer.name)
+            raise _two_forwards(layer.name)
         elif kept.batch_size != state.batch_size:
-            _refuse_batch_sizes(kept, state)
+            raise _batch_sizes(kept, state)
         batched = not kept.packed if part is None else kept.a.output_dims[part] is not None
         if batched and d.shape[0] != kept.batch_size:
-            _refuse_output_batch(kept, d)
+            raise _output_batch(kept, d)
 
     def _refuse_transforming_twice(self, held: list[nn.Parameter]) -> None:
         """A backward through a forward that an earlier backward already ran through (``retain_graph=True``)

@@ -925,15 +925,15 @@ class LayerHooks:
 
         return detach
 
-    def _reattach(self, module: nn.Module, layer: str, found: Detached, output: Any) -> Any:
-        """In the forward hook of a call of ``layer`` that ran with detached parameters (``_detacher``; also when
+    def _reattach(self, module: nn.Module, layer_name: str, found: Detached, output: Any) -> Any:
+        """In the forward hook of a call of layer ``layer_name`` that ran with detached parameters (``_detacher``; also when
         the forward raised): put the real parameters back; the output to go on with (the probe added to it, for
         an anchor on the output)."""
         for name, original, replacement in found.swaps:
             if module._parameters.get(name) is replacement:  # (FSDP2 may have put its shard back)
                 module._parameters[name] = original  # type: ignore[assignment]
         if not isinstance(output, Tensor):  # the forward raised: the keeper will not run
-            self._detached.pop(layer)
+            self._detached.pop(layer_name)
             return output
         if not found.on_output:
             return output
@@ -1000,8 +1000,10 @@ class LayerHooks:
             if self.batch is not None:
                 if provenance() is None and torch._C._current_graph_task_id() != -1:  # computed again (checkpoint)
                     dim = self._placed_again(module, layer, first, batch_dim)
-                elif self.followed.lean:
-                    self._check_lean(layer, first, output, dim)
+                elif self.followed.lean:  # checked against its kind's record (``pergrad._core.shortcuts.followed``)
+                    if not self.followed.matches(self._next_key(name), self._signature(first, output)):
+                        self._unmatched(layer.label, first, output, dim)
+                    self._placed.setdefault(name, set()).add(dim)
                 else:
                     dim = located(first, batch_dim, self.batch.size, layer.label, spec.batch_dim_fixed)
                     if all_inputs:
@@ -1079,15 +1081,6 @@ class LayerHooks:
             at = found.where(a)
             if at >= 0 or at == LOST:
                 self._placed.setdefault(layer.name, set()).add(at)
-
-    def _check_lean(self, layer: HookedLayer, a: Any, output: Tensor, dim: int) -> None:
-        """A call of a lean forward (``pergrad._core.shortcuts.followed``): checked against its kind's record,
-        else answered by ``_unmatched``; its batch dim ``dim`` noted for the calls computed again."""
-        call = self._calls.get(layer.name, 0)  # (``_next_key``, written out: this runs at every lean call)
-        key = layer.name if call == 0 else f"{layer.name}:{call}"
-        if not self.followed.matches(key, self._signature(a, output)):
-            self._unmatched(layer.label, a, output, dim)
-        self._placed.setdefault(layer.name, set()).add(dim)
 
     def _record(self, name: str, a: Any, output: Tensor, plain: bool, dim: int) -> None:
         """Note a call of a forward that is recorded for its kind (``Followed.note``): plain where ``plain`` (kept

@@ -263,11 +263,11 @@ def located(a: Any, dim: int, size: int, where: str, fixed: bool) -> int:
     if at < 0 or at == dim:
         return dim
     if fixed:
-        raise _moved(a, dim, at, where)
+        raise _off_fixed_dim(a, dim, at, where)
     return at
 
 
-def _moved(a: Tensor, dim: int, at: int, where: str) -> BatchSizeError:
+def _off_fixed_dim(a: Tensor, dim: int, at: int, where: str) -> BatchSizeError:
     """The error for a layer that takes the batch on ``dim`` only, called with it on dim ``at``."""
     return BatchSizeError(
         f"{where} takes the batch on dim {dim} of its input, but the model's forward moved it to dim {at} "
