@@ -368,14 +368,16 @@ def test_hostcost_compiled_measures_plain_and_pergrad_alone(tmp_path: Path) -> N
 
 
 def test_hostfloor_checks_its_steps_and_saves_a_row_per_method(tmp_path: Path) -> None:
-    """``benchmarks/hostfloor.py``: the floor's clipped ``.grad`` (eager, and its arithmetic compiled) agree with a
+    """``benchmarks/hostfloor.py``: the floor's and the sink's clipped ``.grad`` (eager and compiled) agree with a
     one-sample loop before anything is timed (the script raises otherwise)."""
     out = tmp_path / "hostfloor.json"
     proc = run_script("hostfloor.py", "--rounds", "1", "--steps", "1", "--warmup", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [r["method"] for r in rows] == ["plain", "floor", "floor, arithmetic compiled", "plain compiled"]
-    assert rows[0]["ratio"] == 1.0
+    assert [r["method"] for r in rows] == [
+        "plain", "floor", "floor, arithmetic compiled", "sink", "sink, compiled", "plain compiled",
+    ]  # fmt: skip
+    assert rows[0]["ratio"] == 1.0 and rows[-1]["ratio_to_compiled"] == 1.0
 
 
 def test_the_kron_ranks_benchmark_draws_version_3_and_version_2s_ranks() -> None:
