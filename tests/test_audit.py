@@ -22,6 +22,7 @@ from torch import Tensor, nn
 import pergrad
 from pergrad import PerSampleModule, transforms
 from pergrad._core.backward.sources import Fused, Materialized
+from pergrad.errors import BatchMixingError
 from pergrad.privacy.audit import Audit, AuditError, select_sample
 from tests.test_architecture import GRAPH
 
@@ -286,15 +287,33 @@ def test_a_rule_wrong_after_the_first_step_is_caught_at_the_next_due_step() -> N
 
 
 def test_a_forward_hook_mixing_samples_is_caught() -> None:
-    """A hook adding the batch's mean to a layer's output, registered after the first step (pergrad's own check
-    looks at the first backward only)."""
+    """A hook adding the batch's mean to a layer's output, registered after the first step and computed where
+    pergrad does not follow the forward (in numpy: pergrad's forward refuses a mean it sees, and its own check looks
+    at the first backward only): the audit catches the coupling."""
+    torch.manual_seed(9)
+    model = mlp().double()
+    psm = PerSampleModule(model)
+
+    def couple(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> Tensor:
+        return out + 0.5 * torch.from_numpy(out.detach().numpy().mean(0, keepdims=True))
+
+    with psm, Audit(psm, loss_mean, every=1) as audit:
+        train(psm, audit, one_per_step("mlp"), steps=1)
+        model[0].register_forward_hook(couple)
+        with pytest.raises(AuditError, match=r"step 1: the per-sample gradients? of parameter .* couples the samples"):
+            train(psm, audit, one_per_step("mlp"), steps=1)
+
+
+def test_a_forward_hook_mixing_samples_is_refused_by_a_followed_forward() -> None:
+    """The same hook with forwards followed (the default): the next forward is refused at the layer after it, before
+    any gradient is written."""
     torch.manual_seed(9)
     model = mlp().double()
     psm = PerSampleModule(model)
     with psm, Audit(psm, loss_mean, every=1) as audit:
         train(psm, audit, one_per_step("mlp"), steps=1)
         model[0].register_forward_hook(lambda module, args, out: out + 0.5 * out.mean(0, keepdim=True))
-        with pytest.raises(AuditError, match=r"step 1: the per-sample gradients? of parameter .* couples the samples"):
+        with pytest.raises(BatchMixingError, match=r"layer '2' \(Linear\) .* after the op mean reordered or mixed"):
             train(psm, audit, one_per_step("mlp"), steps=1)
 
 

@@ -6,7 +6,8 @@ by a forward pre-hook (``hooks.py``); the functional form, ``F.batch_norm(..., t
 a ``NativeBatchNormBackward0`` node whose saved ``training`` flag is set and whose input has more than
 one row in its batch dim (``F.instance_norm`` runs batch norm on a ``[1, B*C, ...]`` view: each
 sample alone, allowed). Statistics written out by hand (``(h - h.mean(0)) / h.std(0)``) leave nothing
-that tells them from a loss's mean: they are not detected.
+in the graph that tells them from a loss's mean; a followed forward refuses them where they reach a hooked
+layer (``pergrad._core.capture.dims.MIXED``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,16 @@ so the dim is followed op by op:
   the batch went.
 
 Where none of that finds one dim of the batch's size, the batch is ``LOST``: the op folded it into
-another dim, or picked samples out of it, or it could not be followed.
+another dim, or it could not be followed. An op that moves samples out of their rows gives ``MIXED``: row
+``i`` of a layer input computed from its result is no longer sample ``i`` alone (``Provenance`` refuses it):
+
+- it reorders them (``x[perm]`` with an index other than ``arange(B)`` in order, ``x[perm] = y``, ``flip``,
+  ``roll``, ``index_select``, ``gather``, ``index_put``, ``sort``, ``unbind``, ``rot90``, an embedding whose
+  table is the batch) or mixes them (``cumsum`` and the other scans, ``softmax``, ``F.normalize``, ``fft``, a
+  conv or pool over the batch dim, ``P @ x`` or an ``einsum`` summing over it, a reduction over it:
+  ``x - x.mean(0)``) along the batch dim;
+- it picks samples out of the batch or adds rows to it (``x[0]``, ``x[1:]``, ``narrow``, ``chunk``,
+  ``F.pad``): a tensor rebuilt from the pieces (``torch.cat([x[1:], x[:1]])``) is not the batch in order.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 LOST = -1  # carries the batch, on no dim pergrad could follow
+MIXED = -5  # ``result_dims``: the op reordered or mixed the samples along the batch dim (marked LOST, see shared.py)
 _FOLDED = -16  # below: the batch folded into one dim with others (x.view(B * T, D)): _FOLDED - P, P the
 # product of the dims before the batch in row-major order, so a reshape can give it its own dim again
 
@@ -78,25 +88,66 @@ _RESHAPE = torch_functions(
 _BROADCAST = torch_functions(
     "add", "sub", "mul", "div", "true_divide", "where", "masked_fill", "lerp", "addcmul", "addcdiv", "maximum",
     "minimum", "pow", "atan2", "remainder", "fmod", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
-    "expand", "expand_as", "broadcast_to", "repeat", "matmul", "bmm",
+    "expand", "expand_as", "broadcast_to", "repeat", "matmul", "bmm", "mm", "mv",
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
     "__matmul__", "__rmatmul__", "__pow__", "__rpow__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__",
     "__ge__", "__and__", "__or__", "__xor__",
 )  # fmt: skip
 # ops that keep the number of dims but may reorder them (or whose results have their own layouts):
 # always run again on meta tensors
-_PROBED = torch_functions("einsum", "tensordot", "rot90", "as_strided", "diagonal", "diag_embed")
+_PROBED = torch_functions("einsum", "tensordot", "as_strided", "diagonal", "diag_embed")
 _RNN = {torch._VF.lstm, torch._VF.gru, torch._VF.rnn_tanh, torch._VF.rnn_relu}  # (nn.LSTM, nn.GRU, nn.RNN)
 _PADDED = {torch._VF._pad_packed_sequence}  # (nn.utils.rnn.pad_packed_sequence)
 _REDUCE = torch_functions(
     "sum", "mean", "amax", "amin", "logsumexp", "nansum", "nanmean", "max", "min", "argmax", "argmin", "any", "all",
     "prod", "median",
 )  # fmt: skip
-_MATMUL = torch_functions("matmul", "__matmul__", "__rmatmul__", "bmm")
+_MATMUL = torch_functions("matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "mv")
+# ops that act along the dims they are given (reorder, gather, scan or normalise across them): where the batch dim
+# is one of them, the result's rows are not the operand's samples. By op: (position of the dim argument, counting
+# the operand itself, its keyword, its default: None for every dim, or a fixed dim where the op takes none)
+_ALONG_DIMS: dict[Any, tuple[int, str, int | tuple[int, ...] | None]] = {
+    **{f: (1, "dim", None) for f in torch_functions(
+        "index_select", "gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
+        "scatter_reduce_", "index_copy", "index_copy_", "index_add", "index_add_", "index_fill", "index_fill_",
+        "index_reduce", "index_reduce_", "cumsum", "cumsum_", "cumprod", "cumprod_", "cummax", "cummin",
+        "logcumsumexp",
+    )},
+    **{f: (1, "dim", -1) for f in torch_functions("sort", "argsort", "softmax", "log_softmax")},
+    **{f: (1, "dims", None) for f in torch_functions("flip")},
+    **{f: (2, "dims", None) for f in torch_functions("roll")},
+    **{f: (2, "dim", None) for f in torch_functions("take_along_dim")},
+    **{f: (2, "dim", -1) for f in torch_functions("topk", "diff")},
+    **{f: (1, "dim", 0) for f in torch_functions("unbind")},
+    **{f: (2, "dims", (0, 1)) for f in torch_functions("rot90")},
+    **{f: (2, "dim", -1) for f in (torch.fft.fft, torch.fft.ifft, torch.fft.rfft, torch.fft.irfft, torch.fft.hfft,
+                                   torch.fft.ihfft)},
+    **{f: (2, "dim", None) for f in (torch.fft.fftn, torch.fft.ifftn, torch.fft.rfftn, torch.fft.irfftn,
+                                     torch.fft.fft2, torch.fft.ifft2, torch.fft.rfft2, torch.fft.irfft2)},
+    **{f: (-1, "", 0) for f in torch_functions("index_put", "index_put_")},
+    **{f: (-1, "", 0) for f in torch_functions("flipud", "msort")},
+    **{f: (-1, "", 1) for f in torch_functions("fliplr")},
+    F.softmax: (1, "dim", -2), F.log_softmax: (1, "dim", -2), F.softmin: (1, "dim", -2),  # (-2: torch's implicit dim)
+    F.normalize: (2, "dim", 1), F.gumbel_softmax: (4, "dim", -1),
+}  # fmt: skip
+
+_TAKE_ALONG = torch_functions("take_along_dim")
+_PUT = torch_functions("index_put", "index_put_")
+_INDEXED_ALONG = torch_functions("index_select", "gather") | _TAKE_ALONG  # (in order: each sample from its row)
+
+_EINSUM = torch_functions("einsum")
+_SHAPED = torch_functions("as_strided")  # (the result's shape comes from the arguments: the probe cannot tell)
+# ops that take the batch on dim 0 and mix along every other (channels, length): the batch elsewhere is mixed
+_BATCH_FIRST = torch_functions(
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "avg_pool1d",
+    "adaptive_avg_pool1d", "adaptive_max_pool1d", "max_pool1d", "max_pool2d", "max_pool3d",
+) | {F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.max_pool1d, F.max_pool2d,
+     F.max_pool3d, F.interpolate, F.unfold, F.fold}  # fmt: skip
 
 # how each op moves the batch (ops not listed keep it where it is: _KEEP)
-_KEEP, _ALIGN, _MOVE, _RESHAPE_OP, _INDEX, _EMBED, _REDUCE_OP, _PROBE, _LAYOUT = range(9)
+_KEEP, _ALIGN, _MOVE, _RESHAPE_OP, _INDEX, _EMBED, _REDUCE_OP, _PROBE, _LAYOUT, _ALONG = range(10)
 _KIND: dict[Any, int] = {
+    **{f: _ALONG for f in _ALONG_DIMS},
     **{f: _ALIGN for f in _BROADCAST},
     **{f: _PROBE for f in _PROBED},
     **{f: _REDUCE_OP for f in _REDUCE},
@@ -233,7 +284,7 @@ def indexed(index: Any, k: int, rank: int) -> int | None:
             out, dim = out + 1, dim + 1
         elif isinstance(i, int) and not isinstance(i, bool):
             if dim == k:
-                found = LOST  # one sample picked out
+                found = MIXED  # one sample picked out (h[0].expand(B, -1) is not the batch)
             dim += 1
         else:
             return None  # (an advanced index anywhere moves the dims: ``advanced``)
@@ -276,11 +327,10 @@ def advanced(index: Any, rank: int, size: int, k: int | None = None, operand: Te
     As torch indexes: ints (and 0-dim integer tensors) select first; then the index tensors are
     broadcast together, and their broadcast dims take the place of the dims they index where those are
     adjacent, else go first. The batch of ``x`` on a dim indexed by a tensor goes to the one dim along
-    which that tensor varies, where it has ``size`` entries (``x[arange(B)[:, None], ids]``: a row per
-    sample; picking samples in another order is the model's choice, as ``x[perm]`` is); an index
-    tensor's batch goes where it is broadcast to. LOST where the batch is selected by an int, covered by
-    a boolean mask (folded with the positions it selects), or goes nowhere one can tell; None where an
-    item is of a kind not followed here."""
+    which that tensor varies, where it has ``size`` entries in order (``x[arange(B)[:, None], ids]``: a row
+    per sample; MIXED for any other order, ``x[perm]``); an index tensor's batch goes where it is broadcast
+    to. LOST where the batch is selected by an int, covered by a boolean mask (folded with the positions it
+    selects), or goes nowhere one can tell; None where an item is of a kind not followed here."""
     items = _items(index)
     shapes: list[tuple[int, ...] | None] = []  # per item: the shape of its index tensor(s); None for basic
     used = 0
@@ -316,7 +366,7 @@ def advanced(index: Any, rank: int, size: int, k: int | None = None, operand: Te
             if isinstance(i, slice):
                 entries.append(("x", dim))
             elif k == dim and operand is None:
-                return LOST  # one sample picked out
+                return MIXED if size > 1 else LOST  # one sample picked out (h[0].expand(B, -1) is not the batch)
             dim += 1
         elif isinstance(i, Tensor) and i.dtype in (torch.bool, torch.uint8):
             covered = tuple(range(dim, dim + i.dim()))
@@ -355,6 +405,8 @@ def advanced(index: Any, rank: int, size: int, k: int | None = None, operand: Te
                 varies = [j for j in range(len(shape)) if _ones(entries, at, width, j - len(shape) + width)][:1]
             if len(varies) != 1 or shape[varies[0]] != size:
                 return LOST  # (or along several dims: samples and positions mixed)
+            if not _in_order(e[3], shape, varies[0], size):
+                return MIXED  # (x[perm]: row i is another sample)
             return broadcast_dim(shape, varies[0])
     return LOST
 
@@ -367,6 +419,18 @@ def _ones(entries: list[tuple[Any, ...]], at: list[int], width: int, j: int) -> 
         if 0 <= i < len(shape) and shape[i] != 1:
             return False
     return True
+
+
+def out_of_order(index: Any) -> bool:
+    """Whether ``x[index] = value`` puts rows of ``value`` elsewhere than in order: an integer index tensor or list
+    other than ``0, 1, ..., n - 1`` (``out[perm] = h``)."""
+    for i in _items(index):
+        if isinstance(i, Tensor) and i.dtype not in (torch.bool, torch.uint8) and i.dim() > 0:
+            if i.dim() != 1 or not _in_order(i, tuple(i.shape), 0, len(i)):
+                return True
+        elif isinstance(i, list | tuple) and i:
+            return list(i) != list(range(len(i)))
+    return False
 
 
 def written(index: Any, rank: int, k: int, value_rank: int) -> int:
@@ -385,12 +449,12 @@ def _reduced(args: tuple[Any, ...], kwargs: dict[str, Any], k: int, rank: int) -
     """The batch dim after a reduction ``x.sum(dim, keepdim)`` (None: not called with dims)."""
     dims = _arg(args, kwargs, 1, "dim")
     if dims is None:
-        return LOST if not args[1:] and "dim" not in kwargs else None  # (over every dim, or another overload)
+        return MIXED if not args[1:] and "dim" not in kwargs else None  # (over every dim, or another overload)
     if not isinstance(dims, int | tuple | list) or isinstance(dims, bool):
         return None
     reduced = {_index(d, rank) for d in _ints(dims)}
     if k in reduced:
-        return LOST
+        return MIXED  # (a statistic of the batch: each sample's rows then depend on the others')
     return k if _arg(args, kwargs, 2, "keepdim") is True else k - sum(d < k for d in reduced)
 
 
@@ -427,8 +491,12 @@ def _follow(
     kind ``kind``), or None where the op must be run on meta tensors to tell."""
     own = bool(args) and args[0] is t
     if folded(k):
+        if kind == _ALONG and _acts_along(func, args, kwargs, _holding(tuple(t.shape), k, size), t.dim()):
+            return MIXED  # (h.reshape(-1).flip(0): the samples' rows moved)
         return _unfolding(kind, own, t, k, r, size)
     rank = t.dim()
+    if kind == _ALONG and _acts_along(func, args, kwargs, k, rank):
+        return MIXED
     if own and kind != _KEEP and kind != _ALIGN:
         if kind == _MOVE:
             return _moved(func, args, kwargs, k, rank)
@@ -441,6 +509,12 @@ def _follow(
             return k
         if kind == _REDUCE_OP:
             return _reduced(args, kwargs, k, rank)
+    if func in _MATMUL and _contracts(args, t, k, rank):
+        return MIXED  # (P @ h: each row a mix of samples)
+    if (kind == _EMBED and not own) or (func in _BATCH_FIRST and own and k != 0):
+        return MIXED  # (the samples as an embedding's table, or a conv/pool over the batch dim)
+    if func in _EINSUM and _summed_over(args, t, k):
+        return MIXED
     if kind == _PROBE:
         return None
     if kind == _INDEX and len(args) > 1 and isinstance(args[0], Tensor):  # an index tensor with the batch
@@ -450,6 +524,90 @@ def _follow(
     if kind == _ALIGN and r.dim() > rank and (func not in _MATMUL or rank >= 2):
         return k + r.dim() - rank
     return None
+
+
+def _summed_over(args: tuple[Any, ...], t: Tensor, k: int) -> bool:
+    """Whether ``einsum(equation, *operands)`` sums over dim ``k`` of operand ``t`` (its letter not in the output)."""
+    if not args or not isinstance(args[0], str) or "..." in args[0]:
+        return False
+    operands = args[1] if len(args) == 2 and isinstance(args[1], list | tuple) else args[1:]
+    position = next((p for p, o in enumerate(operands) if o is t), None)
+    inputs, _, output = args[0].replace(" ", "").partition("->")
+    specs = inputs.split(",")
+    if position is None or position >= len(specs) or k >= len(specs[position]):
+        return False
+    letter = specs[position][k]
+    if not output and "->" not in args[0]:
+        output = "".join(c for c in sorted(set(inputs)) if c.isalpha() and inputs.count(c) == 1)
+    return letter not in output
+
+
+def _contracts(args: tuple[Any, ...], t: Tensor, k: int, rank: int) -> bool:
+    """Whether ``a @ b`` sums over dim ``k`` of operand ``t``: ``a``'s last dim, ``b``'s last but one (its only
+    one for a vector)."""
+    if len(args) < 2:
+        return False
+    if args[0] is t:
+        return k == rank - 1
+    return args[1] is t and k == max(rank - 2, 0)
+
+
+def _acts_along(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], k: int, rank: int) -> bool:
+    """Whether op ``func`` (of ``_ALONG_DIMS``) acts along dim ``k`` of an operand of ``rank`` dims."""
+    position, keyword, default = _ALONG_DIMS[func]
+    dims = default if position < 0 else _arg(args, kwargs, position, keyword)
+    if dims is None:  # (not given, or given as None)
+        dims = default
+    if dims == -2 and default == -2:  # F.softmax's implicit dim (deprecated): 0 for 0, 1 or 3 dims, else 1
+        dims = 0 if rank in (0, 1, 3) else 1
+    if dims is None:  # every dim (flattened: roll, take_along_dim)
+        return True
+    if func in _INDEXED_ALONG and _in_order_index(func, args, kwargs, rank):
+        return False
+    if func in _PUT:  # (x.index_put((idx, ...), values): values' rows go to the rows idx names)
+        index = args[1][0] if len(args) > 1 and isinstance(args[1], tuple | list) and args[1] else None
+        return not (
+            isinstance(index, Tensor) and index.dim() == 1 and _in_order(index, tuple(index.shape), 0, len(index))
+        )
+    if not isinstance(dims, int | tuple | list | torch.Size) or isinstance(dims, bool):
+        return True  # (a dim given by name, or another overload: not followed)
+    return k in {_index(d, rank) for d in _ints(dims)}
+
+
+def _in_order_index(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rank: int) -> bool:
+    """Whether ``index_select``, ``gather`` or ``take_along_dim`` (along the batch dim of ``args[0]``) takes each
+    sample from its own row: an index holding ``0, ..., B - 1`` along that dim."""
+    index = _arg(args, kwargs, 1 if func in _TAKE_ALONG else 2, "indices" if func in _TAKE_ALONG else "index")
+    dim = _arg(args, kwargs, 2 if func in _TAKE_ALONG else 1, "dim")
+    x = args[0]
+    if not isinstance(index, Tensor) or not isinstance(x, Tensor) or not isinstance(dim, int):
+        return False
+    k = _index(dim, rank)
+    size = x.shape[k]
+    if index.dim() == 1:
+        return index.shape[0] == size and _in_order(index, (size,), 0, size)
+    if index.dim() != rank or index.shape[k] != size:
+        return False
+    return bool(index.eq(_positions(size, k, rank, index)).all())
+
+
+def _positions(size: int, k: int, rank: int, like: Tensor) -> Tensor:
+    """``0, ..., size - 1`` along dim ``k`` of a tensor of ``rank`` dims (size 1 elsewhere)."""
+    return torch.arange(size, device=like.device, dtype=like.dtype).view([size if d == k else 1 for d in range(rank)])
+
+
+def _in_order(item: Any, shape: tuple[int, ...], j: int, size: int) -> bool:
+    """Whether index ``item`` (a tensor or nested list of ints, ``shape``, varying along dim ``j`` only) holds
+    ``0, 1, ..., size - 1`` along ``j``: it keeps each sample in its row (``mask[arange(B)[:, None], ids]``).
+    Reads the values (on a GPU, a host sync: an op indexing the batch dim with a tensor is rare)."""
+    line = torch.as_tensor(item) if not isinstance(item, Tensor) else item
+    if line.dim() != len(shape):
+        return False
+    line = line[tuple(slice(None) if d == j else 0 for d in range(line.dim()))]
+    try:
+        return bool(torch.equal(line.remainder(size), torch.arange(size, device=line.device, dtype=line.dtype)))
+    except (RuntimeError, NotImplementedError):  # (meta tensors: no values to read)
+        return False
 
 
 def _tensor_items(values: Any) -> Iterator[Tensor]:
@@ -491,7 +649,8 @@ def _probe(
     found = []
     for r in results:
         at = [j for j, s in enumerate(r.shape) if s == size]
-        found.append(at[0] if len(at) == 1 else LOST)
+        vanished = LOST if func in _SHAPED else MIXED  # (summed over: std(0), einsum; as_strided: sizes given)
+        found.append(at[0] if len(at) == 1 else vanished if not at else LOST)
     return found
 
 
@@ -509,12 +668,13 @@ def result_dims(
     kind = _kind(func)
     if kind == _LAYOUT:
         return _laid_out(func, args, carried, len(results))
-    if len(carried) == 1 and len(results) == 1 and kind == _KEEP:  # (most ops: elementwise, layers)
+    if len(carried) == 1 and len(results) == 1 and kind == _KEEP and func not in _BATCH_FIRST:  # (most ops)
         (t, k), r = carried[0], results[0]
         if k >= 0 and r.dim() == t.dim():
-            return [k if r.shape[k] == size else LOST]
+            return [k if r.shape[k] == size else _picked(k, r, size)]
     if any(k == LOST for _, k in carried):
-        return [LOST] * len(results)
+        mixes = func in _MATMUL and any(k >= 0 and _contracts(args, t, k, t.dim()) for t, k in carried)
+        return [MIXED if mixes else LOST] * len(results)
     found: list[int] = []
     probed: list[int] | None = None
     for i, r in enumerate(results):
@@ -525,9 +685,16 @@ def result_dims(
                 if probed is None:
                     probed = _probe(func, args, kwargs, carried, len(results))
                 j = probed[i]
-            at.add(j if folded(j) or (0 <= j < r.dim() and r.shape[j] == size) else LOST)
-        found.append(at.pop() if len(at) == 1 else LOST)
+            at.add(j if j == MIXED or folded(j) or (0 <= j < r.dim() and r.shape[j] == size) else _picked(j, r, size))
+        found.append(MIXED if MIXED in at else at.pop() if len(at) == 1 else LOST)
     return found
+
+
+def _picked(j: int, r: Tensor, size: int) -> int:
+    """The batch position of result ``r`` where the op put the batch on dim ``j`` but ``r`` has not the batch's
+    size there: samples picked out of it (``h[1:]``, ``narrow``, ``chunk``) or added to it (``F.pad``), so a
+    tensor rebuilt from it is not the samples in their rows (MIXED); LOST where ``j`` is no dim of ``r``."""
+    return MIXED if 0 <= j < r.dim() and size > 1 else LOST
 
 
 def _laid_out(func: Any, args: tuple[Any, ...], carried: list[tuple[Tensor, int]], n: int) -> list[int]:

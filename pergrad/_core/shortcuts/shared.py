@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -62,15 +63,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.modules.rnn
+import torch.nn.utils.rnn
 from torch import Tensor
 from torch._C import DisableTorchFunctionSubclass
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
-from pergrad._core.capture.dims import LOST, attribute_dim, carries, folded, result_dims, torch_functions, written
+from pergrad._core.capture.dims import (
+    LOST,
+    MIXED,
+    attribute_dim,
+    carries,
+    folded,
+    out_of_order,
+    result_dims,
+    torch_functions,
+    written,
+)
 from pergrad._core.shortcuts.followed import Stepped, dynamo_callback, eager_hook, never_traced, without_dynamo
-from pergrad.errors import EAGER, BatchSizeError, SharedInputError
+from pergrad.errors import EAGER, BatchMixingError, BatchSizeError, SharedInputError
 
 
 class _Local(threading.local):
@@ -253,6 +266,9 @@ def located(a: Any, dim: int, size: int, where: str, fixed: bool) -> int:
     layer takes the batch on ``dim`` only (a convolution's ``N``); elsewhere is an error."""
     found = provenance()
     if found is None or not isinstance(a, Tensor) or isinstance(a, Shared):
+        data = getattr(a, "data", None)  # (a PackedSequence: its data holds the samples' rows)
+        if found is not None and isinstance(data, Tensor) and found.lost_by(data).startswith(_MIXING):
+            _refuse_lost(found, data, dim, size, where)
         return dim
     at = found.where(a)
     if at == UNSEEN and a.grad_fn is not None:
@@ -276,12 +292,26 @@ def _off_fixed_dim(a: Tensor, dim: int, at: int, where: str) -> BatchSizeError:
     )
 
 
+_MIXING = "\0mixing "  # ``Provenance.lost_by`` of a tensor whose samples an op reordered or mixed: this, the op
+
+
 def _refuse_lost(found: Provenance, a: Tensor, dim: int, size: int, where: str) -> None:
     """``a`` carries the batch on a dim pergrad did not follow: refused where its shape cannot tell either
-    (several dims of the batch's size, ``dim`` among them)."""
+    (several dims of the batch's size, ``dim`` among them), or where an op reordered or mixed its samples."""
+    after = found.lost_by(a)
+    if after.startswith(_MIXING):
+        raise BatchMixingError(
+            f"{where} got an input of shape {tuple(a.shape)} computed from the batch after the op "
+            f"{after[len(_MIXING) :]} reordered or mixed the samples along the batch dim (x[perm], flip, roll, "
+            "index_select, gather, sort, cumsum, softmax or a statistic such as x.mean(0) over the batch): its row i "
+            "is not sample i alone, so per-sample gradients would go to the wrong samples. Reorder the batch before "
+            "it reaches the model (in the DataLoader or the training step), keep each sample in its row inside the "
+            "forward (pack_padded_sequence(..., enforce_sorted=False) sorts and unsorts by itself; a normalisation "
+            "per sample, not over the batch), or register a rule for the module that does this "
+            "(pergrad.register_rule)"
+        )
     same = [j for j, s in enumerate(a.shape) if s == size]
     if size > 1 and len(same) > 1 and dim in same:
-        after = found.lost_by(a)
         raise BatchSizeError(
             f"{where} got an input of shape {tuple(a.shape)} computed from the batch, but pergrad lost track of "
             f"where the batch is in it{f' at the op {after}' if after else ''}, and its dims {same} all have the "
@@ -907,20 +937,38 @@ class Provenance(Stepped):
             for t in results:
                 self.see(t)
             return result
+        for t, k in carried:  # computed from samples out of their rows (even by ops that follow no batch: an LSTM)
+            if k == LOST and (mixing := self.lost_by(t)).startswith(_MIXING):
+                self._mix(name, args, results, mixing)
+                return result
         if _writes_into_first(name) and args and isinstance(args[0], Tensor) and not carries(self._where_base(args[0])):
             self._written(name, args, carried)
         for t, dim in zip(results, result_dims(func, args, kwargs, results, carried, self._size), strict=True):
-            if dim == LOST:  # (named after the op that lost it first)
-                self.mark(t, dim, next((by for u, k in carried if k == LOST and (by := self.lost_by(u))), name))
+            if dim == MIXED and _packing():
+                dim = _in_place_of(carried, t, self._size)
+            if dim == MIXED:  # (an op reordered or mixed the samples: lost for good, refused at a layer)
+                self.mark(t, LOST, _MIXING + name)
+            elif dim == LOST:  # (named after the op that lost it first)
+                self.mark(t, dim, _first_lost(name, [self.lost_by(u) for u, k in carried if k == LOST]))
             else:
                 self.mark(t, dim)
         return result
+
+    def _mix(self, name: str, args: tuple[Any, ...], results: list[Tensor], mixing: str) -> None:
+        """Mark ``results`` (and what the op wrote into, and the tensor that is a view of) as computed from
+        samples an op reordered (``mixing``: that op, as ``lost_by`` gives it)."""
+        written_into = (
+            [args[0], args[0]._base] if _writes_into_first(name) and args and isinstance(args[0], Tensor) else []
+        )
+        for t in (*results, *written_into):
+            if t is not None:
+                self.mark(t, LOST, mixing)
 
     def _attribute(self, func: Callable[..., Any], base: Tensor, result: Tensor) -> None:
         """Mark ``result``, the tensor attribute ``func`` read of ``base`` (``x.T``, ``x.data``)."""
         found = self._where_base(base)
         if carries(found):
-            self.mark(result, attribute_dim(func, base.dim(), found))
+            self.mark(result, attribute_dim(func, base.dim(), found), self.lost_by(base) if found == LOST else "")
         else:
             self.see(result)
 
@@ -937,10 +985,11 @@ class Provenance(Stepped):
             dim = k + target.dim() - value.dim()
         if not (0 <= dim < target.dim() and target.shape[dim] == value.shape[k]):
             dim = LOST
-        self.mark(target, dim, name if dim == LOST else "")
+        by = _MIXING + name if dim == LOST and name == "__setitem__" and out_of_order(args[1]) else name
+        self.mark(target, dim, by if dim == LOST else "")
         base = target._base
         if base is not None and not carries(self._own(base)):
-            self.mark(base, dim if base.shape == target.shape else LOST, name)
+            self.mark(base, dim if base.shape == target.shape else LOST, by)
 
     def __enter__(self) -> Provenance:
         super().__enter__()
@@ -952,9 +1001,40 @@ class Provenance(Stepped):
         super().__exit__(*exc)
 
 
+_PACKING = frozenset({torch.nn.utils.rnn.__file__, torch.nn.modules.rnn.__file__})
+
+
+def _packing() -> bool:
+    """Whether the running op is called by torch's packed-sequence code: ``pack_padded_sequence(
+    enforce_sorted=False)`` sorts the batch by length and records the order in the ``PackedSequence``
+    (``sorted_indices``, which ``pergrad.rules.recurrent`` reads); ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` put
+    ``h_n`` back in the samples' order, and ``pad_packed_sequence`` the output."""
+    frame: Any = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename in _PACKING:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _in_place_of(carried: list[tuple[Tensor, int]], result: Tensor, size: int) -> int:
+    """The batch dim of ``result`` of a reordering op as if it had kept each row's place: the first operand's
+    where the result has the same rank and the batch's size there (sorting in ``torch.nn.utils.rnn``)."""
+    t, k = carried[0]
+    return k if k >= 0 and result.dim() == t.dim() and result.shape[k] == size else LOST
+
+
+def _first_lost(name: str, found: list[str]) -> str:
+    """The op named as the one that lost the batch of an op's result: an operand's that reordered the samples
+    first, else the first operand's that lost it, else this op's (``name``)."""
+    return next((by for by in found if by.startswith(_MIXING)), next((by for by in found if by), name))
+
+
 def _folded(a: Tensor, size: int, dim: int, where: str, found: Provenance | None) -> BatchSizeError:
     """The error for a layer input computed from the batch that has not the batch's size on ``dim``."""
-    after = "" if found is None else found.lost_by(a)
+    after = "" if found is None else found.lost_by(a).removeprefix(_MIXING)
     return BatchSizeError(
         f"{where} got input of shape {tuple(a.shape)} computed from the batch, but the model was called with "
         f"a batch of {size} samples on dim {dim}: keep the batch on its own dim (a reshape that folds it into "
