@@ -288,14 +288,14 @@ def test_a_rule_wrong_after_the_first_step_is_caught_at_the_next_due_step() -> N
 
 def test_a_forward_hook_mixing_samples_is_caught() -> None:
     """A hook adding the batch's mean to a layer's output, registered after the first step and computed where
-    pergrad does not follow the forward (in numpy: pergrad's forward refuses a mean it sees, and its own check looks
+    pergrad does not follow the forward (rebuilt from a Python list: pergrad's forward refuses a mean it sees, and its own check looks
     at the first backward only): the audit catches the coupling."""
     torch.manual_seed(9)
     model = mlp().double()
     psm = PerSampleModule(model)
 
     def couple(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> Tensor:
-        return out + 0.5 * torch.from_numpy(out.detach().numpy().mean(0, keepdims=True))
+        return out + 0.5 * torch.tensor(out.detach().mean(0, keepdim=True).tolist(), dtype=out.dtype)
 
     with psm, Audit(psm, loss_mean, every=1) as audit:
         train(psm, audit, one_per_step("mlp"), steps=1)
