@@ -39,6 +39,7 @@ another dim, or it could not be followed. An op that moves samples out of their 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakTensorKeyDictionary
 
 LOST = -1  # carries the batch, on no dim pergrad could follow
 MIXED = -5  # ``result_dims``: the op reordered or mixed the samples along the batch dim (marked LOST, see shared.py)
@@ -404,7 +406,7 @@ def advanced(index: Any, rank: int, size: int, k: int | None = None, operand: Te
             if varies == [] and size == 1:  # one sample: any dim of size 1 that every index keeps at 1
                 varies = [j for j in range(len(shape)) if _ones(entries, at, width, j - len(shape) + width)][:1]
             if len(varies) != 1 or shape[varies[0]] != size:
-                return LOST  # (or along several dims: samples and positions mixed)
+                return MIXED if size > 1 else LOST  # (rows picked, repeated, or along several dims)
             if not _in_order(e[3], shape, varies[0], size):
                 return MIXED  # (x[perm]: row i is another sample)
             return broadcast_dim(shape, varies[0])
@@ -588,7 +590,7 @@ def _in_order_index(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ra
         return index.shape[0] == size and _in_order(index, (size,), 0, size)
     if index.dim() != rank or index.shape[k] != size:
         return False
-    return bool(index.eq(_positions(size, k, rank, index)).all())
+    return _counts_in_order(index, k, size) or bool(index.eq(_positions(size, k, rank, index)).all())
 
 
 def _positions(size: int, k: int, rank: int, like: Tensor) -> Tensor:
@@ -596,10 +598,60 @@ def _positions(size: int, k: int, rank: int, like: Tensor) -> Tensor:
     return torch.arange(size, device=like.device, dtype=like.dtype).view([size if d == k else 1 for d in range(rank)])
 
 
+class _Aranges(threading.local):
+    table: WeakTensorKeyDictionary | None = None  # the running forward's (``counting``)
+
+
+_aranges = _Aranges()
+
+
+def counting(table: WeakTensorKeyDictionary | None) -> WeakTensorKeyDictionary | None:
+    """Make ``table`` the running forward's record of the ``torch.arange(n)`` it made (``counted``); the
+    record it replaces, to put back when the forward ends."""
+    before, _aranges.table = _aranges.table, table
+    return before
+
+
+def counted(t: Tensor) -> None:
+    """Record ``t``, a ``torch.arange(n)`` the running forward just made, as holding ``0, 1, ..., n - 1``
+    while its version (``t._version``, shared with its views) stays what it is now."""
+    if _aranges.table is not None and not t.is_inference():
+        _aranges.table[t] = t._version
+
+
+def uncounted(t: Tensor) -> None:
+    """Forget the record of the arange ``t`` is or is a view of: it is about to be written into past its
+    version counter (``t.data``, ``t.numpy()``, its storage)."""
+    base = t if t._base is None else t._base
+    if _aranges.table is not None and base in _aranges.table:
+        del _aranges.table[base]
+
+
+def _counts_in_order(index: Tensor, j: int, size: int) -> bool:
+    """Whether ``index`` holds ``0, ..., size - 1`` along dim ``j`` and the same along every other dim, told
+    without reading its values: it is an arange the running forward made (``counted``) or a view of one
+    (``arange(B)[:, None]``, expanded) that starts where the arange does and steps as it does along ``j`` only,
+    neither written into since."""
+    table = _aranges.table
+    if table is None or index.is_inference():
+        return False
+    base = index if index._base is None else index._base
+    version = table.get(base)
+    if version is None or version != index._version or base.dim() != 1 or index.shape[j] != size:
+        return False
+    if index.storage_offset() != base.storage_offset() or size > base.shape[0]:
+        return False
+    strides = index.stride()
+    return strides[j] == base.stride(0) and all(strides[d] == 0 or n == 1 for d, n in enumerate(index.shape) if d != j)
+
+
 def _in_order(item: Any, shape: tuple[int, ...], j: int, size: int) -> bool:
     """Whether index ``item`` (a tensor or nested list of ints, ``shape``, varying along dim ``j`` only) holds
     ``0, 1, ..., size - 1`` along ``j``: it keeps each sample in its row (``mask[arange(B)[:, None], ids]``).
-    Reads the values (on a GPU, a host sync: an op indexing the batch dim with a tensor is rare)."""
+    An arange the forward made, or a view of one, is told by its layout (``_counts_in_order``); any other
+    index by its values (on a GPU, a host sync)."""
+    if isinstance(item, Tensor) and _counts_in_order(item, j, size):
+        return True
     line = torch.as_tensor(item) if not isinstance(item, Tensor) else item
     if line.dim() != len(shape):
         return False

@@ -70,16 +70,20 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from pergrad._core.capture.dims import (
     LOST,
     MIXED,
     attribute_dim,
     carries,
+    counted,
+    counting,
     folded,
     out_of_order,
     result_dims,
     torch_functions,
+    uncounted,
     written,
 )
 from pergrad._core.shortcuts.followed import Stepped, dynamo_callback, eager_hook, never_traced, without_dynamo
@@ -384,6 +388,14 @@ _NEW = torch_functions(
 _GRAD = {torch.autograd.grad, torch.autograd.backward, Tensor.backward}
 _LIKE = torch_functions("to", "type_as")
 _VIEW_ATTRIBUTES = {getattr(Tensor, name).__get__ for name in ("T", "mT", "H", "mH")}
+# what writes into a tensor past its version counter: the arange it is (or is a view of) counts no more
+_PAST_VERSION = {
+    *torch_functions("numpy", "untyped_storage", "storage", "_typed_storage", "__dlpack__", "__array__"),
+    Tensor.data.__get__,  # type: ignore[attr-defined]
+    Tensor.data.__set__,  # type: ignore[attr-defined]
+}
+_COUNTING = {torch.arange, *_PAST_VERSION}
+_INTEGERS = {torch.int64, torch.int32, torch.int16, torch.int8}
 
 
 def _plain(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -857,6 +869,7 @@ class Provenance(Stepped):
         # position (``pergrad._core.capture.dims``; SEEN: no batch), and the op that lost it (for LOST)
         self._marks: dict[int, tuple[weakref.ref[Tensor], int, str]] = {}
         self._before: Provenance | None = None
+        self._aranges_before: WeakTensorKeyDictionary | None = None
         for t in seen:
             self.see(t)
         for t, dim in seeds:
@@ -915,6 +928,8 @@ class Provenance(Stepped):
     def _follow_op(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run ``func`` and mark what it returns (see the class docstring)."""
         result = func(*args, **kwargs)
+        if func in _COUNTING:
+            _count(func, args, kwargs, result)
         if result is not None and not isinstance(result, Tensor | tuple | list):
             return result  # x.dim(), x.numel(), x.shape, x.item(): nothing to mark
         name = getattr(func, "__name__", "")
@@ -994,11 +1009,29 @@ class Provenance(Stepped):
     def __enter__(self) -> Provenance:
         super().__enter__()
         self._before, _local.provenance = _local.provenance, self
+        self._aranges_before = counting(WeakTensorKeyDictionary())
         return self
 
     def __exit__(self, *exc: object) -> None:
+        counting(self._aranges_before)
         _local.provenance = self._before
         super().__exit__(*exc)
+
+
+def _count(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+    """Record an integer ``torch.arange(n)`` (or ``arange(0, n)``, ``arange(0, n, 1)``) the forward made, whose
+    views then index the batch in order with no values read (``pergrad._core.capture.dims.counted``); forget
+    one about to be written into past its version counter."""
+    if func is not torch.arange:
+        if args and isinstance(args[0], Tensor):
+            uncounted(args[0])
+        return
+    start, step = (0, 1) if len(args) < 2 else (args[0], 1 if len(args) < 3 else args[2])
+    if any(n in kwargs for n in ("start", "step", "out")) or type(start) is not int or type(step) is not int:
+        return
+    fits = isinstance(result, Tensor) and result.dtype in _INTEGERS and result.dim() == 1
+    if start == 0 and step == 1 and fits and torch.iinfo(result.dtype).max >= result.shape[0]:  # (none wrapped)
+        counted(result)
 
 
 _PACKING = frozenset({torch.nn.utils.rnn.__file__, torch.nn.modules.rnn.__file__})
