@@ -170,3 +170,27 @@ def test_a_view_that_starts_past_the_arange_is_not_in_order_by_layout():
         assert not dims._counts_in_order(arange[:4], 0, 4)
     finally:
         dims.counting(before)
+
+
+def test_a_padded_hf_batch_reads_no_index_values_in_its_forward(monkeypatch):
+    """Llama's padding mask (``padding_mask[batch_arange[:, None, None, None], kv_idx]``) and its classifier's
+    pooling (``logits[arange(B), last]``) index the batch with aranges of the forward: no value read (on a GPU, no
+    host sync) in any step."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=16, max_position_embeddings=16, num_labels=3, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.LlamaForSequenceClassification(config).double()
+    psm = PerSampleModule(model)
+    reads = value_reads(monkeypatch)
+    for b in (4, 3, 4):
+        ids = torch.randint(1, 40, (b, 6))
+        mask = torch.ones(b, 6, dtype=torch.long)
+        mask[1, -1] = mask[2, -2:] = 0
+        ids[mask == 0] = 0
+        logits = psm(input_ids=ids, attention_mask=mask).logits
+        assert reads[0] == 0
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(logits, torch.randint(0, 3, (b,))).backward()
