@@ -513,8 +513,9 @@ def test_a_fold_that_is_not_undone_is_not_a_dim() -> None:
     assert tracked(lambda x: x.sum(0), (4, 4, 4))[0] == LOST
     assert tracked(lambda x: x[torch.tensor([True, False, True, True])], (4, 4, 4))[0] == LOST  # folded by a mask
     assert tracked(lambda x: x[torch.tensor(1), :, torch.tensor([0, 1])], (4, 4, 4))[0] == LOST  # a 0-dim int selects
-    rows = torch.arange(4)[:, None].expand(4, 4).clone()  # samples on two dims at once, as far as shapes tell
-    assert tracked(lambda x: x[rows, rows.T], (4, 4, 4))[0] == LOST
+    rows = torch.arange(4)[:, None].expand(4, 4).clone()  # samples on two dims at once, as far as shapes tell;
+    assert tracked(lambda x: x[rows, rows.T], (4, 4, 4))[0] == 0  # the values tell: row i of x in row i
+    assert tracked(lambda x: x[rows.T, rows], (4, 4, 4))[0] == 1  # (x[j, i]: the batch moved to dim 1)
 
 
 def _index_item(kind: str, size: int, width: int, gen: torch.Generator, rows: bool) -> object:

@@ -31,7 +31,9 @@ another dim, or it could not be followed. An op that moves samples out of their 
   ``roll``, ``index_select``, ``gather``, ``index_put``, ``sort``, ``unbind``, ``rot90``, an embedding whose
   table is the batch) or mixes them (``cumsum`` and the other scans, ``softmax``, ``F.normalize``, ``fft``, a
   conv or pool over the batch dim, ``P @ x`` or an ``einsum`` summing over it, a reduction over it:
-  ``x - x.mean(0)``) along the batch dim;
+  ``x - x.mean(0)``, a function of a whole matrix over its rows: ``linalg.qr``, ``svd``, attention with the batch
+  as positions) along the batch dim, or pairs them (operands with the batch on two dims of the result: ``x @ x.T``,
+  ``cdist(x, x)``);
 - it picks samples out of the batch or adds rows to it (``x[0]``, ``x[1:]``, ``narrow``, ``chunk``,
   ``F.pad``): a tensor rebuilt from the pieces (``torch.cat([x[1:], x[:1]])``) is not the batch in order.
 """
@@ -105,6 +107,13 @@ _REDUCE = torch_functions(
     "prod", "median",
 )  # fmt: skip
 _MATMUL = torch_functions("matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "mv")
+
+
+def _functions_of(namespace: Any, names: tuple[str, ...]) -> list[Any]:
+    """The functions of these names that exist in ``namespace`` (``torch.linalg``) in this torch."""
+    return [getattr(namespace, name) for name in names if hasattr(namespace, name)]
+
+
 # ops that act along the dims they are given (reorder, gather, scan or normalise across them): where the batch dim
 # is one of them, the result's rows are not the operand's samples. By op: (position of the dim argument, counting
 # the operand itself, its keyword, its default: None for every dim, or a fixed dim where the op takes none)
@@ -131,6 +140,18 @@ _ALONG_DIMS: dict[Any, tuple[int, str, int | tuple[int, ...] | None]] = {
     **{f: (-1, "", 1) for f in torch_functions("fliplr")},
     F.softmax: (1, "dim", -2), F.log_softmax: (1, "dim", -2), F.softmin: (1, "dim", -2),  # (-2: torch's implicit dim)
     F.normalize: (2, "dim", 1), F.gumbel_softmax: (4, "dim", -1),
+    F.scaled_dot_product_attention: (-1, "", (-2,)),  # (attention across the positions: the batch there is mixed)
+    # functions of a whole matrix (its last two dims): a row of the result depends on every row of the operand
+    **{f: (-1, "", (-2, -1)) for f in _functions_of(torch.linalg, (
+        "qr", "svd", "svdvals", "pinv", "inv", "inv_ex", "det", "slogdet", "eig", "eigh", "eigvals", "eigvalsh",
+        "cholesky", "cholesky_ex", "lu", "lu_factor", "lu_factor_ex", "matrix_exp", "matrix_power", "matrix_rank",
+        "cond", "householder_product", "ldl_factor", "ldl_factor_ex",
+    ))},
+    **{f: (-1, "", (-2, -1)) for f in torch_functions(
+        "svd", "qr", "pinverse", "inverse", "det", "logdet", "slogdet", "cholesky", "cholesky_inverse", "matrix_exp",
+        "matrix_power", "geqrf", "svd_lowrank", "pca_lowrank", "lobpcg",
+    )},
+    torch.linalg.matrix_norm: (2, "dim", (-2, -1)),
 }  # fmt: skip
 
 _TAKE_ALONG = torch_functions("take_along_dim")
@@ -138,6 +159,7 @@ _PUT = torch_functions("index_put", "index_put_")
 _INDEXED_ALONG = torch_functions("index_select", "gather") | _TAKE_ALONG  # (in order: each sample from its row)
 
 _EINSUM = torch_functions("einsum")
+_PAIRWISE = torch_functions("cdist")
 _SHAPED = torch_functions("as_strided")  # (the result's shape comes from the arguments: the probe cannot tell)
 # ops that take the batch on dim 0 and mix along every other (channels, length): the batch elsewhere is mixed
 _BATCH_FIRST = torch_functions(
@@ -405,8 +427,11 @@ def advanced(index: Any, rank: int, size: int, k: int | None = None, operand: Te
             varies = [j for j, s in enumerate(shape) if s != 1 and strides[j] != 0]  # (expanded: not varying)
             if varies == [] and size == 1:  # one sample: any dim of size 1 that every index keeps at 1
                 varies = [j for j in range(len(shape)) if _ones(entries, at, width, j - len(shape) + width)][:1]
+            if len(varies) > 1:  # (arange(B)[:, None].repeat(1, K): in order, and materialised)
+                j = _rows_in_order(e[3], shape, size)
+                return MIXED if j is None else broadcast_dim(shape, j)
             if len(varies) != 1 or shape[varies[0]] != size:
-                return MIXED if size > 1 else LOST  # (rows picked, repeated, or along several dims)
+                return MIXED if size > 1 else LOST  # (rows picked or repeated)
             if not _in_order(e[3], shape, varies[0], size):
                 return MIXED  # (x[perm]: row i is another sample)
             return broadcast_dim(shape, varies[0])
@@ -513,6 +538,8 @@ def _follow(
             return _reduced(args, kwargs, k, rank)
     if func in _MATMUL and _contracts(args, t, k, rank):
         return MIXED  # (P @ h: each row a mix of samples)
+    if func in _PAIRWISE and (k == rank - 1 or (k == rank - 2 and len(args) > 1 and args[1] is t)):
+        return MIXED  # (cdist(h, h): each row the distances of one sample to the others)
     if (kind == _EMBED and not own) or (func in _BATCH_FIRST and own and k != 0):
         return MIXED  # (the samples as an embedding's table, or a conv/pool over the batch dim)
     if func in _EINSUM and _summed_over(args, t, k):
@@ -593,6 +620,19 @@ def _in_order_index(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ra
     return _counts_in_order(index, k, size) or bool(index.eq(_positions(size, k, rank, index)).all())
 
 
+def _rows_in_order(item: Any, shape: tuple[int, ...], size: int) -> int | None:
+    """The dim ``j`` along which index ``item`` (``shape``) holds ``0, ..., size - 1`` and the same along every
+    other dim (the batch's rows in order, materialised), told by its values; None where there is none."""
+    index = item if isinstance(item, Tensor) else torch.as_tensor(item)
+    for j, n in enumerate(shape):
+        try:
+            if n == size and bool(index.eq(_positions(size, j, len(shape), index)).all()):
+                return j
+        except (RuntimeError, NotImplementedError):  # (meta tensors: no values to read)
+            return None
+    return None
+
+
 def _positions(size: int, k: int, rank: int, like: Tensor) -> Tensor:
     """``0, ..., size - 1`` along dim ``k`` of a tensor of ``rank`` dims (size 1 elsewhere)."""
     return torch.arange(size, device=like.device, dtype=like.dtype).view([size if d == k else 1 for d in range(rank)])
@@ -620,11 +660,18 @@ def counted(t: Tensor) -> None:
 
 
 def uncounted(t: Tensor) -> None:
-    """Forget the record of the arange ``t`` is or is a view of: it is about to be written into past its
-    version counter (``t.data``, ``t.numpy()``, its storage)."""
-    base = t if t._base is None else t._base
-    if _aranges.table is not None and base in _aranges.table:
-        del _aranges.table[base]
+    """Forget the record of every arange whose memory ``t`` shares (a view, ``detach()``, ``view(dtype)``, a
+    ``Parameter`` made of it): ``t`` is about to be written into past the arange's version counter (``t.data``,
+    ``t.numpy()``, its storage, ``set_``)."""
+    table = _aranges.table
+    if not table:
+        return
+    try:
+        memory = t.untyped_storage().data_ptr()
+        for arange in [a for a in table if a.untyped_storage().data_ptr() == memory]:
+            del table[arange]
+    except (RuntimeError, NotImplementedError):  # (a tensor without storage: every record forgotten)
+        table.clear()
 
 
 def _counts_in_order(index: Tensor, j: int, size: int) -> bool:
@@ -671,10 +718,16 @@ def _tensor_items(values: Any) -> Iterator[Tensor]:
 
 
 def _probe(
-    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], carried: list[tuple[Tensor, int]], n: int
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    carried: list[tuple[Tensor, int]],
+    n: int,
+    one: bool,
 ) -> list[int]:
     """The op run again on meta tensors, each carried operand's batch given a size no other dim has:
-    the dim of that size in each of its ``n`` result tensors (LOST where there is not exactly one)."""
+    the dim of that size in each of its ``n`` result tensors; MIXED where there is none (summed over) or
+    several (samples paired, unless the batch is ``one`` sample: LOST)."""
     if any(folded(k) for _, k in carried):
         return [LOST] * n
     leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
@@ -701,8 +754,9 @@ def _probe(
     found = []
     for r in results:
         at = [j for j, s in enumerate(r.shape) if s == size]
-        vanished = LOST if func in _SHAPED else MIXED  # (summed over: std(0), einsum; as_strided: sizes given)
-        found.append(at[0] if len(at) == 1 else vanished if not at else LOST)
+        # (none: summed over, std(0), einsum; several: samples paired, cosine_similarity(h[:, None], h[None]);
+        # as_strided: the sizes are its arguments)
+        found.append(at[0] if len(at) == 1 else LOST if func in _SHAPED or (at and one) else MIXED)
     return found
 
 
@@ -735,11 +789,17 @@ def result_dims(
             j = _follow(kind, func, args, kwargs, t, k, r, size)
             if j is None:
                 if probed is None:
-                    probed = _probe(func, args, kwargs, carried, len(results))
+                    probed = _probe(func, args, kwargs, carried, len(results), size == 1)
                 j = probed[i]
             at.add(j if j == MIXED or folded(j) or (0 <= j < r.dim() and r.shape[j] == size) else _picked(j, r, size))
-        found.append(MIXED if MIXED in at else at.pop() if len(at) == 1 else LOST)
+        found.append(MIXED if MIXED in at or (_paired(at) and size > 1) else at.pop() if len(at) == 1 else LOST)
     return found
+
+
+def _paired(at: set[int]) -> bool:
+    """Whether operands put the batch on two different dims of a result (``h @ h.T``, ``h[:, None] - h[None]``):
+    its entry ``[i, j]`` combines sample ``i`` with sample ``j``."""
+    return sum(1 for j in at if j >= 0) > 1
 
 
 def _picked(j: int, r: Tensor, size: int) -> int:
@@ -757,5 +817,7 @@ def _laid_out(func: Any, args: tuple[Any, ...], carried: list[tuple[Tensor, int]
         return _recurrent(args, carried, n)
     if func in _PADDED:
         return [0 if args[2] is True else 1, 0][:n]
-    ok = all(k == 1 and t.dim() == 3 for t, k in carried if any(t is x for x in args[:3]))
-    return [1, 0][:n] if ok else [LOST] * n
+    attended = [(t, k) for t, k in carried if any(t is x for x in args[:3])]  # (query, key, value)
+    if all(k == 1 and t.dim() == 3 for t, k in attended):
+        return [1, 0][:n]
+    return [MIXED if any(k >= 0 for _, k in attended) else LOST] * n  # (the batch as positions or features)

@@ -948,6 +948,9 @@ class Provenance(Stepped):
             results = [result]
         else:
             results = list(_tensors((result, *(out if isinstance(out, tuple | list) else (out,)))))
+        writes = _writes_into_first(name) and bool(args) and isinstance(args[0], Tensor)
+        if writes:  # (into an alias of an arange with a version counter of its own: ``j.set_(i)``)
+            uncounted(args[0])
         if not carried:
             for t in results:
                 self.see(t)
@@ -956,7 +959,7 @@ class Provenance(Stepped):
             if k == LOST and (mixing := self.lost_by(t)).startswith(_MIXING):
                 self._mix(name, args, results, mixing)
                 return result
-        if _writes_into_first(name) and args and isinstance(args[0], Tensor) and not carries(self._where_base(args[0])):
+        if writes and not carries(self._where_base(args[0])):
             self._written(name, args, carried)
         for t, dim in zip(results, result_dims(func, args, kwargs, results, carried, self._size), strict=True):
             if dim == MIXED and _packing():
@@ -1023,8 +1026,8 @@ def _count(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     views then index the batch in order with no values read (``pergrad._core.capture.dims.counted``); forget
     one about to be written into past its version counter."""
     if func is not torch.arange:
-        if args and isinstance(args[0], Tensor):
-            uncounted(args[0])
+        for t in _tensors((*args, *kwargs.values())):  # (``j.set_(i)``, ``j.data = i``: ``i`` too)
+            uncounted(t)
         return
     start, step = (0, 1) if len(args) < 2 else (args[0], 1 if len(args) < 3 else args[2])
     if any(n in kwargs for n in ("start", "step", "out")) or type(start) is not int or type(step) is not int:

@@ -1,0 +1,76 @@
+"""Ops that make a row of their result depend on several samples, where the forward feeds a hooked layer from
+them: refused (``BatchMixingError``), where they used to be followed as if each row were one sample's (silently
+wrong ``grad_sample``). The same ops used per sample are exact.
+
+- two operands with the batch on two dims of the result pair the samples (``h @ h.T``, ``cdist(h, h)``,
+  ``cosine_similarity(h[:, None], h[None])``);
+- attention with the batch as its positions (``scaled_dot_product_attention(h[None], ...)``, an unbatched
+  ``nn.MultiheadAttention`` called on ``[B, D]``);
+- functions of a whole matrix over the batch's rows (``linalg.qr``, ``svd``, ``pinv``, ...).
+
+Each case: ``head(pick(tanh(body(x))))`` in float64, several steps with the batch size changing, against each loss
+term's gradient by plain autograd through the whole batch forward (``tests.test_counted_aranges.run``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pergrad.errors import BatchMixingError
+from tests.test_counted_aranges import REORDERED, run
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+def _unbatched_attention(m, h):
+    if not hasattr(m, "attention"):
+        m.attention = nn.MultiheadAttention(h.shape[1], 1).to(h.dtype)
+    return m.attention(h, h, h)[0]
+
+
+MIXING = {
+    "h @ h.T, its first columns": lambda m, h: (h @ h.T)[:, :3],
+    "cdist(h, h)": lambda m, h: torch.cdist(h, h)[:, :3],
+    "cosine similarity of every pair": lambda m, h: F.cosine_similarity(h[:, None], h[None], dim=-1)[:, :3],
+    "h[:, None] - h[None], summed": lambda m, h: (h[:, None] - h[None]).sum(1),
+    "attention across the batch (sdpa)": lambda m, h: F.scaled_dot_product_attention(h[None], h[None], h[None])[0],
+    "unbatched nn.MultiheadAttention on [B, D]": _unbatched_attention,
+    "linalg.qr": lambda m, h: torch.linalg.qr(h)[0],
+    "linalg.svd": lambda m, h: torch.linalg.svd(h, full_matrices=False)[0][:, :3],
+    "torch.svd": lambda m, h: torch.svd(h)[0][:, :3],
+    "linalg.pinv, transposed": lambda m, h: torch.linalg.pinv(h).T,
+    "matrix_norm over the rows": lambda m, h: h / torch.linalg.matrix_norm(h),
+}
+
+
+@pytest.mark.parametrize("pick", MIXING.values(), ids=MIXING.keys())
+def test_an_op_mixing_the_samples_before_a_layer_is_refused(pick):
+    with pytest.raises(BatchMixingError, match=REORDERED):
+        run(pick, sizes=(4, 5))
+
+
+PER_SAMPLE = {
+    "cdist to fixed centroids": lambda m, h: torch.cdist(h, torch.linspace(-1, 1, 9).view(3, 3)),
+    "W @ h.T, transposed back": lambda m, h: (torch.linspace(-1, 1, 9).view(3, 3) @ h.T).T,
+    "cosine similarity to a fixed vector": lambda m, h: h * F.cosine_similarity(h, torch.ones(1, 3), dim=-1)[:, None],
+    "sdpa within each sample": lambda m, h: F.scaled_dot_product_attention(h[:, :, None], h[:, :, None], h[:, :, None])[
+        ..., 0
+    ],
+    "linalg.qr of each sample's outer product": lambda m, h: torch.linalg.qr(h[:, :, None] @ h[:, None, :])[0].sum(-1),
+    "vector_norm of each row": lambda m, h: h / torch.linalg.vector_norm(h, dim=-1, keepdim=True),
+    "F.batch_norm in eval with running statistics": lambda m, h: F.batch_norm(h, torch.zeros(3), torch.ones(3)),
+    "kron with a 1 x 1": lambda m, h: torch.kron(h, torch.full((1, 1), 2.0)),
+}
+
+
+@pytest.mark.parametrize("pick", PER_SAMPLE.values(), ids=PER_SAMPLE.keys())
+def test_the_same_ops_per_sample_are_exact(pick):
+    assert run(pick, sizes=(4, 5, 4)) < 1e-10
+
+
+def test_a_batch_of_one_sample_is_not_refused_for_pairing():
+    """With one sample, nothing can be paired or mixed: ``h @ h.T`` of ``[1, D]`` is that sample's alone."""
+    assert run(lambda m, h: h * (h @ h.T), sizes=(1, 1)) < 1e-10
