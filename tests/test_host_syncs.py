@@ -153,6 +153,16 @@ class Positions(Sequence):
         return self.head(self.norm(torch.tanh(self.up(h))).mean(1))
 
 
+class Masked(Sequence):
+    """A padding mask read as HuggingFace's mask code reads it: indexed by aranges the forward makes
+    (``mask[arange(B)[:, None], arange(T)[None]]``), which keep each sample in its row with no value read."""
+
+    def forward(self, idx: Tensor) -> Tensor:
+        mask = (idx != 0).to(self.up.weight.dtype)
+        rows = mask[torch.arange(idx.shape[0])[:, None], torch.arange(idx.shape[1])[None, :]]
+        return self.head(self.norm(torch.tanh(self.up(self.emb(idx))) * rows[..., None]).mean(1))
+
+
 def _images(b: int, gen: torch.Generator) -> Tensor:
     return torch.randn(b, 3, 7, 7, generator=gen, dtype=torch.float64)
 
@@ -170,6 +180,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator]
     "conv": (ConvNet, _images),
     "sequence": (Sequence, _ids),
     "positions": (Positions, _ids),
+    "masked": (Masked, _ids),
 }
 
 # mode -> (PerSampleModule options, where a transform goes ("" root, a module or parameter name), transform)
