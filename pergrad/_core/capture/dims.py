@@ -134,13 +134,14 @@ _ALONG_DIMS: dict[Any, tuple[int, str, int | tuple[int, ...] | None]] = {
     **{f: (2, "dim", -1) for f in (torch.fft.fft, torch.fft.ifft, torch.fft.rfft, torch.fft.irfft, torch.fft.hfft,
                                    torch.fft.ihfft)},
     **{f: (2, "dim", None) for f in (torch.fft.fftn, torch.fft.ifftn, torch.fft.rfftn, torch.fft.irfftn,
-                                     torch.fft.fft2, torch.fft.ifft2, torch.fft.rfft2, torch.fft.irfft2)},
+                                     torch.fft.fft2, torch.fft.ifft2, torch.fft.rfft2, torch.fft.irfft2,
+                                     torch.fft.hfftn, torch.fft.ihfftn, torch.fft.hfft2, torch.fft.ihfft2)},
     **{f: (-1, "", 0) for f in torch_functions("index_put", "index_put_")},
     **{f: (-1, "", 0) for f in torch_functions("flipud", "msort")},
     **{f: (-1, "", 1) for f in torch_functions("fliplr")},
     F.softmax: (1, "dim", -2), F.log_softmax: (1, "dim", -2), F.softmin: (1, "dim", -2),  # (-2: torch's implicit dim)
     F.normalize: (2, "dim", 1), F.gumbel_softmax: (4, "dim", -1),
-    F.scaled_dot_product_attention: (-1, "", (-2,)),  # (attention across the positions: the batch there is mixed)
+    torch.special.softmax: (1, "dim", -1), torch.special.log_softmax: (1, "dim", -1),
     # functions of a whole matrix (its last two dims): a row of the result depends on every row of the operand
     **{f: (-1, "", (-2, -1)) for f in _functions_of(torch.linalg, (
         "qr", "svd", "svdvals", "pinv", "inv", "inv_ex", "det", "slogdet", "eig", "eigh", "eigvals", "eigvalsh",
@@ -159,19 +160,44 @@ _PUT = torch_functions("index_put", "index_put_")
 _INDEXED_ALONG = torch_functions("index_select", "gather") | _TAKE_ALONG  # (in order: each sample from its row)
 
 _EINSUM = torch_functions("einsum")
+# ops with a rule of their own for where the batch goes (``_ruled``); by op: the positions of its two matrix
+# operands (products), of its right-hand side (solves), of its normalised shape (layer norms), or -1
+_PRODUCTS = {
+    **{f: (1, 2) for f in torch_functions("addmm", "addmm_", "addbmm", "addbmm_", "baddbmm", "baddbmm_", "addmv")},
+    torch.linalg.matmul: (0, 1), torch.sparse.mm: (0, 1), torch.sparse.addmm: (1, 2),
+}  # fmt: skip
+_SOLVES = {
+    **{f: 1 for f in _functions_of(torch.linalg, ("solve", "solve_ex", "lstsq", "solve_triangular"))},
+    **{f: 2 for f in _functions_of(torch.linalg, ("lu_solve",))},
+    **{f: 0 for f in torch_functions("cholesky_solve", "triangular_solve", "lu_solve")},
+}
+_NORMALISED = {F.layer_norm: 1, F.rms_norm: 1, torch.layer_norm: 1, **{f: 1 for f in torch_functions("rms_norm")}}
+_CHAINS = _functions_of(torch.linalg, ("multi_dot",)) + list(torch_functions("chain_matmul"))
+_ATTENTION = {F.scaled_dot_product_attention}
 _PAIRWISE = torch_functions("cdist")
+_RENORM = torch_functions("renorm")
+# (F.linear has a rule too, kept out of the set: most of its calls take result_dims' fast path)
+_RULED_OPS = {
+    *_PRODUCTS, *_SOLVES, *_NORMALISED, *_CHAINS, *_ATTENTION, *_PAIRWISE, *_RENORM, *torch_functions("conv_tbc"),
+    F.group_norm, F.instance_norm, F.local_response_norm, F.embedding_bag,
+}  # fmt: skip
 _SHAPED = torch_functions("as_strided")  # (the result's shape comes from the arguments: the probe cannot tell)
 # ops that take the batch on dim 0 and mix along every other (channels, length): the batch elsewhere is mixed
 _BATCH_FIRST = torch_functions(
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "avg_pool1d",
     "adaptive_avg_pool1d", "adaptive_max_pool1d", "max_pool1d", "max_pool2d", "max_pool3d",
 ) | {F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.max_pool1d, F.max_pool2d,
-     F.max_pool3d, F.interpolate, F.unfold, F.fold}  # fmt: skip
+     F.max_pool3d, F.interpolate, F.unfold, F.fold, F.grid_sample, F.lp_pool1d, F.lp_pool2d,
+     *_functions_of(F, ("max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices",
+                        "adaptive_max_pool1d_with_indices", "adaptive_max_pool2d_with_indices",
+                        "adaptive_max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d",
+                        "fractional_max_pool2d", "fractional_max_pool3d", "lp_pool3d"))}  # fmt: skip
 
 # how each op moves the batch (ops not listed keep it where it is: _KEEP)
-_KEEP, _ALIGN, _MOVE, _RESHAPE_OP, _INDEX, _EMBED, _REDUCE_OP, _PROBE, _LAYOUT, _ALONG = range(10)
+_KEEP, _ALIGN, _MOVE, _RESHAPE_OP, _INDEX, _EMBED, _REDUCE_OP, _PROBE, _LAYOUT, _ALONG, _RULED = range(11)
 _KIND: dict[Any, int] = {
     **{f: _ALONG for f in _ALONG_DIMS},
+    **{f: _RULED for f in _RULED_OPS},
     **{f: _ALIGN for f in _BROADCAST},
     **{f: _PROBE for f in _PROBED},
     **{f: _REDUCE_OP for f in _REDUCE},
@@ -518,8 +544,14 @@ def _follow(
     kind ``kind``), or None where the op must be run on meta tensors to tell."""
     own = bool(args) and args[0] is t
     if folded(k):
-        if kind == _ALONG and _acts_along(func, args, kwargs, _holding(tuple(t.shape), k, size), t.dim()):
+        holding = _holding(tuple(t.shape), k, size)
+        if kind == _ALONG and _acts_along(func, args, kwargs, holding, t.dim()):
             return MIXED  # (h.reshape(-1).flip(0): the samples' rows moved)
+        if kind == _RULED:  # (HF's Conv1D: addmm(b, x.view(-1, D), W), the batch folded in x's rows)
+            found = _ruled(func, args, kwargs, t, holding, t.dim(), r) if holding >= 0 else LOST
+            if found is None:
+                return _unfolding(_KEEP, own, t, k, r, size)
+            return MIXED if found == MIXED else LOST  # (moved elsewhere: not followed while folded)
         return _unfolding(kind, own, t, k, r, size)
     rank = t.dim()
     if kind == _ALONG and _acts_along(func, args, kwargs, k, rank):
@@ -538,8 +570,10 @@ def _follow(
             return _reduced(args, kwargs, k, rank)
     if func in _MATMUL and _contracts(args, t, k, rank):
         return MIXED  # (P @ h: each row a mix of samples)
-    if func in _PAIRWISE and (k == rank - 1 or (k == rank - 2 and len(args) > 1 and args[1] is t)):
-        return MIXED  # (cdist(h, h): each row the distances of one sample to the others)
+    if kind == _RULED or func is F.linear:
+        found = _ruled(func, args, kwargs, t, k, rank, r)
+        if found is not None:
+            return found
     if (kind == _EMBED and not own) or (func in _BATCH_FIRST and own and k != 0):
         return MIXED  # (the samples as an embedding's table, or a conv/pool over the batch dim)
     if func in _EINSUM and _summed_over(args, t, k):
@@ -579,6 +613,55 @@ def _contracts(args: tuple[Any, ...], t: Tensor, k: int, rank: int) -> bool:
     if args[0] is t:
         return k == rank - 1
     return args[1] is t and k == max(rank - 2, 0)
+
+
+def _ruled(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], t: Tensor, k: int, rank: int, r: Tensor
+) -> int | None:
+    """The batch position in result ``r`` of operand ``t`` (batch on dim ``k`` of ``rank``) of an op of
+    ``_RULED_OPS``: MIXED where the op combines rows along the batch dim, a dim where it moves it, None where
+    it keeps it as an elementwise op would."""
+    at = {i for i, a in enumerate(args) if a is t}  # (the same tensor may be several operands: cdist(h, h))
+    last, matrix = k == rank - 1, k >= rank - 2
+    if func in _PRODUCTS:  # (a @ b by another name: a's last dim and b's last but one are summed over)
+        first, second = _PRODUCTS[func]
+        return MIXED if (first in at and last) or (second in at and k == max(rank - 2, 0)) else None
+    if func in _SOLVES:  # (A X = B: each row of X depends on every row of B; with left=False, each column)
+        rhs = _SOLVES[func]
+        left = kwargs.get("left", True) is not False
+        solved = rhs in at and (rank == 1 or (k == rank - 2 and left) or (last and not left))
+        return MIXED if solved or (at - {rhs} and matrix) or not at else None
+    if func in _NORMALISED:  # (normalised over its last len(shape) dims)
+        shape = _arg(args, kwargs, _NORMALISED[func], "normalized_shape")
+        n = len(shape) if isinstance(shape, tuple | list | torch.Size) else 1
+        return MIXED if 0 in at and k >= rank - n else None
+    if func in _CHAINS:  # (multi_dot([A, h]): each matrix's rows summed with the one before it)
+        chain = args[0] if args and isinstance(args[0], list | tuple) else args
+        places = [p for p, a in enumerate(chain) if a is t]
+        return MIXED if any((p > 0 and k == 0) or (p < len(chain) - 1 and last) for p in places) else None
+    if func in _ATTENTION:  # (each query attends to every key: keys and values over positions, queries' features)
+        query = 0 in at or kwargs.get("query") is t
+        memory = bool(at & {1, 2}) or kwargs.get("key") is t or kwargs.get("value") is t
+        return MIXED if (query and last) or (memory and matrix) else None
+    if func is F.linear:  # (x @ W.T: x's last dim summed over; W's rows go to the result's last dim)
+        if (0 in at and last) or (at - {0} and not (at == {1} and k == 0)):
+            return MIXED
+        return r.dim() - 1 if 1 in at else None
+    if func in _PAIRWISE:  # (cdist(x1, x2): x1's rows to the result's rows, x2's to its columns)
+        if last or (at >= {0, 1} and k == rank - 2):
+            return MIXED
+        return r.dim() - 1 if 1 in at and k == rank - 2 else None
+    if func in _RENORM:  # (renorm(x, p, dim, maxnorm): each slice along dim over all other dims)
+        dim = _arg(args, kwargs, 2, "dim")
+        return MIXED if not isinstance(dim, int) or _index(dim, rank) != k else None
+    if func is F.embedding_bag:  # (the table: the samples as its rows; the ids and weights: rows per sample)
+        return MIXED if 1 in at or kwargs.get("weight") is t else None
+    fixed = {F.group_norm: 1, F.instance_norm: 2}.get(func)
+    if fixed is not None:  # (statistics over the dims from ``fixed`` on, per sample and group or channel)
+        return MIXED if 0 in at and k >= fixed else None
+    if func is F.local_response_norm:  # (across the channels, dim 1)
+        return MIXED if 0 in at and k == 1 else None
+    return MIXED if 0 in at and k != 1 else None  # (conv_tbc: time, batch, channels)
 
 
 def _acts_along(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], k: int, rank: int) -> bool:
@@ -727,9 +810,10 @@ def _probe(
 ) -> list[int]:
     """The op run again on meta tensors, each carried operand's batch given a size no other dim has:
     the dim of that size in each of its ``n`` result tensors; MIXED where there is none (summed over) or
-    several (samples paired, unless the batch is ``one`` sample: LOST)."""
+    several from two operands (samples paired, unless the batch is ``one`` sample: LOST)."""
     if any(folded(k) for _, k in carried):
         return [LOST] * n
+    single = len(carried) == 1  # (one operand with the batch on several dims of the result: diag(v), no pairing)
     leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
     size = 2 * max([1, *(s for x in leaves for s in x.shape)]) + 11
     dims = {id(t): k for t, k in carried}
@@ -756,7 +840,7 @@ def _probe(
         at = [j for j, s in enumerate(r.shape) if s == size]
         # (none: summed over, std(0), einsum; several: samples paired, cosine_similarity(h[:, None], h[None]);
         # as_strided: the sizes are its arguments)
-        found.append(at[0] if len(at) == 1 else LOST if func in _SHAPED or (at and one) else MIXED)
+        found.append(at[0] if len(at) == 1 else LOST if func in _SHAPED or (at and (one or single)) else MIXED)
     return found
 
 
@@ -776,7 +860,7 @@ def result_dims(
         return _laid_out(func, args, carried, len(results))
     if len(carried) == 1 and len(results) == 1 and kind == _KEEP and func not in _BATCH_FIRST:  # (most ops)
         (t, k), r = carried[0], results[0]
-        if k >= 0 and r.dim() == t.dim():
+        if k >= 0 and r.dim() == t.dim() and not (func is F.linear and (k == t.dim() - 1 or t is not args[0])):
             return [k if r.shape[k] == size else _picked(k, r, size)]
     if any(k == LOST for _, k in carried):
         mixes = func in _MATMUL and any(k >= 0 and _contracts(args, t, k, t.dim()) for t, k in carried)
@@ -820,4 +904,7 @@ def _laid_out(func: Any, args: tuple[Any, ...], carried: list[tuple[Tensor, int]
     attended = [(t, k) for t, k in carried if any(t is x for x in args[:3])]  # (query, key, value)
     if all(k == 1 and t.dim() == 3 for t, k in attended):
         return [1, 0][:n]
+    memory = any(t is args[1] or t is args[2] for t, _ in attended) if len(args) > 2 else True
+    if not memory and all(k == 0 for _, k in attended):  # (queries of a memory without the batch: their own rows)
+        return [0, 0 if args[0].dim() == 2 else 1][:n]
     return [MIXED if any(k >= 0 for _, k in attended) else LOST] * n  # (the batch as positions or features)
