@@ -13,7 +13,7 @@ Found and fixed with this file (``dims._ruled``, the probe's and attention's rul
 (solves, ``addmm``-like products, ``multi_dot``, ``sparse.mm``, ``F.linear`` over the batch, normalisations whose
 shape includes the batch, ``special.softmax``, ``embedding_bag``/``conv_tbc``/``grid_sample``/pools with indices over
 the batch, ``hfftn``) and 4 per-sample models refused (``cdist(P, h).T``, queries of a fixed memory). Still strict
-xfails: a batch LOST (not followed: ``tensordot``, ``einsum`` with ``...``, a boolean mask, a flatten) is trusted
+xfails: a batch LOST (not followed: ``tensordot``, ``einsum`` with ``...``, a boolean mask) is trusted
 where the layer input has one dim of the batch's size, so mixing after it is not seen; ``diag(v) @ h`` and ``vmap``
 are refused.
 
@@ -64,7 +64,7 @@ def falsely_refused(reason: str) -> pytest.MarkDecorator:
 _UNLISTED = "an op not in dims.py keeps the batch where it was (taken as elementwise)"
 _LOST = "the op's batch is LOST (not followed) and a LOST batch with one dim of the batch's size is taken as in order"
 _AFTER_MASK = "a boolean mask over the batch makes it LOST: no op after it is checked for mixing"
-_FOLDED = "a reduction of a folded batch is LOST"
+_FOLDED = "one number from the batch (refused since: dims._scalar)"
 
 
 def _prototypes_by_label(m: nn.Module, h: Tensor) -> Tensor:
@@ -154,7 +154,7 @@ MIXING_SILENT = {
     # statistics of the whole tensor through a flatten, or of rows picked by a mask
     "h - h.flatten().mean()": (lambda m, h: h - h.flatten().mean(), _FOLDED),
     "h / h.view(-1).norm()": (lambda m, h: h / h.view(-1).norm(), _FOLDED),
-    "h - masked_select(h, h > -9).mean()": (lambda m, h: h - torch.masked_select(h, h > -9).mean(), _LOST),
+    "h - masked_select(h, h > -9).mean()": (lambda m, h: h - torch.masked_select(h, h > -9).mean(), _FOLDED),
     "h - h[mask].mean(0)": (lambda m, h: h - h[h[:, 0].detach() > -9].mean(0), _AFTER_MASK),
     "h[mask].flip(0)": (lambda m, h: h[h[:, 0].detach() > -9].flip(0), _AFTER_MASK),
     "h[mask].cumsum(0)": (lambda m, h: h[h[:, 0].detach() > -9].cumsum(0), _AFTER_MASK),
@@ -201,7 +201,7 @@ MIXING_REFUSED = {
     "where(h > h.sum(0), h, 0)": lambda m, h: torch.where(h > h.sum(0).detach(), h, 0),
 }
 
-_STILL_SILENT = {_LOST, _AFTER_MASK, _FOLDED}  # (the rest: refused since, by the rules of ``dims._ruled``)
+_STILL_SILENT = {_LOST, _AFTER_MASK}  # (the rest: refused since, by the rules of ``dims._ruled``)
 MIXING = {
     **MIXING_REFUSED,
     **{

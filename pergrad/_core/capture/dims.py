@@ -864,10 +864,13 @@ def result_dims(
             return [k if r.shape[k] == size else _picked(k, r, size)]
     if any(k == LOST for _, k in carried):
         mixes = func in _MATMUL and any(k >= 0 and _contracts(args, t, k, t.dim()) for t, k in carried)
-        return [MIXED if mixes else LOST] * len(results)
+        return [MIXED if mixes or _scalar(r, size) else LOST for r in results]
     found: list[int] = []
     probed: list[int] | None = None
     for i, r in enumerate(results):
+        if _scalar(r, size):
+            found.append(MIXED)
+            continue
         at: set[int] = set()
         for t, k in carried:
             j = _follow(kind, func, args, kwargs, t, k, r, size)
@@ -878,6 +881,12 @@ def result_dims(
             at.add(j if j == MIXED or folded(j) or (0 <= j < r.dim() and r.shape[j] == size) else _picked(j, r, size))
         found.append(MIXED if MIXED in at or (_paired(at) and size > 1) else at.pop() if len(at) == 1 else LOST)
     return found
+
+
+def _scalar(r: Tensor, size: int) -> bool:
+    """Whether result ``r`` is one number computed from a batch of several samples (``h.flatten().mean()``,
+    ``h[mask].norm()``): wherever the batch was in the operands, every sample went into it, or one was picked."""
+    return r.dim() == 0 and size > 1
 
 
 def _paired(at: set[int]) -> bool:
