@@ -13,7 +13,7 @@ Found and fixed with this file (``dims._ruled``, the probe's and attention's rul
 (solves, ``addmm``-like products, ``multi_dot``, ``sparse.mm``, ``F.linear`` over the batch, normalisations whose
 shape includes the batch, ``special.softmax``, ``embedding_bag``/``conv_tbc``/``grid_sample``/pools with indices over
 the batch, ``hfftn``) and 4 per-sample models refused (``cdist(P, h).T``, queries of a fixed memory). Still strict
-xfails: a batch LOST (not followed: ``tensordot``, ``einsum`` with ``...``, a boolean mask) is trusted
+xfails: a batch LOST by a boolean mask over it is trusted
 where the layer input has one dim of the batch's size, so mixing after it is not seen; ``diag(v) @ h`` and ``vmap``
 are refused.
 
@@ -201,7 +201,7 @@ MIXING_REFUSED = {
     "where(h > h.sum(0), h, 0)": lambda m, h: torch.where(h > h.sum(0).detach(), h, 0),
 }
 
-_STILL_SILENT = {_LOST, _AFTER_MASK}  # (the rest: refused since, by the rules of ``dims._ruled``)
+_STILL_SILENT = {_AFTER_MASK}  # (the rest: refused since, by the rules of ``dims._ruled``)
 MIXING = {
     **MIXING_REFUSED,
     **{

@@ -176,9 +176,11 @@ _CHAINS = _functions_of(torch.linalg, ("multi_dot",)) + list(torch_functions("ch
 _ATTENTION = {F.scaled_dot_product_attention}
 _PAIRWISE = torch_functions("cdist")
 _RENORM = torch_functions("renorm")
+_TENSORDOT = torch_functions("tensordot")
 # (F.linear has a rule too, kept out of the set: most of its calls take result_dims' fast path)
 _RULED_OPS = {
-    *_PRODUCTS, *_SOLVES, *_NORMALISED, *_CHAINS, *_ATTENTION, *_PAIRWISE, *_RENORM, *torch_functions("conv_tbc"),
+    *_PRODUCTS, *_SOLVES, *_NORMALISED, *_CHAINS, *_ATTENTION, *_PAIRWISE, *_RENORM, *_TENSORDOT,
+    *torch_functions("conv_tbc"),
     F.group_norm, F.instance_norm, F.local_response_norm, F.embedding_bag,
 }  # fmt: skip
 _SHAPED = torch_functions("as_strided")  # (the result's shape comes from the arguments: the probe cannot tell)
@@ -197,7 +199,6 @@ _BATCH_FIRST = torch_functions(
 _KEEP, _ALIGN, _MOVE, _RESHAPE_OP, _INDEX, _EMBED, _REDUCE_OP, _PROBE, _LAYOUT, _ALONG, _RULED = range(11)
 _KIND: dict[Any, int] = {
     **{f: _ALONG for f in _ALONG_DIMS},
-    **{f: _RULED for f in _RULED_OPS},
     **{f: _ALIGN for f in _BROADCAST},
     **{f: _PROBE for f in _PROBED},
     **{f: _REDUCE_OP for f in _REDUCE},
@@ -206,6 +207,7 @@ _KIND: dict[Any, int] = {
     Tensor.__getitem__: _INDEX,
     F.embedding: _EMBED,
     **{f: _LAYOUT for f in (*_RNN, *_PADDED, F.multi_head_attention_forward)},
+    **{f: _RULED for f in _RULED_OPS},  # (last: a rule of its own over any kind above)
 }
 
 
@@ -590,19 +592,39 @@ def _follow(
 
 
 def _summed_over(args: tuple[Any, ...], t: Tensor, k: int) -> bool:
-    """Whether ``einsum(equation, *operands)`` sums over dim ``k`` of operand ``t`` (its letter not in the output)."""
-    if not args or not isinstance(args[0], str) or "..." in args[0]:
+    """Whether ``einsum(equation, *operands)`` sums over dim ``k`` of operand ``t`` (its letter not in the output;
+    ``...`` stands for the dims no letter names, aligned from the right as they broadcast)."""
+    if not args or not isinstance(args[0], str):
         return False
     operands = args[1] if len(args) == 2 and isinstance(args[1], list | tuple) else args[1:]
     position = next((p for p, o in enumerate(operands) if o is t), None)
-    inputs, _, output = args[0].replace(" ", "").partition("->")
+    inputs, arrow, output = args[0].replace(" ", "").partition("->")
     specs = inputs.split(",")
-    if position is None or position >= len(specs) or k >= len(specs[position]):
+    if position is None or position >= len(specs) or len(specs) != len(operands):
         return False
-    letter = specs[position][k]
-    if not output and "->" not in args[0]:
+    if "..." in args[0]:
+        free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in args[0]]
+        widths = [
+            o.dim() - len(spec.replace("...", "")) if isinstance(o, Tensor) else 0
+            for o, spec in zip(operands, specs, strict=True)
+        ]
+        width = max(widths, default=0)
+        if width > len(free) or min(widths, default=0) < 0:
+            return False
+        specs = [spec.replace("...", "".join(free[width - w : width])) for spec, w in zip(specs, widths, strict=True)]
+        implicit = "".join(free[:width])
+        output = (
+            output.replace("...", implicit)
+            if arrow
+            else implicit + "".join(c for c in sorted(set(inputs)) if c.isalpha() and inputs.count(c) == 1)
+        )
+        arrow = "->"
+    spec = specs[position]
+    if k >= len(spec):
+        return False
+    if not arrow:
         output = "".join(c for c in sorted(set(inputs)) if c.isalpha() and inputs.count(c) == 1)
-    return letter not in output
+    return spec[k] not in output
 
 
 def _contracts(args: tuple[Any, ...], t: Tensor, k: int, rank: int) -> bool:
@@ -651,6 +673,8 @@ def _ruled(
         if last or (at >= {0, 1} and k == rank - 2):
             return MIXED
         return r.dim() - 1 if 1 in at and k == rank - 2 else None
+    if func in _TENSORDOT:  # (tensordot(a, b, dims): the dims given summed over; a's others, then b's)
+        return _tensordot(args, kwargs, at, k)
     if func in _RENORM:  # (renorm(x, p, dim, maxnorm): each slice along dim over all other dims)
         dim = _arg(args, kwargs, 2, "dim")
         return MIXED if not isinstance(dim, int) or _index(dim, rank) != k else None
@@ -662,6 +686,29 @@ def _ruled(
     if func is F.local_response_norm:  # (across the channels, dim 1)
         return MIXED if 0 in at and k == 1 else None
     return MIXED if 0 in at and k != 1 else None  # (conv_tbc: time, batch, channels)
+
+
+def _tensordot(args: tuple[Any, ...], kwargs: dict[str, Any], at: set[int], k: int) -> int:
+    """The batch position in ``tensordot(a, b, dims)`` of the operand at ``at`` with the batch on dim ``k``: MIXED
+    where ``dims`` sums over it (or cannot be read), else its place among the dims kept (a's, then b's)."""
+    a, b = args[0], args[1] if len(args) > 1 else kwargs.get("b")
+    dims = _arg(args, kwargs, 2, "dims")
+    dims = 2 if dims is None else dims
+    if not isinstance(a, Tensor) or not isinstance(b, Tensor) or len(at & {0, 1}) != 1:
+        return MIXED
+    summed: tuple[Any, ...]
+    try:
+        if isinstance(dims, int):
+            summed = (range(a.dim() - dims, a.dim()), range(dims))
+        else:
+            summed = tuple([_index(d, o.dim()) for d in _ints(ds)] for ds, o in zip(dims, (a, b), strict=True))
+    except (TypeError, ValueError):  # (dims as tensors, or of another form)
+        return MIXED
+    side = 0 if 0 in at else 1
+    kept = [[d for d in range(o.dim()) if d not in summed[i]] for i, o in enumerate((a, b))]
+    if k not in kept[side]:
+        return MIXED
+    return kept[side].index(k) + (len(kept[0]) if side else 0)
 
 
 def _acts_along(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], k: int, rank: int) -> bool:
