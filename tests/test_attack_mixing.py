@@ -13,9 +13,7 @@ Found and fixed with this file (``dims._ruled``, the probe's and attention's rul
 (solves, ``addmm``-like products, ``multi_dot``, ``sparse.mm``, ``F.linear`` over the batch, normalisations whose
 shape includes the batch, ``special.softmax``, ``embedding_bag``/``conv_tbc``/``grid_sample``/pools with indices over
 the batch, ``hfftn``) and 4 per-sample models refused (``cdist(P, h).T``, queries of a fixed memory). Still strict
-xfails: a batch LOST by a boolean mask over it is trusted
-where the layer input has one dim of the batch's size, so mixing after it is not seen; ``diag(v) @ h`` and ``vmap``
-are refused.
+xfails: ``diag(v) @ h``, ``vmap`` and ``cdist`` to a learned prototype parameter are refused.
 
 Each case is float64, several steps with the batch size changing, against each loss term's gradient by plain
 autograd through the whole batch forward of an unwrapped copy (``tests.test_counted_aranges.run`` for an op
@@ -201,7 +199,7 @@ MIXING_REFUSED = {
     "where(h > h.sum(0), h, 0)": lambda m, h: torch.where(h > h.sum(0).detach(), h, 0),
 }
 
-_STILL_SILENT = {_AFTER_MASK}  # (the rest: refused since, by the rules of ``dims._ruled``)
+_STILL_SILENT: set[str] = set()  # (the rest: refused since, by the rules of ``dims._ruled``)
 MIXING = {
     **MIXING_REFUSED,
     **{

@@ -449,8 +449,8 @@ def advanced(index: Any, rank: int, size: int, k: int | None = None, operand: Te
             return p - len(at) + width if adjacent and p > at[-1] else p if adjacent else width + before
         if e[0] == "index" and k in e[2]:
             shape = e[1]
-            if shape is _MASK:
-                return LOST
+            if shape is _MASK:  # (over the batch dim alone: samples picked out; over more: folded with positions)
+                return MIXED if e[2] == (k,) and size > 1 else LOST
             strides = e[3].stride() if isinstance(e[3], Tensor) else (1,) * len(shape)
             varies = [j for j, s in enumerate(shape) if s != 1 and strides[j] != 0]  # (expanded: not varying)
             if varies == [] and size == 1:  # one sample: any dim of size 1 that every index keeps at 1
