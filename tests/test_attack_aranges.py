@@ -17,7 +17,6 @@ was refused though in order. The reason given with each case says how it went wr
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import threading
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 import pergrad
 from pergrad import PerSampleModule
+from tests.test_attack_reorder import outcome as reorder_outcome
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -38,48 +38,14 @@ HAS_NUMPY = importlib.util.find_spec("numpy") is not None
 SWAP = (1, 0)  # what the attacks write into the first two entries of the arange: rows 0 and 1 swapped
 
 
-def reference(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-    """``{name: [B, *p.shape]}``: d f_i / d p for each loss term of the batch forward, by plain autograd."""
-    out = model(x)
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    rows: dict[str, list[Tensor]] = {n: [] for n, _ in params}
-    for i in range(y.shape[0]):
-        fi = (out[i] - y[i]).pow(2).sum()
-        gs = torch.autograd.grad(fi, [p for _, p in params], retain_graph=True, allow_unused=True)
-        for (n, p), g in zip(params, gs, strict=True):
-            rows[n].append(torch.zeros_like(p) if g is None else g)
-    return {n: torch.stack(v) for n, v in rows.items()}
-
-
 def outcome(model: nn.Module, sizes: tuple[int, ...] = (4, 6)) -> str:
-    """'refused: <message>', 'exact', or 'wrong: {param: max abs error}' over one SGD step per batch size."""
-    ref = copy.deepcopy(model)
-    psm = PerSampleModule(model, loss_reduction="sum")
-    worst: dict[str, float] = {}
-    try:
-        for s, b in enumerate(sizes):
-            g = torch.Generator().manual_seed(s)
-            x, y = torch.randn(b, 4, generator=g), torch.randn(b, 3, generator=g)
-            expect = reference(ref, x, y)
-            model.zero_grad()
-            (psm(x) - y).pow(2).sum().backward()
-            for n, p in model.named_parameters():
-                got = getattr(p, "grad_sample", None)
-                if got is None:
-                    got = torch.zeros_like(expect[n])
-                err = (got - expect[n]).abs().max().item()
-                if err > 1e-10:
-                    worst[n] = max(worst.get(n, 0.0), err)
-            with torch.no_grad():
-                for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-                    if p.grad is not None:
-                        p -= 0.1 * p.grad
-                    q.copy_(p)
-    except pergrad.errors.PergradError as err:
-        return f"refused: {err}"
-    finally:
-        psm.remove()
-    return f"wrong: {worst}" if worst else "exact"
+    """``tests.test_attack_reorder.outcome`` over one SGD step per batch size."""
+
+    def make(s: int) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(s)
+        return torch.randn(sizes[s], 4, generator=g), torch.randn(sizes[s], 3, generator=g)
+
+    return reorder_outcome(model, make, steps=len(sizes))
 
 
 class Picked(nn.Module):
