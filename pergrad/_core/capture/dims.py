@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -160,8 +160,8 @@ _PUT = torch_functions("index_put", "index_put_")
 _INDEXED_ALONG = torch_functions("index_select", "gather") | _TAKE_ALONG  # (in order: each sample from its row)
 
 _EINSUM = torch_functions("einsum")
-# ops with a rule of their own for where the batch goes (``_ruled``); by op: the positions of its two matrix
-# operands (products), of its right-hand side (solves), of its normalised shape (layer norms), or -1
+# ops with a rule of their own for where the batch goes (``_RULES``); by op, the positions of its two matrix
+# operands (products) and of its right-hand side (solves)
 _PRODUCTS = {
     **{f: (1, 2) for f in torch_functions("addmm", "addmm_", "addbmm", "addbmm_", "baddbmm", "baddbmm_", "addmv")},
     torch.linalg.matmul: (0, 1), torch.sparse.mm: (0, 1), torch.sparse.addmm: (1, 2),
@@ -171,16 +171,17 @@ _SOLVES = {
     **{f: 2 for f in _functions_of(torch.linalg, ("lu_solve",))},
     **{f: 0 for f in torch_functions("cholesky_solve", "triangular_solve", "lu_solve")},
 }
-_NORMALISED = {F.layer_norm: 1, F.rms_norm: 1, torch.layer_norm: 1, **{f: 1 for f in torch_functions("rms_norm")}}
+_VECTORS = set(_functions_of(torch.linalg, ("solve", "solve_ex")))  # (b may be a batch of vectors: A's shape[:-1])
+_NORMALISED = {F.layer_norm, F.rms_norm, torch.layer_norm, *torch_functions("rms_norm")}
 _CHAINS = _functions_of(torch.linalg, ("multi_dot",)) + list(torch_functions("chain_matmul"))
 _ATTENTION = {F.scaled_dot_product_attention}
 _PAIRWISE = torch_functions("cdist")
 _RENORM = torch_functions("renorm")
 _TENSORDOT = torch_functions("tensordot")
+_CONV_TBC = torch_functions("conv_tbc")
 # (F.linear has a rule too, kept out of the set: most of its calls take result_dims' fast path)
 _RULED_OPS = {
-    *_PRODUCTS, *_SOLVES, *_NORMALISED, *_CHAINS, *_ATTENTION, *_PAIRWISE, *_RENORM, *_TENSORDOT,
-    *torch_functions("conv_tbc"),
+    *_PRODUCTS, *_SOLVES, *_NORMALISED, *_CHAINS, *_ATTENTION, *_PAIRWISE, *_RENORM, *_TENSORDOT, *_CONV_TBC,
     F.group_norm, F.instance_norm, F.local_response_norm, F.embedding_bag,
 }  # fmt: skip
 _SHAPED = torch_functions("as_strided")  # (the result's shape comes from the arguments: the probe cannot tell)
@@ -637,60 +638,118 @@ def _contracts(args: tuple[Any, ...], t: Tensor, k: int, rank: int) -> bool:
     return args[1] is t and k == max(rank - 2, 0)
 
 
+class _Operand(NamedTuple):
+    """An operand of an op of ``_RULES``: where it is among the arguments (``at``: the same tensor may be several
+    operands, ``cdist(h, h)``), its batch dim ``k`` of ``rank``, and the op's result ``r``."""
+
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    t: Tensor
+    at: set[int]
+    k: int
+    rank: int
+    r: Tensor
+
+    @property
+    def last(self) -> bool:
+        return self.k == self.rank - 1
+
+    @property
+    def matrix(self) -> bool:  # (the batch on one of the dims a matrix function reads as rows or columns)
+        return self.k >= self.rank - 2
+
+
 def _ruled(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], t: Tensor, k: int, rank: int, r: Tensor
 ) -> int | None:
     """The batch position in result ``r`` of operand ``t`` (batch on dim ``k`` of ``rank``) of an op of
-    ``_RULED_OPS``: MIXED where the op combines rows along the batch dim, a dim where it moves it, None where
-    it keeps it as an elementwise op would."""
-    at = {i for i, a in enumerate(args) if a is t}  # (the same tensor may be several operands: cdist(h, h))
-    last, matrix = k == rank - 1, k >= rank - 2
-    if func in _PRODUCTS:  # (a @ b by another name: a's last dim and b's last but one are summed over)
-        first, second = _PRODUCTS[func]
-        return MIXED if (first in at and last) or (second in at and k == max(rank - 2, 0)) else None
-    if func in _SOLVES:  # (A X = B: each row of X depends on every row of B; with left=False, each column)
-        rhs = _SOLVES[func]
-        left = kwargs.get("left", True) is not False
-        solved = rhs in at and (rank == 1 or (k == rank - 2 and left) or (last and not left))
-        return MIXED if solved or (at - {rhs} and matrix) or not at else None
-    if func in _NORMALISED:  # (normalised over its last len(shape) dims)
-        shape = _arg(args, kwargs, _NORMALISED[func], "normalized_shape")
-        n = len(shape) if isinstance(shape, tuple | list | torch.Size) else 1
-        return MIXED if 0 in at and k >= rank - n else None
-    if func in _CHAINS:  # (multi_dot([A, h]): each matrix's rows summed with the one before it)
-        chain = args[0] if args and isinstance(args[0], list | tuple) else args
-        places = [p for p, a in enumerate(chain) if a is t]
-        return MIXED if any((p > 0 and k == 0) or (p < len(chain) - 1 and last) for p in places) else None
-    if func in _ATTENTION:  # (each query attends to every key: keys and values over positions, queries' features)
-        query = 0 in at or kwargs.get("query") is t
-        memory = bool(at & {1, 2}) or kwargs.get("key") is t or kwargs.get("value") is t
-        return MIXED if (query and last) or (memory and matrix) else None
-    if func is F.linear:  # (x @ W.T: x's last dim summed over; W's rows go to the result's last dim)
-        if (0 in at and last) or (at - {0} and not (at == {1} and k == 0)):
-            return MIXED
-        return r.dim() - 1 if 1 in at else None
-    if func in _PAIRWISE:  # (cdist(x1, x2): x1's rows to the result's rows, x2's to its columns)
-        if last or (at >= {0, 1} and k == rank - 2):
-            return MIXED
-        return r.dim() - 1 if 1 in at and k == rank - 2 else None
-    if func in _TENSORDOT:  # (tensordot(a, b, dims): the dims given summed over; a's others, then b's)
-        return _tensordot(args, kwargs, at, k)
-    if func in _RENORM:  # (renorm(x, p, dim, maxnorm): each slice along dim over all other dims)
-        dim = _arg(args, kwargs, 2, "dim")
-        return MIXED if not isinstance(dim, int) or _index(dim, rank) != k else None
-    if func is F.embedding_bag:  # (the table: the samples as its rows; the ids and weights: rows per sample)
-        return MIXED if 1 in at or kwargs.get("weight") is t else None
-    fixed = {F.group_norm: 1, F.instance_norm: 2}.get(func)
-    if fixed is not None:  # (statistics over the dims from ``fixed`` on, per sample and group or channel)
-        return MIXED if 0 in at and k >= fixed else None
-    if func is F.local_response_norm:  # (across the channels, dim 1)
-        return MIXED if 0 in at and k == 1 else None
-    return MIXED if 0 in at and k != 1 else None  # (conv_tbc: time, batch, channels)
+    ``_RULES``, by its rule: MIXED where the op combines rows along the batch dim, a dim where it moves it,
+    None where it keeps it as an elementwise op would."""
+    at = {i for i, a in enumerate(args) if a is t}
+    return _RULES[func](_Operand(func, args, kwargs, t, at, k, rank, r))
 
 
-def _tensordot(args: tuple[Any, ...], kwargs: dict[str, Any], at: set[int], k: int) -> int:
-    """The batch position in ``tensordot(a, b, dims)`` of the operand at ``at`` with the batch on dim ``k``: MIXED
-    where ``dims`` sums over it (or cannot be read), else its place among the dims kept (a's, then b's)."""
+def _product(o: _Operand) -> int | None:
+    """a @ b by another name (``addmm``, ``baddbmm``, ``sparse.mm``): a's last dim and b's last but one summed."""
+    first, second = _PRODUCTS[o.func]
+    return MIXED if (first in o.at and o.last) or (second in o.at and o.k == max(o.rank - 2, 0)) else None
+
+
+def _solve(o: _Operand) -> int | None:
+    """A X = B: each row of X depends on every row of B (with ``left=False``, each column); A read whole."""
+    rhs = _SOLVES[o.func]
+    left = o.kwargs.get("left", True) is not False
+    a = o.args[0] if rhs == 1 and o.args else None
+    if rhs in o.at and isinstance(a, Tensor) and o.func in _VECTORS and o.t.shape == a.shape[:-1]:
+        return MIXED if o.last else None  # (linalg.solve(A, b) of b [B, n] and A [B, n, n]: a vector per sample)
+    solved = rhs in o.at and (o.rank == 1 or (o.k == o.rank - 2 and left) or (o.last and not left))
+    return MIXED if solved or (o.at - {rhs} and o.matrix) or not o.at else None
+
+
+def _normalised(o: _Operand) -> int | None:
+    """``layer_norm``/``rms_norm``: normalised over the last ``len(normalized_shape)`` dims."""
+    shape = _arg(o.args, o.kwargs, 1, "normalized_shape")
+    n = len(shape) if isinstance(shape, tuple | list | torch.Size) else 1
+    return MIXED if 0 in o.at and o.k >= o.rank - n else None
+
+
+def _chain(o: _Operand) -> int | None:
+    """``multi_dot([A, h])``: each matrix's rows summed with the one before it, its columns with the one after."""
+    chain = o.args[0] if o.args and isinstance(o.args[0], list | tuple) else o.args
+    places = [p for p, a in enumerate(chain) if a is o.t]
+    return MIXED if any((p > 0 and o.k == 0) or (p < len(chain) - 1 and o.last) for p in places) else None
+
+
+def _attention(o: _Operand) -> int | None:
+    """``scaled_dot_product_attention``: each query attends to every key (keys and values read over their
+    positions, queries over their features); a query's position is its own row."""
+    query = 0 in o.at or o.kwargs.get("query") is o.t
+    memory = bool(o.at & {1, 2}) or o.kwargs.get("key") is o.t or o.kwargs.get("value") is o.t
+    return MIXED if (query and o.last) or (memory and o.matrix) else None
+
+
+def _linear(o: _Operand) -> int | None:
+    """``F.linear``: x @ W.T, x's last dim summed over; W's rows go to the result's last dim."""
+    if (0 in o.at and o.last) or (o.at - {0} and not (o.at == {1} and o.k == 0)):
+        return MIXED
+    return o.r.dim() - 1 if 1 in o.at else None
+
+
+def _pairwise(o: _Operand) -> int | None:
+    """``cdist(x1, x2)``: x1's rows go to the result's rows, x2's to its columns; features summed over."""
+    if o.last or (o.at >= {0, 1} and o.k == o.rank - 2):
+        return MIXED
+    return o.r.dim() - 1 if 1 in o.at and o.k == o.rank - 2 else None
+
+
+def _renorm(o: _Operand) -> int | None:
+    """``renorm(x, p, dim, maxnorm)``: each slice along ``dim`` rescaled by its norm over all other dims."""
+    dim = _arg(o.args, o.kwargs, 2, "dim")
+    return MIXED if not isinstance(dim, int) or _index(dim, o.rank) != o.k else None
+
+
+def _embedding_bag(o: _Operand) -> int | None:
+    """``embedding_bag``: the table's rows are looked up by every bag; the ids and weights are rows per sample."""
+    return MIXED if 1 in o.at or o.kwargs.get("weight") is o.t else None
+
+
+def _statistics_from(first: int) -> Callable[[_Operand], int | None]:
+    """A normalisation of its input by statistics over the dims from ``first`` on (``group_norm``: 1,
+    ``instance_norm``: 2)."""
+    return lambda o: MIXED if 0 in o.at and o.k >= first else None
+
+
+def _channels(o: _Operand) -> int | None:
+    """``local_response_norm``: across the channels (dim 1); ``conv_tbc``: along time (dim 0), the batch on 1."""
+    wrong = o.k == 1 if o.func is F.local_response_norm else o.k != 1
+    return MIXED if 0 in o.at and wrong else None
+
+
+def _tensordot(o: _Operand) -> int:
+    """``tensordot(a, b, dims)``: MIXED where ``dims`` sums over the batch (or cannot be read), else its place among
+    the dims kept (a's, then b's)."""
+    args, kwargs, at, k = o.args, o.kwargs, o.at, o.k
     a, b = args[0], args[1] if len(args) > 1 else kwargs.get("b")
     dims = _arg(args, kwargs, 2, "dims")
     dims = 2 if dims is None else dims
@@ -709,6 +768,15 @@ def _tensordot(args: tuple[Any, ...], kwargs: dict[str, Any], at: set[int], k: i
     if k not in kept[side]:
         return MIXED
     return kept[side].index(k) + (len(kept[0]) if side else 0)
+
+
+_RULES: dict[Any, Callable[[_Operand], int | None]] = {
+    **{f: _product for f in _PRODUCTS}, **{f: _solve for f in _SOLVES}, **{f: _normalised for f in _NORMALISED},
+    **{f: _chain for f in _CHAINS}, **{f: _attention for f in _ATTENTION}, **{f: _pairwise for f in _PAIRWISE},
+    **{f: _renorm for f in _RENORM}, **{f: _tensordot for f in _TENSORDOT}, **{f: _channels for f in _CONV_TBC},
+    F.linear: _linear, F.embedding_bag: _embedding_bag, F.group_norm: _statistics_from(1),
+    F.instance_norm: _statistics_from(2), F.local_response_norm: _channels,
+}  # fmt: skip
 
 
 def _acts_along(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], k: int, rank: int) -> bool:
