@@ -62,7 +62,7 @@ def falsely_refused(reason: str) -> pytest.MarkDecorator:
 _UNLISTED = "an op not in dims.py keeps the batch where it was (taken as elementwise)"
 _LOST = "the op's batch is LOST (not followed) and a LOST batch with one dim of the batch's size is taken as in order"
 _AFTER_MASK = "a boolean mask over the batch makes it LOST: no op after it is checked for mixing"
-_FOLDED = "one number from the batch (refused since: dims._scalar)"
+_FOLDED = "one number from the batch (refused since: result_dims)"
 
 
 def _prototypes_by_label(m: nn.Module, h: Tensor) -> Tensor:

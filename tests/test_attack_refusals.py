@@ -1,6 +1,6 @@
 """Attack on false refusals: models that keep each sample in its own row (per-sample gradients well defined)
 run through pergrad's following of the batch (``Provenance``, ``dims``), after the day's commits that refuse
-more mixing ops (``_scalar``, masks over the batch dim, tensordot/einsum, ``_ruled`` solves and products,
+more mixing ops (one number from the batch, masks over the batch dim, tensordot/einsum, ``_ruled`` solves and products,
 ``_paired``, linalg over the rows, attention with the batch as positions).
 
 Each case: a float64 model, several steps with changing batch sizes (1, 2, T == B among them), against each loss

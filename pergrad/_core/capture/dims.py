@@ -979,11 +979,11 @@ def result_dims(
             return [k if r.shape[k] == size else _picked(k, r, size)]
     if any(k == LOST for _, k in carried):
         mixes = func in _MATMUL and any(k >= 0 and _contracts(args, t, k, t.dim()) for t, k in carried)
-        return [MIXED if mixes or _scalar(r, size) else LOST for r in results]
+        return [MIXED if mixes or (size > 1 and r.dim() == 0) else LOST for r in results]
     found: list[int] = []
     probed: list[int] | None = None
     for i, r in enumerate(results):
-        if _scalar(r, size):
+        if size > 1 and r.dim() == 0:  # (one number from several samples, h.flatten().mean(): all went into it)
             found.append(MIXED)
             continue
         at: set[int] = set()
@@ -994,14 +994,11 @@ def result_dims(
                     probed = _probe(func, args, kwargs, carried, len(results), size == 1)
                 j = probed[i]
             at.add(j if j == MIXED or folded(j) or (0 <= j < r.dim() and r.shape[j] == size) else _picked(j, r, size))
-        found.append(MIXED if MIXED in at or (_paired(at) and size > 1) else at.pop() if len(at) == 1 else LOST)
+        if len(at) == 1:
+            found.append(at.pop())
+        else:
+            found.append(MIXED if MIXED in at or (size > 1 and _paired(at)) else LOST)
     return found
-
-
-def _scalar(r: Tensor, size: int) -> bool:
-    """Whether result ``r`` is one number computed from a batch of several samples (``h.flatten().mean()``,
-    ``h[mask].norm()``): wherever the batch was in the operands, every sample went into it, or one was picked."""
-    return r.dim() == 0 and size > 1
 
 
 def _paired(at: set[int]) -> bool:
