@@ -1026,7 +1026,7 @@ def _count(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     views then index the batch in order with no values read (``pergrad._core.capture.dims.counted``); forget
     one about to be written into past its version counter."""
     if func is not torch.arange:
-        for t in _tensors((*args, *kwargs.values())):  # (``j.set_(i)``, ``j.data = i``: ``i`` too)
+        for t in _tensors((*args, *kwargs.values())):  # (``j.data = i``: ``i`` too; ``set_`` is unseen: see writes)
             uncounted(t)
         return
     start, step = (0, 1) if len(args) < 2 else (args[0], 1 if len(args) < 3 else args[2])
