@@ -101,21 +101,28 @@ def test_epsilon_of_one_unsampled_step_is_the_gaussian_mechanisms(sigma: float) 
     assert exact <= epsilon(sigma, 1.0, 1, 1e-5, "rdp") < 1.5 * exact  # RDP is an upper bound
 
 
+# The batches and the noise come from the OS's entropy, so the accuracy is drawn anew in every run.
+# 3 epochs at sigma 1.0, 700 runs with 1 and 2 threads: worst 0.860, 1st percentile 0.872, median 0.898
+# (a spread of about 0.011: 0.7 is 18 of them below the median). 1 epoch is not enough: 2% of its runs
+# end below 0.7 (worst 0.666 of 300).
+ACCURACY_OF_3_EPOCHS = 0.7
+
+
 def test_dp_sgd_reports_what_dp_accounting_says() -> None:
     pytest.importorskip("dp_accounting")
     example = load("dp_sgd")
-    result = example.main(["--epochs", "1", "--sigma", "1.0"])
-    assert result["steps"] == 20  # 1 epoch of int(1 / 0.05) steps
-    assert result["epsilon"] == pytest.approx(rdp_epsilon(1.0, 0.05, 20, 1e-5), rel=1e-9)
+    result = example.main(["--epochs", "3", "--sigma", "1.0"])
+    assert result["steps"] == 60  # 3 epochs of int(1 / 0.05) steps
+    assert result["epsilon"] == pytest.approx(rdp_epsilon(1.0, 0.05, 60, 1e-5), rel=1e-9)
     more_noise = example.main(["--epochs", "1", "--sigma", "2.0", "--delta", "1e-6"])
     assert more_noise["epsilon"] == pytest.approx(rdp_epsilon(2.0, 0.05, 20, 1e-6), rel=1e-9)
-    assert result["accuracy"] > 0.7  # chance is 1/3
+    assert result["accuracy"] > ACCURACY_OF_3_EPOCHS  # chance is 1/3
 
 
 def test_dp_sgd_trains_without_dp_accounting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "dp_accounting", None)  # import dp_accounting raises ModuleNotFoundError
-    result = load("dp_sgd").main(["--epochs", "1"])
-    assert math.isnan(result["epsilon"]) and result["accuracy"] > 0.7
+    result = load("dp_sgd").main(["--epochs", "3"])
+    assert math.isnan(result["epsilon"]) and result["accuracy"] > ACCURACY_OF_3_EPOCHS
 
 
 def sequences(lengths: list[int], vocab_size: int) -> list[list[int]]:
