@@ -43,6 +43,27 @@ MIXING = {
     "torch.svd": lambda m, h: torch.svd(h)[0][:, :3],
     "linalg.pinv, transposed": lambda m, h: torch.linalg.pinv(h).T,
     "matrix_norm over the rows": lambda m, h: h / torch.linalg.matrix_norm(h),
+    "torch.gradient along the batch": lambda m, h: torch.gradient(h, dim=0)[0],
+    "torch.gradient along every dim": lambda m, h: torch.gradient(h)[0],
+    "fft.fftshift of every dim": lambda m, h: torch.fft.fftshift(h),
+    "fft.ifftshift along the batch": lambda m, h: torch.fft.ifftshift(h, dim=0),
+    "inner(h, h), its first columns": lambda m, h: torch.inner(h, h)[:, :3],
+    "inner over the batch dim": lambda m, h: torch.inner(h.T, torch.ones(3, h.shape[0])),
+    "put of the batch, reversed": lambda m, h: torch.zeros_like(h).put(torch.arange(h.numel()).flip(0), h.flatten()),
+    "masked_scatter of the batch": lambda m, h: torch.zeros(h.shape[0], 6).masked_scatter(
+        torch.arange(6).remainder(2).bool().expand(h.shape[0], 6), h
+    )[:, 1::2],
+    "pixel_shuffle with the batch as channels": lambda m, h: F.pixel_shuffle(h[None, :, :, None], 2).reshape(
+        h.shape[0], 3
+    ),
+    "channel_shuffle with the batch as channels": lambda m, h: F.channel_shuffle(h[None], 2)[0],
+}
+
+# B == 3: torch.cross without dim takes the first dim of size 3, the batch's
+CROSSING = {
+    "torch.cross without dim": lambda m, h: torch.cross(h, torch.ones_like(h)),
+    "linalg.cross along the batch": lambda m, h: torch.linalg.cross(h, torch.ones_like(h), dim=0),
+    "Tensor.cross along the batch": lambda m, h: h.cross(torch.linspace(1, 2, 9).view(3, 3), dim=0),
 }
 
 
@@ -63,7 +84,26 @@ PER_SAMPLE = {
     "vector_norm of each row": lambda m, h: h / torch.linalg.vector_norm(h, dim=-1, keepdim=True),
     "F.batch_norm in eval with running statistics": lambda m, h: F.batch_norm(h, torch.zeros(3), torch.ones(3)),
     "kron with a 1 x 1": lambda m, h: torch.kron(h, torch.full((1, 1), 2.0)),
+    "torch.gradient within each sample": lambda m, h: torch.gradient(h, dim=1)[0] + h,
+    "fft.fftshift within each sample": lambda m, h: torch.fft.fftshift(h, dim=-1),
+    "inner with fixed vectors": lambda m, h: torch.inner(h, torch.linspace(-1, 1, 9).view(3, 3)),
+    "inner of fixed vectors with h": lambda m, h: torch.inner(torch.linspace(-1, 1, 9).view(3, 3), h).T,
+    "put of fixed values into h": lambda m, h: h.put(torch.tensor([0, 4]), torch.tensor([1.0, 2.0])),
+    "masked_scatter of fixed values into h": lambda m, h: h.masked_scatter(
+        torch.arange(h.numel()).view_as(h).remainder(2).bool(), torch.linspace(0, 1, h.numel())
+    ),
+    "cross along the features": lambda m, h: torch.linalg.cross(h, torch.linspace(1, 2, 3).expand_as(h)),
+    "torch.cross without dim, B != 3": lambda m, h: torch.cross(h, torch.linspace(1, 2, 3).expand_as(h)),
+    "pixel_shuffle within each sample": lambda m, h: F.pixel_shuffle(h.repeat(1, 4)[:, :, None, None], 2).mean((2, 3)),
+    "channel_shuffle within each sample": lambda m, h: F.channel_shuffle(h.repeat(1, 2)[:, :, None], 2)[:, :3, 0],
 }
+
+
+@pytest.mark.filterwarnings("ignore:Using torch.cross without specifying the dim")
+@pytest.mark.parametrize("pick", CROSSING.values(), ids=CROSSING.keys())
+def test_a_cross_product_along_the_batch_is_refused(pick):
+    with pytest.raises(BatchMixingError, match=REORDERED):
+        run(pick, sizes=(3, 3))
 
 
 @pytest.mark.parametrize("pick", PER_SAMPLE.values(), ids=PER_SAMPLE.keys())

@@ -29,11 +29,12 @@ another dim, or it could not be followed. An op that moves samples out of their 
 
 - it reorders them (``x[perm]`` with an index other than ``arange(B)`` in order, ``x[perm] = y``, ``flip``,
   ``roll``, ``index_select``, ``gather``, ``index_put``, ``sort``, ``unbind``, ``rot90``, an embedding whose
-  table is the batch) or mixes them (``cumsum`` and the other scans, ``softmax``, ``F.normalize``, ``fft``, a
+  table is the batch, the batch as ``put``'s or ``masked_scatter``'s source) or mixes them (``cumsum`` and the
+  other scans, ``softmax``, ``F.normalize``, ``fft``, ``fftshift``, ``gradient``, ``cross``, ``pixel_shuffle``, a
   conv or pool over the batch dim, ``P @ x`` or an ``einsum`` summing over it, a reduction over it:
   ``x - x.mean(0)``, a function of a whole matrix over its rows: ``linalg.qr``, ``svd``, attention with the batch
   as positions) along the batch dim, or pairs them (operands with the batch on two dims of the result: ``x @ x.T``,
-  ``cdist(x, x)``);
+  ``inner(x, x)``, ``cdist(x, x)``);
 - it picks samples out of the batch or adds rows to it (``x[0]``, ``x[1:]``, ``narrow``, ``chunk``,
   ``F.pad``): a tensor rebuilt from the pieces (``torch.cat([x[1:], x[:1]])``) is not the batch in order.
 """
@@ -117,6 +118,7 @@ def _functions_of(namespace: Any, names: tuple[str, ...]) -> list[Any]:
 # ops that act along the dims they are given (reorder, gather, scan or normalise across them): where the batch dim
 # is one of them, the result's rows are not the operand's samples. By op: (position of the dim argument, counting
 # the operand itself, its keyword, its default: None for every dim, or a fixed dim where the op takes none)
+_KEYWORD_ONLY = 64  # (a position no argument has: the dim is given by keyword only, torch.gradient(x, dim=1))
 _ALONG_DIMS: dict[Any, tuple[int, str, int | tuple[int, ...] | None]] = {
     **{f: (1, "dim", None) for f in torch_functions(
         "index_select", "gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
@@ -138,6 +140,10 @@ _ALONG_DIMS: dict[Any, tuple[int, str, int | tuple[int, ...] | None]] = {
                                      torch.fft.hfftn, torch.fft.ihfftn, torch.fft.hfft2, torch.fft.ihfft2)},
     **{f: (-1, "", 0) for f in torch_functions("index_put", "index_put_")},
     **{f: (-1, "", 0) for f in torch_functions("flipud", "msort")},
+    **{f: (1, "dim", None) for f in (torch.fft.fftshift, torch.fft.ifftshift)},
+    **{f: (_KEYWORD_ONLY, "dim", None) for f in torch_functions("gradient")},
+    **{f: (-1, "", (-3, -2, -1)) for f in torch_functions("pixel_shuffle", "pixel_unshuffle")},
+    **{f: (-1, "", 1) for f in torch_functions("channel_shuffle", "native_channel_shuffle")},
     **{f: (-1, "", 1) for f in torch_functions("fliplr")},
     F.softmax: (1, "dim", -2), F.log_softmax: (1, "dim", -2), F.softmin: (1, "dim", -2),  # (-2: torch's implicit dim)
     F.normalize: (2, "dim", 1), F.gumbel_softmax: (4, "dim", -1),
@@ -179,9 +185,14 @@ _PAIRWISE = torch_functions("cdist")
 _RENORM = torch_functions("renorm")
 _TENSORDOT = torch_functions("tensordot")
 _CONV_TBC = torch_functions("conv_tbc")
+_INNER = torch_functions("inner")
+_CROSS = torch_functions("cross") | set(_functions_of(torch.linalg, ("cross",)))
+_CROSS_FIRST_OF_3 = torch_functions("cross")
+_LAID_IN_ORDER = torch_functions("masked_scatter", "masked_scatter_", "put", "put_")
 # (F.linear has a rule too, kept out of the set: most of its calls take result_dims' fast path)
 _RULED_OPS = {
     *_PRODUCTS, *_SOLVES, *_NORMALISED, *_CHAINS, *_ATTENTION, *_PAIRWISE, *_RENORM, *_TENSORDOT, *_CONV_TBC,
+    *_INNER, *_CROSS, *_LAID_IN_ORDER,
     F.group_norm, F.instance_norm, F.local_response_norm, F.embedding_bag,
 }  # fmt: skip
 _SHAPED = torch_functions("as_strided")  # (the result's shape comes from the arguments: the probe cannot tell)
@@ -746,6 +757,30 @@ def _channels(o: _Operand) -> int | None:
     return MIXED if 0 in o.at and wrong else None
 
 
+def _inner(o: _Operand) -> int | None:
+    """``inner(a, b)``: the last dims summed over; a's other dims, then b's, are the result's."""
+    if o.last:
+        return MIXED
+    if o.at == {0, 1}:  # (inner(h, h): sample i with sample j)
+        return MIXED if o.t.shape[o.k] > 1 else o.k
+    return max(o.args[0].dim() - 1, 0) + o.k if 1 in o.at else None
+
+
+def _cross(o: _Operand) -> int | None:
+    """``cross(a, b, dim)``: each 3-vector along ``dim`` from both operands' there; without ``dim``, ``torch.cross``
+    takes the first dim of size 3, ``linalg.cross`` the last."""
+    dim = _arg(o.args, o.kwargs, 2, "dim")
+    if dim is None:
+        dim = next((j for j, s in enumerate(o.r.shape) if s == 3), -1) if o.func in _CROSS_FIRST_OF_3 else -1
+    return MIXED if _index(dim, o.r.dim()) == o.k + o.r.dim() - o.rank else None
+
+
+def _laid_in_order(o: _Operand) -> int | None:
+    """``masked_scatter(x, mask, source)``, ``put(x, index, source)``: source's elements go, one after another, to
+    the places the mask or index picks, so source's rows are not the result's; x's rows stay where they are."""
+    return MIXED if 2 in o.at or o.kwargs.get("source") is o.t else None
+
+
 def _tensordot(o: _Operand) -> int:
     """``tensordot(a, b, dims)``: MIXED where ``dims`` sums over the batch (or cannot be read), else its place among
     the dims kept (a's, then b's)."""
@@ -775,7 +810,8 @@ _RULES: dict[Any, Callable[[_Operand], int | None]] = {
     **{f: _chain for f in _CHAINS}, **{f: _attention for f in _ATTENTION}, **{f: _pairwise for f in _PAIRWISE},
     **{f: _renorm for f in _RENORM}, **{f: _tensordot for f in _TENSORDOT}, **{f: _channels for f in _CONV_TBC},
     F.linear: _linear, F.embedding_bag: _embedding_bag, F.group_norm: _statistics_from(1),
-    F.instance_norm: _statistics_from(2), F.local_response_norm: _channels,
+    F.instance_norm: _statistics_from(2), F.local_response_norm: _channels, **{f: _inner for f in _INNER},
+    **{f: _cross for f in _CROSS}, **{f: _laid_in_order for f in _LAID_IN_ORDER},
 }  # fmt: skip
 
 
