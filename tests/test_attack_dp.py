@@ -430,7 +430,9 @@ def test_gan_discriminator_with_fake_batches_names_the_cause() -> None:
 
 def test_two_models_two_dpsgds_independent_noise() -> None:
     """Two models, each with its own sampler and DPSGD (entropy-seeded): their noises are independent of each
-    other (correlation within 5 standard errors of 0 over 40 steps x 51 coordinates) and every step counted."""
+    other (correlation within 7 standard errors of 0 over 40 steps x 51 coordinates: a false alarm 3e-12; 5
+    of them were 5.7e-7; 500 runs with 1 and 2 threads: worst 3.2 of them) and every step
+    counted. (The same generator twice gives a correlation of 1.)"""
     runs = []
     for _ in range(2):
         model = make_model()
@@ -452,7 +454,7 @@ def test_two_models_two_dpsgds_independent_noise() -> None:
         runs.append(torch.cat(noise))
     a, b = runs
     rho = float((a @ b) / (a.norm() * b.norm()))
-    assert abs(rho) < 5 / math.sqrt(a.numel()), rho
+    assert abs(rho) < 7 / math.sqrt(a.numel()), rho
 
 
 # == 4. randomness: independent of the batch choice and of any seed of the user's =====================
@@ -513,7 +515,9 @@ def test_sampler_on_torch_default_generator_is_refused() -> None:
 def test_secure_mode_noise_is_independent_of_the_draw() -> None:
     """Secure mode: e_i (a one-hot Linear of 2000 inputs, C = 1, not clipped), ``E[B] .grad[i] = 1{i drawn} +
     sigma z_i``; the AUC of ``-|z_i|`` telling drawn samples from the others is at chance (4 steps x 2000, AUC std
-    about 0.011), and the std of z is sigma within 5 standard errors."""
+    about 0.011: within 0.075, 6.6 of them at the fewest drawn samples seen, a false alarm under 1e-10), and the
+    std of z is sigma within 7 standard errors (3e-12). Were 0.06 and 5 of them: 2.5e-8 and 5.7e-7 a run. 500
+    runs with 1 and 2 threads: AUC 0.471 to 0.529, median 0.500; std worst 3.0 standard errors."""
     n, q = 2000, 0.1
     scores, members, zs = [], [], []
     for _ in range(4):
@@ -533,9 +537,9 @@ def test_secure_mode_noise_is_independent_of_the_draw() -> None:
             scores.append(-z.abs())
             members.append(drawn)
             dp.remove()
-    assert abs(_auc(torch.cat(scores), torch.cat(members)) - 0.5) < 0.06
+    assert abs(_auc(torch.cat(scores), torch.cat(members)) - 0.5) < 0.075
     z = torch.cat(zs)
-    assert abs(float(z.std()) - 1) < 5 / math.sqrt(2 * z.numel())
+    assert abs(float(z.std()) - 1) < 7 / math.sqrt(2 * z.numel())
 
 
 # == 5. what a checkpoint leaks =====================================================================

@@ -597,7 +597,10 @@ def test_dpsgd_runs_the_privacy_audit_at_its_noise() -> None:
     psm = PerSampleModule(model, keep_grad_sample=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     sampler = PoissonBatchSampler(100, EXPECTED / 100, steps=5, generator=torch.Generator().manual_seed(1))
-    dp = DPSGD(psm, optimizer, sampler, max_grad_norm=C, noise_multiplier=SIGMA)
+    # seeded noise: the audit's noise checks (6 standard errors each, chi-square's upper tail 7e-9 at these 2074
+    # coordinates) false-alarmed on about 3e-8 of runs of the OS's noise
+    generator = torch.Generator().manual_seed(5)
+    dp = DPSGD(psm, optimizer, sampler, max_grad_norm=C, noise_multiplier=SIGMA, generator=generator)
     with psm:
         audit = dp.audit(loss_mean, every=2)
         for rows in sampler:

@@ -167,8 +167,10 @@ def test_the_noise_on_the_gpu_has_std_sigma_c_over_the_expected_batch(secure: bo
     noise = torch.cat(draws)
     assert noise.device.type == DEVICE
     std, count = sigma * C / (q * n), noise.numel()
-    assert abs(noise.mean().item()) < 5 * std / math.sqrt(count)
-    assert abs(noise.std().item() / std - 1) < 5 / math.sqrt(2 * count)
+    # the OS's noise: 7 standard errors, a false alarm 3e-12 a statistic (5 of them: 5.7e-7, 2.3e-6 a run of both
+    # parameters; 4000 draws of each statistic on the CPU with 1 and 2 threads: worst 3.8 of them)
+    assert abs(noise.mean().item()) < 7 * std / math.sqrt(count)
+    assert abs(noise.std().item() / std - 1) < 7 / math.sqrt(2 * count)
 
 
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])

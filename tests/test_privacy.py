@@ -169,12 +169,15 @@ def test_without_a_generator_the_draws_do_not_follow_torch_manual_seed() -> None
 
 
 def test_secure_mode_draws_poisson_batches() -> None:
-    n, q, steps = 40, 0.25, 1500
+    # The draws come from the OS's entropy: each frequency within 7 standard errors of q (40 binomial tails:
+    # 1.4e-10 a run; 500 runs at 1500 steps with 1 and 2 threads: worst 3.8, median 2.4 of them). It was 5 of them over 1500
+    # steps, 2.8e-5 a run; 3000 steps keep the bound at q +- 0.055, as before.
+    n, q, steps = 40, 0.25, 3000
     batches = list(PoissonBatchSampler(n, q, steps=steps, secure_mode=True))
     counts = torch.zeros(n)
     for b in batches:
         counts[b] += 1
-    assert (counts / steps - q).abs().max() < 5 * math.sqrt(q * (1 - q) / steps)
+    assert (counts / steps - q).abs().max() < 7 * math.sqrt(q * (1 - q) / steps)
     with pytest.raises(PrivacyError, match=r"secure_mode=True\) draws from a cryptographically secure stream"):
         PoissonBatchSampler(n, q, generator=torch.Generator(), secure_mode=True)
 
@@ -369,9 +372,11 @@ def test_noise_is_added_once_per_step_from_the_generator() -> None:
 
 @pytest.mark.parametrize("secure", [False, True], ids=["entropy", "secure"])
 def test_the_noise_has_mean_zero_and_std_sigma_c_over_the_expected_batch(secure: bool) -> None:
-    """Empirical moments of the noise over 300 steps x 51 parameters (15,300 draws): the mean within 5
-    standard errors of 0, the std within 5 standard errors (std / sqrt(2n), 3%) of sigma C / E[B]; and two
-    runs never give the same noise (no seed of the user's decides it)."""
+    """Empirical moments of the noise over 300 steps x 51 parameters (15,300 draws): the mean within 7
+    standard errors of 0, the std within 7 standard errors (std / sqrt(2n), 4%; twice the noise is +41%) of
+    sigma C / E[B]; and two runs never give the same noise (no seed of the user's decides it). The noise is
+    the OS's: 5 standard errors failed 2.3e-6 of runs (4 statistics), 7 fail 1e-11 (4000 draws of each
+    statistic with 1 and 2 threads: worst 3.8, 99% within 2.5 standard errors of 0)."""
     sigma = 2.0
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -390,8 +395,8 @@ def test_the_noise_has_mean_zero_and_std_sigma_c_over_the_expected_batch(secure:
     std = sigma * C / EXPECTED
     n = noise.numel()
     assert n == 300 * 51
-    assert abs(noise.mean().item()) < 5 * std / math.sqrt(n)
-    assert abs(noise.std().item() / std - 1) < 5 / math.sqrt(2 * n)
+    assert abs(noise.mean().item()) < 7 * std / math.sqrt(n)
+    assert abs(noise.std().item() / std - 1) < 7 / math.sqrt(2 * n)
     torch.manual_seed(0)
     first = noisy_run(2)
     torch.manual_seed(0)
@@ -431,11 +436,12 @@ def _membership_auc(runs: int = 4) -> float:
 
 
 def test_the_noise_is_independent_of_the_batch_choice() -> None:
-    """With the defaults the statistic is at chance (8,000 samples, 800 drawn: the AUC's std is about 0.011;
-    the margin 0.06 is over 5 of them). The same statistic on noise drawn from a copy of the sampler's
-    stream (what seeding the sampler and the noise alike gave, refused now) finds the drawn samples (AUC
-    about 0.81; asserted above 0.7), so it can fail."""
-    assert abs(_membership_auc() - 0.5) < 0.06
+    """With the defaults the statistic is at chance (8,000 samples, 800 drawn: the AUC's std is 0.0108; the
+    margin 0.075 is 7 of them, a false alarm 3e-12; 0.06 was 5.6 of them, 2.5e-8; 500 runs with 1 and 2
+    threads: AUC 0.463 to 0.533, median 0.500). The same statistic on noise drawn from a copy of the
+    sampler's stream (what seeding the sampler and the noise alike gave, refused now) finds the drawn
+    samples (AUC about 0.81; asserted above 0.7), so it can fail."""
+    assert abs(_membership_auc() - 0.5) < 0.075
     scores, members = [], []
     for run in range(4):
         u = torch.rand(2000, generator=torch.Generator().manual_seed(1000 + run), dtype=torch.float64)
@@ -843,8 +849,10 @@ def test_ddp_every_rank_ends_with_the_same_grad_and_the_noise_once(pool2: Pool) 
         noise += [(a - b).flatten() for a, b in zip(ranks[0][step]["after"], ranks[0][step]["before"])]
     draws = torch.cat(noise)  # 40 steps x 51 parameters
     std = sigma * C / (DDP_Q * DDP_N)
-    assert abs(draws.std().item() / std - 1) < 5 / math.sqrt(2 * draws.numel())  # the noise once, not twice
-    assert abs(draws.mean().item()) < 5 * std / math.sqrt(draws.numel())
+    # rank 0's entropy: 7 standard errors, 3e-12 a statistic (5 of them failed 1.1e-6 of runs; 4000 draws of each
+    # statistic at these 2040 coordinates, 1 and 2 threads: worst 3.5); the noise twice (on each rank) is +41%
+    assert abs(draws.std().item() / std - 1) < 7 / math.sqrt(2 * draws.numel())  # the noise once, not twice
+    assert abs(draws.mean().item()) < 7 * std / math.sqrt(draws.numel())
 
 
 def ddp_refusals(rank: int, world: int, what: str) -> str:

@@ -855,14 +855,15 @@ def test_grad_sample_and_statistics_against_the_reference_every_step():
 # ---------------------------------------------------------------- DP-SGD
 
 
-def _dp_setup(model, n, q, sigma, bound, seed):
+def _dp_setup(model, n, q, sigma, bound, seed, sampler_seed=None):
     from torch.utils.data import DataLoader, TensorDataset
 
     from pergrad.privacy import DPSGD, PoissonBatchSampler, collate_with_empty
 
     g = torch.Generator().manual_seed(seed)
     data = TensorDataset(torch.randn(n, 2, 3, generator=g), torch.randint(0, 3, (n,), generator=g))
-    sampler = PoissonBatchSampler(n, q)
+    generator = None if sampler_seed is None else torch.Generator().manual_seed(sampler_seed)
+    sampler = PoissonBatchSampler(n, q, generator=generator)  # None: the OS's entropy
     loader = DataLoader(data, batch_sampler=sampler, collate_fn=collate_with_empty(data))
     psm = PerSampleModule(model, keep_grad_sample=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -876,7 +877,8 @@ def test_dpsgd_without_noise_is_the_clipped_sum_over_the_expected_batch_size():
     model = MLP()
     ref = copy.deepcopy(model)
     n, q, bound = 40, 0.1, 0.3
-    psm, opt, _, loader = _dp_setup(model, n, q, 0.0, bound, 31)
+    # seeded batches: from the OS's entropy, the 10 sizes were all equal in 2.6e-7 of runs (sum_k P(B = k)^10)
+    psm, opt, _, loader = _dp_setup(model, n, q, 0.0, bound, 31, sampler_seed=1031)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
     sizes = []
     for step, (x, y) in enumerate(loader):
@@ -896,7 +898,10 @@ def test_dpsgd_without_noise_is_the_clipped_sum_over_the_expected_batch_size():
 
 
 def test_dpsgd_noise_std_is_sigma_c_over_qn_on_every_parameter():
-    """DPSGD(sigma=2, C=0.5, qN=4): .grad minus the clipped sum/(qN) has std sigma*C/(qN) on every parameter."""
+    """DPSGD(sigma=2, C=0.5, qN=4): .grad minus the clipped sum/(qN) has std sigma*C/(qN) on every parameter.
+    The noise is the OS's: each mean within 7 standard errors of 0 (5 of them, 4 parameters, failed 2.3e-6 of
+    runs; 7: 1e-11), each std within 6 of them + 2% (1e-10). 500 runs with 1 and 2 threads: worst mean 4.4,
+    worst std 3.8 standard errors."""
     torch.manual_seed(32)
     model = nn.Sequential(nn.Flatten(), nn.Linear(6, 300), nn.Tanh(), nn.Linear(300, 40))
     n, q, sigma, bound = 40, 0.1, 2.0, 0.5
@@ -921,7 +926,7 @@ def test_dpsgd_noise_std_is_sigma_c_over_qn_on_every_parameter():
     want = sigma * bound / (q * n)
     for k, parts in noise.items():
         z = torch.cat(parts)
-        assert abs(z.mean().item()) < 5 * want / z.numel() ** 0.5, k
+        assert abs(z.mean().item()) < 7 * want / z.numel() ** 0.5, k
         assert abs(z.std().item() / want - 1) < 6 / (2 * z.numel()) ** 0.5 + 0.02, (k, z.std().item(), want)
 
 
