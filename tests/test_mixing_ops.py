@@ -14,6 +14,8 @@ term's gradient by plain autograd through the whole batch forward (``tests.test_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -114,3 +116,40 @@ def test_the_same_ops_per_sample_are_exact(pick):
 def test_a_batch_of_one_sample_is_not_refused_for_pairing():
     """With one sample, nothing can be paired or mixed: ``h @ h.T`` of ``[1, D]`` is that sample's alone."""
     assert run(lambda m, h: h * (h @ h.T), sizes=(1, 1)) < 1e-10
+
+
+def _picked_by(rows: Callable[[int], list[tuple[int, int]]], transposed: bool = False):
+    """``h[mask]`` of a ``[B, 3]`` mask picking ``rows(B)`` (sample, feature) pairs, as a ``[B, 3]`` input; with
+    ``transposed``, ``h.T[mask.T]`` (the batch the mask's second dim: picked in the features' order)."""
+
+    def pick(m, h):
+        mask = torch.zeros(h.shape[0], 3, dtype=torch.bool)
+        for i, j in rows(h.shape[0]):
+            mask[i, j] = True
+        picked = h.T[mask.T] if transposed else h[mask]
+        return picked[:, None] * torch.ones(3)
+
+    return pick
+
+
+def _one_each(b):
+    return [(i, (b - i) % 3) for i in range(b)]
+
+
+def test_a_mask_picking_one_position_of_each_sample_is_followed_in_order():
+    """The last token of each sample by a ``[B, T]`` mask: its picks are the samples in order."""
+    assert run(_picked_by(_one_each), sizes=(4, 5, 3)) < 1e-10
+
+
+MASKS = {
+    "two positions of sample 0, none of sample 1": lambda b: [(0, 0), (0, 1), *_one_each(b)[2:]],
+    "one of each, the batch the mask's second dim": None,
+}
+
+
+@pytest.mark.parametrize("rows", MASKS.values(), ids=MASKS.keys())
+def test_a_mask_picking_b_positions_not_one_of_each_sample_in_order_is_refused(rows):
+    """As many picks as samples, but row ``i`` of the result is not sample ``i``: refused (it was followed)."""
+    pick = _picked_by(rows) if rows is not None else _picked_by(_one_each, transposed=True)
+    with pytest.raises(BatchMixingError, match=REORDERED):
+        run(pick, sizes=(4, 5))

@@ -462,7 +462,9 @@ def advanced(index: Any, rank: int, size: int, k: int | None = None, operand: Te
         if e[0] == "index" and k in e[2]:
             shape = e[1]
             if shape is _MASK:  # (over the batch dim alone: samples picked out; over more: folded with positions)
-                return MIXED if e[2] == (k,) and size > 1 else LOST
+                if e[2] == (k,) or not all(entries[q][3] is e[3] for q in at):
+                    return MIXED if e[2] == (k,) and size > 1 else LOST
+                return _one_per_sample(e[3], e[2].index(k), start, size)
             strides = e[3].stride() if isinstance(e[3], Tensor) else (1,) * len(shape)
             varies = [j for j, s in enumerate(shape) if s != 1 and strides[j] != 0]  # (expanded: not varying)
             if varies == [] and size == 1:  # one sample: any dim of size 1 that every index keeps at 1
@@ -476,6 +478,18 @@ def advanced(index: Any, rank: int, size: int, k: int | None = None, operand: Te
                 return MIXED  # (x[perm]: row i is another sample)
             return broadcast_dim(shape, varies[0])
     return LOST
+
+
+def _one_per_sample(mask: Tensor, m: int, start: int, size: int) -> int:
+    """The batch dim of ``x[mask]``, a boolean mask over the batch dim (its dim ``m``) and others, whose picks land
+    on dim ``start``: there, in order, where the mask picks one position of each sample and the batch is its first
+    dim (``h[arange(T) == (lengths - 1)[:, None]]``, the last token of each sample); told by its values. Else
+    MIXED: row ``i`` of the result is not sample ``i``."""
+    try:
+        one = m == 0 and bool(mask.flatten(1).sum(1).eq(1).all()) if mask.dim() > 1 else False
+    except (RuntimeError, NotImplementedError):  # (meta tensors: no values to read)
+        return LOST
+    return start if one else MIXED if size > 1 else LOST
 
 
 def _ones(entries: list[tuple[Any, ...]], at: list[int], width: int, j: int) -> bool:
