@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import math
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ import pergrad
 from pergrad import PerSampleModule, transforms
 from pergrad._core.backward.sources import Fused, Materialized
 from pergrad.errors import BatchMixingError
-from pergrad.privacy.audit import Audit, AuditError, select_sample
+from pergrad.privacy.audit import Audit, AuditError, chi2_quantiles, select_sample
 from tests.test_architecture import GRAPH
 
 Batch = tuple[Tensor, Tensor]
@@ -547,6 +548,84 @@ def test_wrong_noise_is_caught(factor: float, message: str) -> None:
         dp_steps(model, audit, psm, 1, noise=lambda p, gen: torch.randn(p.shape, generator=gen) * std * factor)
 
 
+def chi2_lower_tail(n: int, x: float) -> float:
+    """``P(chi2_n < x)`` for ``x < n`` in float64 without gammainc: ``y^a e^-y / Gamma(a + 1) sum_k y^k / (a+1)_k``
+    (``a = n/2``, ``y = x/2``), its log prefactor by Stirling's series about ``y = a(1 + d)`` (no cancellation)."""
+    a, y = n / 2, x / 2
+    d = y / a - 1
+    log_prefactor = a * (math.log1p(d) - d) - 0.5 * math.log(2 * math.pi * a) - 1 / (12 * a) + 1 / (360 * a**3)
+    total, term, k = 0.0, 1.0, 0
+    while term > 1e-17 * total or k == 0:
+        total, k = total + term, k + 1
+        term *= y / (a + k)
+    return math.exp(log_prefactor) * total
+
+
+def test_the_noise_bounds_are_the_chi_square_quantiles() -> None:
+    """``chi2_quantiles(n)``: ``P(chi2_n < q_lo) = P(chi2_n > q_hi) = 1e-9`` for every ``n``: torch's own gammainc at
+    the bisected ones, a series in float64 at Wilson-Hilferty's (``n > 10^6``, where gammainc's lower tail drifts)."""
+    for n in (1, 2, 5, 43, 100, 1000, 10**5, 10**6):
+        q_lo, q_hi = chi2_quantiles(n)
+        a = torch.tensor(n / 2, dtype=torch.float64)
+        assert float(torch.special.gammainc(a, torch.tensor(q_lo / 2, dtype=torch.float64))) == pytest.approx(1e-9)
+        assert float(torch.special.gammaincc(a, torch.tensor(q_hi / 2, dtype=torch.float64))) == pytest.approx(1e-9)
+    for n in (1000, 10**6, 10**6 + 1, 10**7, 10**9):
+        assert chi2_lower_tail(n, chi2_quantiles(n)[0]) == pytest.approx(1e-9, rel=1e-4)
+
+
+def test_the_noise_bounds_match_scipy() -> None:
+    stats = pytest.importorskip("scipy.stats")
+    for n in (1, 2, 5, 43, 100, 1000, 10**5, 10**6, 10**6 + 1, 10**7):
+        q_lo, q_hi = chi2_quantiles(n)
+        assert q_lo == pytest.approx(stats.chi2.ppf(1e-9, n), rel=1e-6)
+        assert q_hi == pytest.approx(stats.chi2.isf(1e-9, n), rel=1e-6)
+
+
+def test_the_old_normal_margin_false_alarmed_on_small_models() -> None:
+    """The rms check's bound was ``rms^2 <= noise_std^2 (1 + 6 sqrt(2/n))``, chi-square's 6 standard deviations as if
+    normal: at 43 coordinates its tail is 2.9e-6, not 1e-9. The exact quantile is above it; on 4 million seeded
+    draws of chi2_43 the old bound is crossed 11 times (11.7 expected), the new bounds never (0.008 expected)."""
+    n = 43
+    q_lo, q_hi = chi2_quantiles(n)
+    old = n * (1 + 6 * math.sqrt(2 / n))
+    assert q_hi > 1.25 * old
+    a = torch.tensor(n / 2, dtype=torch.float64)
+    assert float(torch.special.gammaincc(a, torch.tensor(old / 2, dtype=torch.float64))) == pytest.approx(
+        2.927e-6, rel=1e-3
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        draws = torch.distributions.Chi2(torch.tensor(float(n), dtype=torch.float64)).sample((4_000_000,))
+    assert int((draws > old).sum()) >= 5
+    assert int(((draws < q_lo) | (draws > q_hi)).sum()) == 0
+
+
+@pytest.mark.parametrize(
+    ("squared", "passes"),
+    [
+        (1.192, True),  # rms^2 / noise_std^2 within chi2's 1e-9 quantiles / 2074 (1.1976), above the old 1.1863
+        (1.21, False),
+        (0.83, True),
+        (0.82, False),  # below the lower quantile / 2074 (0.8248), above the old 0.8137
+    ],
+)
+def test_the_noise_std_is_checked_at_the_chi_square_quantiles(squared: float, passes: bool) -> None:
+    model, psm, audit = private()
+    std = SIGMA * C / EXPECTED
+
+    def exact(p: Tensor, gen: torch.Generator) -> Tensor:  # centred, rms exactly sqrt(squared) std
+        z = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        z = z - z.mean()
+        return z * (std * math.sqrt(squared) / float(z.square().mean().sqrt()))
+
+    with psm, audit:
+        if passes:
+            dp_steps(model, audit, psm, 1, noise=exact)
+        else:
+            with pytest.raises(AuditError, match=r"the noise has another standard deviation.*chi-square quantiles"):
+                dp_steps(model, audit, psm, 1, noise=exact)
+
+
 def test_repeated_noise_is_caught() -> None:
     model, psm, audit = private()
     std = SIGMA * C / EXPECTED
@@ -597,8 +676,8 @@ def test_dpsgd_runs_the_privacy_audit_at_its_noise() -> None:
     psm = PerSampleModule(model, keep_grad_sample=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     sampler = PoissonBatchSampler(100, EXPECTED / 100, steps=5, generator=torch.Generator().manual_seed(1))
-    # seeded noise: the audit's noise checks (6 standard errors each, chi-square's upper tail 7e-9 at these 2074
-    # coordinates) false-alarmed on about 3e-8 of runs of the OS's noise
+    # seeded noise: the audit's noise checks (false alarms of 2e-9 each, about 6e-9 per audited step) would
+    # false-alarm on about 2e-8 of runs of the OS's noise
     generator = torch.Generator().manual_seed(5)
     dp = DPSGD(psm, optimizer, sampler, max_grad_norm=C, noise_multiplier=SIGMA, generator=generator)
     with psm:

@@ -76,11 +76,16 @@ it runs checks 1-3 (3 on ``grad_before_noise``) and then:
    norm at most ``C (1 + rtol)`` over all of ``params`` (flat), for EVERY sample of the step; and for
    the audited samples, ``c_i`` equals ``clip_C`` of autograd's gradient of the sample alone;
 5. the noise: ``n`` = the coordinates of ``params``, ``e = .grad - grad_before_noise``. For
-   ``noise_std > 0``: every ``e_j`` is finite, ``rms(e)`` lies in ``noise_std * sqrt(1 -+ z sqrt(2/n))``
-   (the chi-square distribution's ``z = 6`` standard deviations; widened by the rounding of ``.grad``'s
-   dtype) and ``|mean(e)| <= z noise_std / sqrt(n)``: the noise was added once, with that std; and it is
-   no repeat of the last audited step's noise (correlation of up to 4096 coordinates at most
-   ``z / sqrt(m)``). For ``noise_std == 0``: ``e`` is exactly 0.
+   ``noise_std > 0``: every ``e_j`` is finite; ``rms(e) = sqrt(sum(e_j^2) / n)`` (the mean not subtracted:
+   ``sum(e_j^2) / noise_std^2`` is chi-square with ``n`` degrees of freedom) lies in
+   ``noise_std * [sqrt(q_lo / n), sqrt(q_hi / n)]``, ``q_lo``, ``q_hi`` that distribution's exact quantiles
+   with ``P(chi2_n < q_lo) = P(chi2_n > q_hi) = 1e-9`` (``TAIL``; widened by the rounding of ``.grad``'s
+   dtype); and ``|mean(e)| <= z noise_std / sqrt(n)`` with ``z = 6`` (exact: the mean of ``n`` Gaussians
+   of known std is normal): the noise was added once, with that std; and it is no repeat of the last audited
+   step's noise (the uncentred correlation ``rho`` of ``m <= 4096`` coordinates at most ``z / sqrt(m)``;
+   ``rho^2`` is Beta(1/2, (m-1)/2), whose tail is lighter than the normal's: at most 1.9e-9). A correct step
+   false-alarms with probability at most 2e-9 per check, about 6e-9 per audited step, for every ``n``. For
+   ``noise_std == 0``: ``e`` is exactly 0.
 
 A failing check raises ``AuditError`` naming the check, the parameter, the sample and the size of the
 difference, with what to do; the audit then stays disarmed until the next due step.
@@ -89,6 +94,7 @@ difference, with what to do; the audit then stays disarmed until the next due st
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import sys
 import weakref
@@ -108,12 +114,47 @@ from pergrad.module import PerSampleModule
 from pergrad.transforms import Scaling
 
 RTOL = {torch.float64: 1e-9, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
-Z = 6.0  # standard deviations of the noise statistics' margins (a false alarm: about 2e-9 per statistic)
+Z = 6.0  # normal standard deviations of the noise's mean and correlation checks (false alarm <= 2e-9 each)
+TAIL = 1e-9  # each side's false-alarm probability of the noise's rms check (exact chi-square quantiles)
 FLOOR = 1e-2  # a parameter's difference is also measured against this fraction of the whole gradient's norm
 PROBE = 4096  # coordinates of the noise compared with the last audited step's
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 Select = Callable[[Any, int], Any]
+
+
+@functools.lru_cache(maxsize=64)
+def chi2_quantiles(n: int, tail: float = TAIL) -> tuple[float, float]:
+    """``(q_lo, q_hi)`` with ``P(chi2_n < q_lo) = P(chi2_n > q_hi) = tail``: the chi-square distribution's quantiles.
+
+    Up to ``n = 10^6``: exact, by bisection of ``log x`` in float64 on ``P(chi2_n < x) = gammainc(n / 2, x / 2)``
+    (``gammaincc`` above) between brackets that hold them: ``n`` (beyond the median), Laurent and Massart's
+    ``n -+ 2 sqrt(n L) (+ 2 L)`` with ``L = -log(tail)``, and ``2 (tail Gamma(n/2 + 1))^(2/n)`` (as
+    ``gammainc(a, y) <= y^a / Gamma(a + 1)``). Beyond, where torch's ``gammainc`` of the lower tail loses digits
+    (its tail at the bisected ``q_lo`` is 1.2e-9 at ``n = 10^8``, 2.4e-9 at ``10^9``): Wilson and Hilferty's
+    ``n (1 - 2/(9n) -+ z sqrt(2/(9n)))^3``, ``z = -ndtri(tail)``, whose tails are within 3e-5 of ``tail`` there."""
+    log_tail = math.log(tail)
+    if n > 10**6:
+        z, c = -float(torch.special.ndtri(torch.tensor(tail, dtype=torch.float64))), 2 / (9 * n)
+        return n * (1 - c - z * math.sqrt(c)) ** 3, n * (1 - c + z * math.sqrt(c)) ** 3
+    a = torch.tensor(n / 2, dtype=torch.float64)
+
+    def p(f: Callable[[Tensor, Tensor], Tensor], x: float) -> float:
+        return float(f(a, torch.tensor(x / 2, dtype=torch.float64)))
+
+    def solve(lo: float, hi: float, above: Callable[[float], bool]) -> float:
+        for _ in range(200):
+            mid = math.sqrt(lo * hi)
+            if not lo < mid < hi or hi - lo <= 1e-15 * hi:
+                break
+            lo, hi = (lo, mid) if above(mid) else (mid, hi)
+        return math.sqrt(lo * hi)
+
+    lower = max(n - 2 * math.sqrt(-n * log_tail), 2 * math.exp(2 / n * (log_tail + math.lgamma(n / 2 + 1))))
+    upper = n + 2 * math.sqrt(-n * log_tail) - 2 * log_tail
+    q_lo = solve(lower, float(n), lambda x: p(torch.special.gammainc, x) >= tail)
+    q_hi = solve(float(n), upper, lambda x: p(torch.special.gammaincc, x) <= tail)
+    return q_lo, q_hi
 
 
 class AuditError(PergradError, RuntimeError):
@@ -854,16 +895,16 @@ class _Run:
         unit = torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
         rounding = unit * float((magnitude + e.abs()).square().mean().sqrt())  # rms of the rounding's bound
         rms, mean = float(e.square().mean().sqrt()), float(e.mean())
-        margin = Z * math.sqrt(2 / n)
-        low, high = std * math.sqrt(max(0.0, 1 - margin)) - rounding, std * math.sqrt(1 + margin) + rounding
+        q_lo, q_hi = chi2_quantiles(n)  # sum(e^2) / std^2 is chi2_n: rms = std sqrt(chi2_n / n)
+        low, high = std * math.sqrt(q_lo / n) - rounding, std * math.sqrt(q_hi / n) + rounding
         if not low <= rms <= high:
             what = "was not added" if rms <= rounding else "has another standard deviation"
             raise AuditError(
                 f"{self.where()}: DP-SGD: the noise {what}: .grad changed by {rms:.6g} per coordinate (rms over "
-                f"{n} coordinates), expected noise_std={std:.6g} (within [{max(low, 0):.6g}, {high:.6g}], {Z:g} "
-                "standard deviations of the chi-square statistic). The noise must be N(0, (sigma C / "
-                "expected_batch_size)^2) added once per step to every private parameter's .grad; the step is not "
-                "private as the accountant counts it"
+                f"{n} coordinates), expected noise_std={std:.6g} (within [{max(low, 0):.6g}, {high:.6g}]: noise_std "
+                f"sqrt(q / n) at the chi-square quantiles q of {n} degrees of freedom with {TAIL:g} on each side). "
+                "The noise must be N(0, (sigma C / expected_batch_size)^2) added once per step to every private "
+                "parameter's .grad; the step is not private as the accountant counts it"
             )
         if abs(mean) > Z * std / math.sqrt(n) + unit * float(magnitude.mean() + e.abs().mean()):
             raise AuditError(
