@@ -59,6 +59,11 @@ MIXING = {
         h.shape[0], 3
     ),
     "channel_shuffle with the batch as channels": lambda m, h: F.channel_shuffle(h[None], 2)[0],
+    "h.T reshaped to [B, 3]": lambda m, h: h.T.contiguous().view(h.shape[0], 3),
+    "h reshaped to [3, B], transposed": lambda m, h: h.reshape(3, h.shape[0]).T,
+    "cosine_similarity with ones_like(h) over the batch": lambda m, h: (
+        h * F.cosine_similarity(h, torch.ones_like(h), dim=0)
+    ),
 }
 
 # B == 3: torch.cross without dim takes the first dim of size 3, the batch's
@@ -111,6 +116,11 @@ def test_a_cross_product_along_the_batch_is_refused(pick):
 @pytest.mark.parametrize("pick", PER_SAMPLE.values(), ids=PER_SAMPLE.keys())
 def test_the_same_ops_per_sample_are_exact(pick):
     assert run(pick, sizes=(4, 5, 4)) < 1e-10
+
+
+def test_the_batch_split_over_two_dims_and_put_back_is_exact():
+    """``view(2, B // 2, D)``: the batch split over dims of its own, each row still one sample's."""
+    assert run(lambda m, h: torch.tanh(h.view(2, h.shape[0] // 2, 3)).view(h.shape[0], 3), sizes=(4, 6)) < 1e-10
 
 
 def test_a_batch_of_one_sample_is_not_refused_for_pairing():

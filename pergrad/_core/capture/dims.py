@@ -41,6 +41,7 @@ another dim, or it could not be followed. An op that moves samples out of their 
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -302,15 +303,23 @@ def attribute_dim(func: Any, rank: int, k: int) -> int:
 
 def placed(shape: tuple[int, ...], before: int, size: int) -> int:
     """Where a batch of ``size`` samples whose leading dims multiply to ``before`` (row-major) is in a
-    tensor of ``shape``: its own dim, folded into a dim with others, or LOST (split over dims)."""
+    tensor of ``shape``: its own dim, folded into a dim with others, LOST where split over dims of its own
+    (``x.view(2, B // 2, D)``), or MIXED where no dims hold it alone (``x.T.reshape(B, -1)`` of ``[D, B]``:
+    a row of several samples' values)."""
     run = 1
     for j, s in enumerate(shape):
         if run == before and s == size:
             return j
         if run <= before and before % run == 0 and (run * s) % (before * size) == 0:
             return _FOLDED - before
+        if (
+            run == before
+            and 1 < s < size
+            and any(math.prod(shape[j:end]) == size for end in range(j + 1, len(shape) + 1))
+        ):
+            return LOST
         run *= s
-    return LOST
+    return MIXED if size > 1 else LOST
 
 
 def _reshaped(shape: tuple[int, ...], k: int, out: tuple[int, ...], size: int) -> int:
@@ -982,19 +991,29 @@ def _probe(
     leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
     size = 2 * max([1, *(s for x in leaves for s in x.shape)]) + 11
     dims = {id(t): k for t, k in carried}
+    # (dims counted from the right where the batch is; an operand made like the batch, ones_like(h), may broadcast
+    # with it there)
+    ends = {(t.dim() - k, t.shape[k]) for t, k in carried}
 
-    def meta(x: Any) -> Any:
+    def meta(x: Any, aligned: bool = False) -> Any:
         if not isinstance(x, Tensor):
             return x
         shape = list(x.shape)
         k = dims.get(id(x))
         if k is not None:
             shape[k] = size
+        elif aligned:
+            shape = [size if (len(shape) - j, s) in ends else s for j, s in enumerate(shape)]
         return torch.empty(shape, dtype=x.dtype, device="meta")
 
+    others = {n: v for n, v in kwargs.items() if n != "out"}
     try:
         with torch.no_grad(), torch._C.DisableTorchFunction():
-            out = func(*tree_map(meta, args), **tree_map(meta, {n: v for n, v in kwargs.items() if n != "out"}))
+            try:
+                out = func(*tree_map(meta, args), **tree_map(meta, others))
+            except Exception:  # (cosine_similarity(h, ones_like(h), dim=0): the sizes must agree)
+                aligned = functools.partial(meta, aligned=True)
+                out = func(*tree_map(aligned, args), **tree_map(aligned, others))
     except Exception:  # an op that needs values (masks, nonzero) or sizes given as numbers
         return [LOST] * n
     results = list(_tensor_items((out,)))
