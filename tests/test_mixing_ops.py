@@ -52,9 +52,9 @@ MIXING = {
     "inner(h, h), its first columns": lambda m, h: torch.inner(h, h)[:, :3],
     "inner over the batch dim": lambda m, h: torch.inner(h.T, torch.ones(3, h.shape[0])),
     "put of the batch, reversed": lambda m, h: torch.zeros_like(h).put(torch.arange(h.numel()).flip(0), h.flatten()),
-    "masked_scatter of the batch": lambda m, h: torch.zeros(h.shape[0], 6).masked_scatter(
-        torch.arange(6).remainder(2).bool().expand(h.shape[0], 6), h
-    )[:, 1::2],
+    "masked_scatter of the batch, a varying count per row": lambda m, h: torch.zeros(h.shape[0], 5).masked_scatter(
+        torch.arange(5 * h.shape[0]).remainder(2).bool().view(h.shape[0], 5), h
+    )[:, :3],
     "pixel_shuffle with the batch as channels": lambda m, h: F.pixel_shuffle(h[None, :, :, None], 2).reshape(
         h.shape[0], 3
     ),

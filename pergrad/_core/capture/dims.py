@@ -492,10 +492,12 @@ def advanced(index: Any, rank: int, size: int, k: int | None = None, operand: Te
 def _one_per_sample(mask: Tensor, m: int, start: int, size: int) -> int:
     """The batch dim of ``x[mask]``, a boolean mask over the batch dim (its dim ``m``) and others, whose picks land
     on dim ``start``: there, in order, where the mask picks one position of each sample and the batch is its first
-    dim (``h[arange(T) == (lengths - 1)[:, None]]``, the last token of each sample); told by its values. Else
+    dim but for dims of size 1 (``h[arange(T) == (lengths - 1)[:, None]]``, the last token of each sample); told by
+    its values. Else
     MIXED: row ``i`` of the result is not sample ``i``."""
     try:
-        one = m == 0 and bool(mask.flatten(1).sum(1).eq(1).all()) if mask.dim() > 1 else False
+        first = all(s == 1 for s in mask.shape[:m])  # (the batch the mask's first dim but for dims of size 1)
+        one = first and bool(mask.flatten(m + 1).sum(-1).eq(1).all()) if mask.dim() > m + 1 else False
     except (RuntimeError, NotImplementedError):  # (meta tensors: no values to read)
         return LOST
     return start if one else MIXED if size > 1 else LOST
@@ -792,10 +794,10 @@ def _inner(o: _Operand) -> int | None:
 def _cross(o: _Operand) -> int | None:
     """``cross(a, b, dim)``: each 3-vector along ``dim`` from both operands' there; without ``dim``, ``torch.cross``
     takes the first dim of size 3, ``linalg.cross`` the last."""
-    dim = _arg(o.args, o.kwargs, 2, "dim")
-    if dim is None:
-        dim = next((j for j, s in enumerate(o.r.shape) if s == 3), -1) if o.func in _CROSS_FIRST_OF_3 else -1
-    return MIXED if _index(dim, o.r.dim()) == o.k + o.r.dim() - o.rank else None
+    dim, first = _arg(o.args, o.kwargs, 2, "dim"), o.args[0] if o.args else o.kwargs.get("input")
+    if dim is None and o.func in _CROSS_FIRST_OF_3 and isinstance(first, Tensor):  # (of the first operand's dims)
+        dim = next((j for j, s in enumerate(first.shape) if s == 3), -1) + o.r.dim() - first.dim()
+    return MIXED if _index(-1 if dim is None else dim, o.r.dim()) == o.k + o.r.dim() - o.rank else None
 
 
 def _laid_in_order(o: _Operand) -> int | None:
