@@ -64,7 +64,29 @@ MIXING = {
     "cosine_similarity with ones_like(h) over the batch": lambda m, h: (
         h * F.cosine_similarity(h, torch.ones_like(h), dim=0)
     ),
+    "P @ the batch folded into one dim": lambda m, h: (_square(h.numel()) @ h.reshape(-1)).view(h.shape[0], 3),
+    "the batch folded, @ P": lambda m, h: (h.reshape(-1) @ _square(h.numel())).view(h.shape[0], 3),
+    "bmm over the batch folded": lambda m, h: torch.bmm(_square(h.numel())[None], h.reshape(1, -1, 1)).view(
+        h.shape[0], 3
+    ),
+    "F.linear over the batch folded": lambda m, h: F.linear(h.reshape(1, -1), _square(h.numel())).view(h.shape[0], 3),
+    "einsum over the batch folded": lambda m, h: torch.einsum("ij,j->i", _square(h.numel()), h.reshape(-1)).view(
+        h.shape[0], 3
+    ),
+    "P @ [B * T, D] (tokens of every sample)": lambda m, h: (_square(3 * h.shape[0]) @ _tokens(h)).view(
+        h.shape[0], 3, 2
+    )[..., 0],
 }
+
+
+def _square(n):
+    return torch.linspace(-1, 1, n * n).view(n, n)
+
+
+def _tokens(h):
+    """``[B * 3, 2]``: each sample's 3 tokens of 2 features, the batch folded with the tokens."""
+    return torch.stack([h, h.flip(1)], -1).reshape(-1, 2)
+
 
 # B == 3: torch.cross without dim takes the first dim of size 3, the batch's
 CROSSING = {
@@ -91,6 +113,11 @@ PER_SAMPLE = {
     "vector_norm of each row": lambda m, h: h / torch.linalg.vector_norm(h, dim=-1, keepdim=True),
     "F.batch_norm in eval with running statistics": lambda m, h: F.batch_norm(h, torch.zeros(3), torch.ones(3)),
     "kron with a 1 x 1": lambda m, h: torch.kron(h, torch.full((1, 1), 2.0)),
+    "[B * T, D] @ W, unfolded": lambda m, h: (_tokens(h) @ _square(2)).view(h.shape[0], 3, 2)[..., 0],
+    "F.linear of [B * T, D], unfolded": lambda m, h: F.linear(_tokens(h), _square(2)).view(h.shape[0], 3, 2)[..., 0],
+    "einsum over the features of [B * T, D]": lambda m, h: torch.einsum("nd,de->ne", _tokens(h), _square(2)).view(
+        h.shape[0], 3, 2
+    )[..., 0],
     "torch.gradient within each sample": lambda m, h: torch.gradient(h, dim=1)[0] + h,
     "fft.fftshift within each sample": lambda m, h: torch.fft.fftshift(h, dim=-1),
     "inner with fixed vectors": lambda m, h: torch.inner(h, torch.linspace(-1, 1, 9).view(3, 3)),

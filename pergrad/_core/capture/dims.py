@@ -586,6 +586,8 @@ def _follow(
         holding = _holding(tuple(t.shape), k, size)
         if kind == _ALONG and _acts_along(func, args, kwargs, holding, t.dim()):
             return MIXED  # (h.reshape(-1).flip(0): the samples' rows moved)
+        if holding >= 0 and _sums_over(func, args, t, holding):
+            return MIXED  # (P @ h.reshape(B * T, D): each row a mix of samples)
         if kind == _RULED:  # (HF's Conv1D: addmm(b, x.view(-1, D), W), the batch folded in x's rows)
             found = _ruled(func, args, kwargs, t, holding, t.dim(), r) if holding >= 0 else LOST
             if found is None:
@@ -607,7 +609,7 @@ def _follow(
             return k
         if kind == _REDUCE_OP:
             return _reduced(args, kwargs, k, rank)
-    if func in _MATMUL and _contracts(args, t, k, rank):
+    if _sums_over(func, args, t, k):
         return MIXED  # (P @ h: each row a mix of samples)
     if kind == _RULED or func is F.linear:
         found = _ruled(func, args, kwargs, t, k, rank, r)
@@ -615,8 +617,6 @@ def _follow(
             return found
     if (kind == _EMBED and not own) or (func in _BATCH_FIRST and own and k != 0):
         return MIXED  # (the samples as an embedding's table, or a conv/pool over the batch dim)
-    if func in _EINSUM and _summed_over(args, t, k):
-        return MIXED
     if kind == _PROBE:
         return None
     if kind == _INDEX and len(args) > 1 and isinstance(args[0], Tensor):  # an index tensor with the batch
@@ -626,6 +626,17 @@ def _follow(
     if kind == _ALIGN and r.dim() > rank and (func not in _MATMUL or rank >= 2):
         return k + r.dim() - rank
     return None
+
+
+def _sums_over(func: Any, args: tuple[Any, ...], t: Tensor, k: int) -> bool:
+    """Whether a product sums over dim ``k`` of operand ``t``: ``a @ b`` (``mm``, ``bmm``, ``matmul``) over ``a``'s
+    last dim or ``b``'s last but one, ``F.linear`` over its input's last dim, ``einsum`` over a letter not in its
+    output."""
+    if func in _MATMUL:
+        return _contracts(args, t, k, t.dim())
+    if func is F.linear:
+        return bool(args) and args[0] is t and k == t.dim() - 1
+    return func in _EINSUM and _summed_over(args, t, k)
 
 
 def _summed_over(args: tuple[Any, ...], t: Tensor, k: int) -> bool:
