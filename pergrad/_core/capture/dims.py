@@ -187,8 +187,8 @@ _RENORM = torch_functions("renorm")
 _TENSORDOT = torch_functions("tensordot")
 _CONV_TBC = torch_functions("conv_tbc")
 _INNER = torch_functions("inner")
-_CROSS = torch_functions("cross") | set(_functions_of(torch.linalg, ("cross",)))
-_CROSS_FIRST_OF_3 = torch_functions("cross")
+_CROSS_FIRST_OF_3 = torch_functions("cross")  # (without dim: the first dim of size 3; linalg.cross: the last)
+_CROSS = _CROSS_FIRST_OF_3 | set(_functions_of(torch.linalg, ("cross",)))
 _LAID_IN_ORDER = torch_functions("masked_scatter", "masked_scatter_", "put", "put_")
 # (F.linear has a rule too, kept out of the set: most of its calls take result_dims' fast path)
 _RULED_OPS = {
@@ -493,8 +493,7 @@ def _one_per_sample(mask: Tensor, m: int, start: int, size: int) -> int:
     """The batch dim of ``x[mask]``, a boolean mask over the batch dim (its dim ``m``) and others, whose picks land
     on dim ``start``: there, in order, where the mask picks one position of each sample and the batch is its first
     dim but for dims of size 1 (``h[arange(T) == (lengths - 1)[:, None]]``, the last token of each sample); told by
-    its values. Else
-    MIXED: row ``i`` of the result is not sample ``i``."""
+    its values. Else MIXED: row ``i`` of the result is not sample ``i``."""
     try:
         first = all(s == 1 for s in mask.shape[:m])  # (the batch the mask's first dim but for dims of size 1)
         one = first and bool(mask.flatten(m + 1).sum(-1).eq(1).all()) if mask.dim() > m + 1 else False
@@ -757,8 +756,9 @@ def _attention(o: _Operand) -> int | None:
 
 
 def _linear(o: _Operand) -> int | None:
-    """``F.linear``: x @ W.T, x's last dim summed over; W's rows go to the result's last dim."""
-    if (0 in o.at and o.last) or (o.at - {0} and not (o.at == {1} and o.k == 0)):
+    """``F.linear``: x @ W.T (x's last dim summed over: ``_sums_over``, checked first); W's rows go to the result's
+    last dim, its columns are summed over."""
+    if o.at - {0} and not (o.at == {1} and o.k == 0):
         return MIXED
     return o.r.dim() - 1 if 1 in o.at else None
 
